@@ -1,0 +1,70 @@
+"""A real server on a real socket with the real default model, shared by the session.
+
+The engine runs in fp32 (greedy outputs comparable across batch compositions) with a
+small block size, so tests exercise many blocks; the HTTP server listens on an
+ephemeral loopback port in the test session's event loop, so tests can also look at
+the engine directly (the leak invariant: idle engine => every KV block free).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from tokenserve.config import EngineConfig
+from tokenserve.engine.engine import AsyncEngine
+from tokenserve.http.app import serve
+
+
+@dataclass
+class LiveServer:
+    engine: AsyncEngine
+    url: str
+
+    def chat_ids(self, user: str) -> list[int]:
+        """Token ids of a one-turn ChatML prompt ready for the assistant's answer."""
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": user}],
+                                       add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    async def assert_idle_and_leak_free(self) -> None:
+        await self.engine.wait_idle(timeout=30)
+        st = self.engine.stats()
+        assert st.num_running == 0 and st.num_waiting == 0
+        assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def live():
+    cfg = EngineConfig(dtype="float32", device="cpu", block_size=16,
+                       kv_cache_bytes=256 << 20, max_batch_size=32,
+                       max_num_batched_tokens=2048)
+    engine = await asyncio.to_thread(AsyncEngine.build, cfg)
+    await engine.start()
+    started: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(engine, "127.0.0.1", 0, started=started))
+    server = await started
+    yield LiveServer(engine, f"http://127.0.0.1:{server.ports[0]}")
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    await engine.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(live):
+    async with httpx.AsyncClient(base_url=live.url, timeout=120) as c:
+        yield c
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.model)

@@ -1,0 +1,188 @@
+"""Scheduler + block pool with no model: hand-made requests and step results."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from tokenserve.engine.request import Request, RequestStatus
+from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
+from tokenserve.messages import FinishReason
+from tokenserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_sched(num_blocks=64, block_size=4, budget=64, max_batch=8, max_seq_len=256):
+    pool = BlockPool(num_blocks, block_size)
+    cfg = SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget,
+                          max_seq_len=max_seq_len, eos_token_ids=frozenset({EOS}))
+    return Scheduler(cfg, pool)
+
+
+_seq = iter(range(10**9))
+
+
+def req(rid, n_prompt=5, max_new=4, priority=5, **kw):
+    return Request(request_id=rid, token_ids=list(range(10, 10 + n_prompt)),
+                   num_prompt_tokens=n_prompt, params=SamplingParams(max_new_tokens=max_new, seed=0),
+                   priority=priority, arrival_time=0.0, arrival_seq=next(_seq), **kw)
+
+
+def run_step(s, token=7, now=1.0):
+    seqs = s.schedule()
+    sampled = {q.request_id: token for q in seqs if q.sample}
+    return seqs, s.update(seqs, sampled, now)
+
+
+def test_block_pool_allocate_free_and_errors():
+    pool = BlockPool(4, 16)
+    a = pool.allocate(3)
+    assert pool.num_free == 1 and sorted(a) == [0, 1, 2]
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+    assert pool.num_free == 1  # nothing taken on failure
+    pool.free(a)
+    assert pool.all_free()
+    pool.check()
+    with pytest.raises(AssertionError):
+        pool.free([a[0]])
+    assert pool.blocks_for(0) == 0 and pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
+
+
+def test_prefill_then_decode_until_length():
+    s = make_sched()
+    s.add(req("a", n_prompt=5, max_new=3))
+    seqs, out = run_step(s)
+    assert [(q.request_id, len(q.token_ids), q.sample) for q in seqs] == [("a", 5, True)]
+    assert len(seqs[0].block_table) == 2  # 5 tokens / block 4
+    for _ in range(2):
+        seqs, out = run_step(s)
+        assert len(seqs[0].token_ids) == 1 and seqs[0].num_computed >= 5
+    r = out[0][0]
+    assert r.finished and r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 3
+    assert s.pool.all_free() and not s.has_work()
+
+
+def test_eos_and_ignore_eos():
+    s = make_sched()
+    s.add(req("a"))
+    _, out = run_step(s, token=EOS)
+    assert out[0][0].finish_reason is FinishReason.EOS
+    r = req("b", max_new=2)
+    r.params = SamplingParams(max_new_tokens=2, ignore_eos=True, seed=0)
+    s.add(r)
+    run_step(s, token=EOS)
+    _, out = run_step(s, token=EOS)
+    assert out[0][0].finish_reason is FinishReason.LENGTH
+    assert s.pool.all_free()
+
+
+def test_continuous_batching_join_and_leave():
+    s = make_sched()
+    s.add(req("a", max_new=2))
+    run_step(s)
+    s.add(req("b", max_new=3))
+    seqs, _ = run_step(s)  # a decodes while b prefills in the same step
+    assert {q.request_id: len(q.token_ids) for q in seqs} == {"a": 1, "b": 5}
+    seqs, out = run_step(s)
+    assert [q.request_id for q in seqs] == ["b"]  # a left after its 2nd token
+    run_step(s)
+    assert s.pool.all_free() and not s.has_work()
+
+
+def test_chunked_prefill_splits_long_prompt_over_budget():
+    s = make_sched(budget=8)
+    s.add(req("short", n_prompt=3, max_new=10))
+    run_step(s)
+    s.add(req("long", n_prompt=20))
+    seqs, _ = run_step(s)
+    d = {q.request_id: (len(q.token_ids), q.num_computed, q.sample) for q in seqs}
+    assert d == {"short": (1, 3, True), "long": (7, 0, False)}
+    seqs, _ = run_step(s)
+    d = {q.request_id: (len(q.token_ids), q.num_computed, q.sample) for q in seqs}
+    assert d["long"] == (7, 7, False) and d["short"][0] == 1
+    seqs, _ = run_step(s)
+    d = {q.request_id: (len(q.token_ids), q.num_computed, q.sample) for q in seqs}
+    assert d["long"] == (6, 14, True)
+
+
+def test_max_batch_size_caps_running():
+    s = make_sched(max_batch=2)
+    for i in range(3):
+        s.add(req(f"r{i}"))
+    seqs, _ = run_step(s)
+    assert [q.request_id for q in seqs] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_priority_orders_waiting_queue():
+    s = make_sched(max_batch=1)
+    s.add(req("low", priority=5))
+    s.add(req("high", priority=1))
+    s.add(req("mid", priority=3))
+    assert [r.request_id for r in s.waiting] == ["high", "mid", "low"]
+
+
+def test_preempt_lowest_priority_latest_and_resume():
+    s = make_sched(num_blocks=4, block_size=4)
+    s.add(req("a", n_prompt=4, max_new=8, priority=1))
+    s.add(req("b", n_prompt=4, max_new=8, priority=5))
+    run_step(s)  # each prefills into 1 block
+    run_step(s)  # each takes a 2nd block: pool exhausted
+    assert s.pool.num_free == 0
+    b = s.requests["b"]
+    steps = 0
+    while b.status is RequestStatus.RUNNING:
+        run_step(s)
+        steps += 1
+    # a (priority 1) needed a 3rd block at position 8: b (priority 5) lost its blocks
+    assert steps == 4
+    assert b.status is RequestStatus.PREEMPTED and b.block_table == [] and b.num_computed == 0
+    assert s.requests["a"].status is RequestStatus.RUNNING and s.num_preemptions == 1
+    tokens_before = list(b.token_ids)
+    while "a" in s.requests:
+        run_step(s)
+    # b resumes: prompt + generated tokens recomputed in one prefill, then it samples
+    seqs, _ = run_step(s)
+    assert seqs[0].request_id == "b" and seqs[0].num_computed == 0
+    assert seqs[0].token_ids == tokens_before and seqs[0].sample
+    while s.has_work():
+        run_step(s)
+    assert b.num_output_tokens == 8 and s.pool.all_free()
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "preempted"])
+def test_abort_frees_blocks_everywhere(where):
+    s = make_sched(num_blocks=4, block_size=4, max_batch=1 if where == "waiting" else 8)
+    s.add(req("x", n_prompt=4, max_new=8, priority=1))
+    s.add(req("y", n_prompt=4, max_new=8))
+    run_step(s)
+    if where == "preempted":
+        while s.requests["y"].status is not RequestStatus.PREEMPTED:
+            run_step(s)
+    target = "y"
+    assert s.finish(target, FinishReason.ABORT) is not None
+    assert s.finish(target, FinishReason.ABORT) is None  # idempotent
+    s.finish("x", FinishReason.ABORT)
+    assert s.pool.all_free() and not s.has_work()
+    s.pool.check()
+
+
+def test_deadlines_expire():
+    s = make_sched()
+    s.add(req("client", deadline=5.0, deadline_reason="client timeout"))
+    s.add(req("tok", token_timeout_s=2.0))
+    assert s.expired(1.0) == []
+    assert s.next_deadline() == 2.0
+    assert s.expired(2.5) == [("tok", "server tokenTimeout")]
+    assert ("client", "client timeout") in s.expired(5.0)
+
+
+def test_add_rejects_overlong_prompt_and_duplicates():
+    s = make_sched(max_seq_len=8)
+    with pytest.raises(ValueError):
+        s.add(req("long", n_prompt=8))
+    s.add(req("ok", n_prompt=3))
+    with pytest.raises(ValueError):
+        s.add(req("ok", n_prompt=3))

@@ -1,0 +1,86 @@
+"""Engine configuration (frozen dataclasses).
+
+Names follow MindIE's config.json (``shared/spec/config.md``); reading a MindIE
+config.json into these is a later issue, the CLI fills them for now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an :class:`~tokenserve.engine.engine.AsyncEngine`.
+
+    Attributes:
+        model: HF directory, ``.gguf`` file, or None for the default SmolLM2-135M-Instruct.
+        dtype: weights and KV cache dtype name (``bfloat16`` default; ``float32``).
+        device: ``auto`` (NPU if ``torch_npu`` imports, else CUDA, else CPU), ``cpu``,
+            ``cuda`` or ``npu``.
+        block_size: tokens per KV block (MindIE ``cacheBlockSize``).
+        kv_cache_bytes: memory for the KV cache, bytes; sets the number of blocks.
+        max_batch_size: most running requests (``maxBatchSize``).
+        max_num_batched_tokens: token budget per step (``maxPrefillTokens``).
+        max_seq_len: prompt + output cap, tokens (``maxSeqLen``); None = the model's
+            context length.
+        max_iter_times: global cap on generated tokens per request (``maxIterTimes``).
+        token_timeout_s: max seconds between two tokens of a request (``tokenTimeout``).
+        e2e_timeout_s: max seconds a request may live (``e2eTimeout``).
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    block_size: int = 128
+    kv_cache_bytes: int = 1 << 30
+    max_batch_size: int = 200
+    max_num_batched_tokens: int = 8192
+    max_seq_len: int | None = None
+    max_iter_times: int = 512
+    token_timeout_s: float = 600.0
+    e2e_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda", "npu"):
+            raise ValueError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
+        for name in ("block_size", "kv_cache_bytes", "max_batch_size",
+                     "max_num_batched_tokens", "max_iter_times"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.token_timeout_s <= 0 or self.e2e_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0 seconds")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def select_device(name: str) -> torch.device:
+    """Resolve ``auto|cpu|cuda|npu`` to a torch device.
+
+    Raises:
+        ValueError: the requested accelerator is not available.
+    """
+    if name == "auto":
+        try:
+            import torch_npu  # noqa: F401  (optional extra: registers the "npu" device)
+
+            return torch.device("npu")
+        except ImportError:
+            pass
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    if name == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise ValueError("--device npu needs the optional torch_npu package") from exc
+    return torch.device(name)

@@ -1,0 +1,84 @@
+"""ModelRunner: turns a StepPlan into input tensors, runs the forward pass, samples.
+
+Synchronous and thread-confined: only the executor's worker thread calls :meth:`step`.
+It owns the model and the KV cache tensors; the scheduler owns the block *ids*.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenserve.engine.sampler import sample
+from tokenserve.messages import ScheduledSeq, StepPlan, StepResult
+from tokenserve.models.attention import AttentionMetadata, PrefillChunk
+from tokenserve.models.llama import LlamaForCausalLM
+from tokenserve.ops.reference import context_slots, pad_block_tables, slot_mapping
+
+
+class ModelRunner:
+    """Runs one continuous-batching step at a time on ``model`` with a paged KV cache.
+
+    Args:
+        model: the decoder.
+        num_blocks: KV blocks to allocate.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Forward + sample for every seq in ``plan``. Raises whatever the model raises."""
+        t0 = time.perf_counter()
+        decodes = [s for s in plan.seqs if is_decode(s)]
+        prefills = [s for s in plan.seqs if not is_decode(s)]
+        order = decodes + prefills
+        input_ids, positions, seq_index, sample_rows = [], [], [], []
+        for i, s in enumerate(order):
+            input_ids += s.token_ids
+            positions += range(s.num_computed, s.num_computed + len(s.token_ids))
+            seq_index += [i] * len(s.token_ids)
+            if s.sample:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.device
+        bt = pad_block_tables([s.block_table for s in order], dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping(bt, pos_t, torch.tensor(seq_index, device=dev),
+                                      self.block_size),
+            num_decode=len(decodes), decode_slots=None, decode_mask=None, prefills=[])
+        if decodes:
+            ctx = torch.tensor([s.num_computed + 1 for s in decodes], device=dev)
+            slots, mask = context_slots(bt[: len(decodes)], ctx, self.block_size)
+            meta.decode_slots, meta.decode_mask = slots, mask[:, None, None, :]
+        start = len(decodes)
+        for j, s in enumerate(prefills):
+            q_len, ctx_len = len(s.token_ids), s.num_computed + len(s.token_ids)
+            ctx_slots = None
+            if s.num_computed > 0:
+                row = bt[len(decodes) + j: len(decodes) + j + 1]
+                ctx_slots = context_slots(row, torch.tensor([ctx_len], device=dev),
+                                          self.block_size)[0][0]
+            meta.prefills.append(PrefillChunk(start, q_len, ctx_len, ctx_slots))
+            start += q_len
+        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                                    pos_t, self.kv_caches, meta)
+        sampled: dict[str, int] = {}
+        to_sample = [s for s in order if s.sample]
+        if to_sample:
+            logits = self.model.compute_logits(hidden[sample_rows]).cpu()
+            toks = sample(logits, [s.params for s in to_sample],
+                          [s.generator for s in to_sample], [s.history for s in to_sample])
+            sampled = {s.request_id: int(t) for s, t in zip(to_sample, toks.tolist())}
+        return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3)
+
+
+def is_decode(seq: ScheduledSeq) -> bool:
+    """A decode computes exactly one token on top of a non-empty cache."""
+    return len(seq.token_ids) == 1 and seq.num_computed > 0

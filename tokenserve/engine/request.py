@@ -1,0 +1,91 @@
+"""Engine-side request state.
+
+States::
+
+    WAITING --schedule--> RUNNING --EOS/length--> FINISHED
+       ^                     |
+       +----- preempt -------+   (blocks freed, recomputed from scratch on resume)
+
+    any state --abort/timeout--> FINISHED
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenserve.messages import FinishReason
+from tokenserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue after losing its blocks
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    Attributes:
+        token_ids: prompt followed by generated tokens (the repetition penalty's history).
+        num_prompt_tokens: length of the prompt prefix of ``token_ids``.
+        num_computed: tokens whose K/V are in the cache (positions ``[0, num_computed)``).
+        block_table: KV block ids covering positions ``[0, len(block_table) * block_size)``.
+        deadline: absolute ``time.monotonic()`` (s) past which the request times out,
+            and ``deadline_reason`` the name MindIE gives it (spec §0.4 step 9).
+        token_timeout_s: the server's ``tokenTimeout``: max seconds between tokens.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    arrival_seq: int
+    deadline: float = float("inf")
+    deadline_reason: str = ""
+    token_timeout_s: float = float("inf")
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: priority (1 first), then arrival."""
+        return (self.priority, self.arrival_seq)
+
+    def expiry(self, now: float) -> str | None:
+        """The timeout that has fired at ``now`` (its MindIE name), or None."""
+        if now >= self.deadline:
+            return self.deadline_reason
+        since = self.last_token_time if self.last_token_time is not None else self.arrival_time
+        if now - since >= self.token_timeout_s:
+            return "server tokenTimeout"
+        return None

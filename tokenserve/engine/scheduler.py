@@ -1,0 +1,237 @@
+"""Continuous-batching scheduler (pure, synchronous; no torch, no asyncio).
+
+There is no separate prefill or decode phase: each step has one token budget
+(``max_num_batched_tokens``, MindIE's ``maxPrefillTokens``). Running requests are
+served first (a decode needs one token, an unfinished prefill the rest of its prompt),
+then waiting ones in (priority, arrival) order. A prompt longer than what is left of
+the budget is prefilled in chunks across steps, so decodes keep flowing (after vLLM
+v1's scheduler and Sarathi-Serve, Agrawal et al. 2024).
+
+When KV blocks run out, the lowest-priority, latest-arrived running request is
+preempted by recompute: its blocks are freed and it rejoins the waiting queue with
+its generated tokens, to be prefilled again later (Kwon et al. 2023, §4.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenserve.engine.block_pool import BlockPool
+from tokenserve.engine.request import Request, RequestStatus
+from tokenserve.messages import FinishReason, ScheduledSeq
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits (names after MindIE's ScheduleConfig, spec config.md §3).
+
+    Attributes:
+        max_batch_size: most requests in the running batch (``maxBatchSize``).
+        max_num_batched_tokens: token budget of one step (``maxPrefillTokens``).
+        max_seq_len: prompt + output cap per request, tokens (``maxSeqLen``).
+        eos_token_ids: ids that end a request (unless ``ignore_eos``), from the model's
+            generation config.
+    """
+
+    max_batch_size: int = 200
+    max_num_batched_tokens: int = 8192
+    max_seq_len: int = 8192
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_batched_tokens", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class Scheduler:
+    """Owns the request table, the waiting queue, the running batch and the block pool."""
+
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted by Request.sort_key
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue changes
+
+    def add(self, req: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: duplicate request_id, or a prompt that cannot fit ``max_seq_len``.
+        """
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {req.request_id!r}")
+        if req.num_tokens >= self.cfg.max_seq_len:
+            raise ValueError(
+                f"prompt has {req.num_tokens} tokens; max_seq_len is {self.cfg.max_seq_len}")
+        if self.pool.blocks_for(req.num_tokens + 1) > self.pool.num_blocks:
+            raise ValueError(f"prompt of {req.num_tokens} tokens exceeds the whole KV cache")
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
+        """End a request wherever it is (abort, timeout, error); frees its blocks at once.
+
+        Returns the request, or None if it is unknown or already finished.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        return req
+
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """(request_id, timeout name) for every request whose deadline has passed."""
+        out = []
+        for req in self.requests.values():
+            why = req.expiry(now)
+            if why is not None:
+                out.append((req.request_id, why))
+        return out
+
+    def next_deadline(self) -> float:
+        """Earliest instant (monotonic s) at which some request may time out."""
+        best = float("inf")
+        for r in self.requests.values():
+            since = r.last_token_time if r.last_token_time is not None else r.arrival_time
+            best = min(best, r.deadline, since + r.token_timeout_s)
+        return best
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's work and reserve KV blocks for it."""
+        budget = self.cfg.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            assert n > 0, "running request with nothing to compute"
+            if not self._reserve(req, n, protected=scheduled):
+                continue  # req itself was preempted; running[i] is now the next one
+            out.append(self._seq(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self.pool.blocks_for(req.num_computed + n) - len(req.block_table)
+            if need > self.pool.num_free:
+                break  # no preemption to admit new work: wait for running ones to finish
+            self.waiting.pop(0)
+            req.block_table += self.pool.allocate(need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.append(self._seq(req, n))
+            budget -= n
+        return out
+
+    def update(self, seqs: list[ScheduledSeq], sampled: dict[str, int],
+               now: float) -> list[tuple[Request, list[int]]]:
+        """Apply a step's results.
+
+        Args:
+            seqs: the plan :meth:`schedule` returned.
+            sampled: request_id -> sampled token for seqs with ``sample``.
+            now: monotonic time (s) of the step's end.
+
+        Returns:
+            (request, new token ids) for each request that gained a token; finished
+            requests have been removed and their blocks freed.
+        """
+        out = []
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished while the step ran
+            req.num_computed += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            tok = sampled[seq.request_id]
+            req.token_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.finish(req.request_id, reason)
+            out.append((req, [tok]))
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start:start + n],
+            num_computed=start,
+            block_table=list(req.block_table),
+            sample=start + n == req.num_tokens,
+            params=req.params,
+            generator=req.generator,
+            history=req.token_ids,
+        )
+
+    def _reserve(self, req: Request, n: int, protected: set[str]) -> bool:
+        """Make sure ``req`` has blocks for ``n`` more tokens, preempting if needed.
+
+        Returns False if ``req`` itself had to be preempted.
+        """
+        need = self.pool.blocks_for(req.num_computed + n) - len(req.block_table)
+        while need > self.pool.num_free:
+            victim = max((r for r in self.running if r.request_id not in protected),
+                         key=Request.sort_key)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.block_table += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.block_table)
+        req.block_table = []
+
+    def _enqueue(self, req: Request) -> None:
+        key = req.sort_key()
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].sort_key() > key:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_token_ids):
+            return FinishReason.EOS
+        if (req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.cfg.max_seq_len
+                # the next token would not fit even in an otherwise empty KV cache
+                or self.pool.blocks_for(req.num_tokens + 1) > self.pool.num_blocks):
+            return FinishReason.LENGTH
+        return None

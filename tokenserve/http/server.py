@@ -1,0 +1,643 @@
+"""HTTP/1.1 on h11: one :class:`asyncio.Protocol` per connection (spec/interfaces.md §0.2).
+
+Shape (after uvicorn's h11 protocol, written for our needs)::
+
+    socket bytes --data_received--> h11.Connection --events--> HttpProtocol
+        Request + Data* + EndOfMessage  ->  HttpRequest (whole body, <= max_body_bytes)
+        handler(request, response) runs as one task per request ("cycle")
+    HttpResponse.send/start_stream/write/end --h11 events--> transport.write
+
+- Keep-alive and pipelining: requests on one connection are handled strictly in order.
+  While a handler runs we keep reading (so a client FIN is seen at once) until bytes of
+  a *next* request arrive; then reading pauses until the response is complete and the
+  buffered request is parsed. Reading also pauses while the transport is paused for
+  writing (the client is not reading), and every write awaits ``drain()`` first.
+- Disconnect: ``connection_lost`` sets ``request.disconnected`` immediately; later writes
+  raise :class:`ClientDisconnected` (the server swallows it). Family handlers turn the
+  event into an engine abort (spec §0.4 step 10).
+- Limits (spec §0.2): bodies over ``max_body_bytes`` get 413
+  ``{"message":"Request body too large. Maximum allowed size is <N>MB."}`` — checked
+  against Content-Length before any body byte is read, and counted for chunked bodies.
+  Header blocks over ``max_header_bytes`` get 431, a malformed request 400; all three
+  close the connection.
+- Every response carries ``RequestUUID: <uuid4>`` (spec §0.2). An uncaught handler
+  exception answers 500 with the MindIE wrapper (``Server internal error``) and is logged;
+  after a stream has started it closes the connection instead (the body is incomplete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, cast
+from urllib.parse import unquote, urlsplit
+
+import h11
+import orjson
+
+from tokenserve.http.errors import (
+    INTERNAL_ERROR_MESSAGE,
+    HttpError,
+    body_too_large_message,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+#: spec §0.2 / config.md ``maxRequestLength`` default (40 MiB).
+DEFAULT_MAX_BODY_BYTES = 40 * 2**20
+#: [I] largest request line + header block we buffer (h11 ``max_incomplete_event_size``).
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+#: [I] idle keep-alive connections are closed after this many seconds.
+DEFAULT_KEEP_ALIVE_S = 180.0
+#: After an error response that leaves the request unread (413, 400) we half-close and
+#: discard what the client still sends for this long, so it reads our answer instead of
+#: a connection reset.
+_LINGER_S = 2.0
+
+Handler = Callable[["HttpRequest", "HttpResponse"], Awaitable[None]]
+
+
+class ClientDisconnected(ConnectionError):
+    """The client went away; raised by :class:`HttpResponse` writes after disconnect."""
+
+
+@dataclass(eq=False)
+class HttpRequest:
+    """One fully received request (body included).
+
+    Attributes:
+        method: upper-case method, e.g. ``"POST"``.
+        path: percent-decoded path without the query, e.g. ``"/infer"``.
+        query: raw query string (after ``?``), ``""`` when none.
+        headers: header names lower-cased; repeated headers joined with ``", "``.
+        body: the request body (at most ``max_body_bytes``).
+        disconnected: set as soon as the connection is lost.
+        http_version: ``"1.1"`` or ``"1.0"``.
+        client: peer (host, port) when known.
+        arrival_time: ``time.monotonic()`` when the request head arrived (seconds).
+        path_params: ``{param}`` values filled in by the router.
+    """
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+    disconnected: asyncio.Event
+    http_version: str = "1.1"
+    client: tuple[str, int] | None = None
+    arrival_time: float = 0.0
+    path_params: dict[str, str] = field(default_factory=dict)
+
+
+class HttpResponse:
+    """The handler's side of one request/response cycle.
+
+    Either ``send``/``send_json``/``send_error`` once, or ``start_stream`` then any number
+    of ``write`` and one ``end``. Every method raises :class:`ClientDisconnected` once the
+    client is gone and ``RuntimeError`` when called out of order.
+    """
+
+    def __init__(self, protocol: HttpProtocol, head_only: bool = False) -> None:
+        self._protocol = protocol
+        self._head_only = head_only
+        self.status: int | None = None
+        self.started = False
+        self.finished = False
+        self.close_connection = False
+
+    # ------------------------------------------------------------------ whole responses
+
+    async def send(
+        self,
+        status: int,
+        body: bytes = b"",
+        content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Send a complete response with a Content-Length."""
+        if self.started:
+            raise RuntimeError("response already started")
+        hdrs = self._headers(content_type, headers)
+        hdrs.append((b"content-length", str(len(body)).encode()))
+        await self._protocol.drain()
+        self.started = True
+        self.status = status
+        events: list[Any] = [_response(status, hdrs)]
+        if body and not self._head_only:
+            events.append(h11.Data(data=body))
+        events.append(h11.EndOfMessage())
+        self._protocol.send_events(events)
+        self.finished = True
+
+    async def send_json(
+        self, status: int, obj: Any, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """Send ``obj`` serialised with orjson as ``application/json``."""
+        await self.send(status, orjson.dumps(obj), "application/json", headers)
+
+    async def send_error(
+        self,
+        status: int,
+        message: str,
+        error_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Send the MindIE error wrapper (spec §0.3)."""
+        await self.send(
+            status, error_body(status, message, error_type), "application/json", headers
+        )
+
+    # ------------------------------------------------------------------ streaming
+
+    async def start_stream(
+        self,
+        status: int = 200,
+        content_type: str = "text/event-stream",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Send the head of a streamed response (chunked on HTTP/1.1; h11 picks the
+        framing because no Content-Length is set)."""
+        if self.started:
+            raise RuntimeError("response already started")
+        hdrs = self._headers(content_type, headers)
+        await self._protocol.drain()
+        self.started = True
+        self.status = status
+        self._protocol.send_events([_response(status, hdrs)])
+
+    async def write(self, chunk: bytes) -> None:
+        """Write one piece of a streamed body (one SSE event = one h11.Data = one chunk),
+        waiting for the transport to drain first if it is paused."""
+        if not self.started or self.finished:
+            raise RuntimeError("write() outside a started stream")
+        await self._protocol.drain()
+        if chunk and not self._head_only:
+            self._protocol.send_events([h11.Data(data=chunk)])
+
+    async def end(self, *, close_connection: bool = False) -> None:
+        """Finish a streamed body; ``close_connection`` closes the connection afterwards
+        (spec §0.4 step 9: the timeout text is the last chunk, then close)."""
+        if not self.started:
+            raise RuntimeError("end() before start_stream()")
+        if self.finished:
+            return
+        if close_connection:
+            self.close_connection = True
+        self._protocol.send_events([h11.EndOfMessage()])
+        self.finished = True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _headers(
+        self, content_type: str, extra: Mapping[str, str] | None
+    ) -> list[tuple[bytes, bytes]]:
+        hdrs = [
+            (b"content-type", content_type.encode("latin-1")),
+            (b"RequestUUID", str(uuid.uuid4()).encode()),
+        ]
+        if extra:
+            hdrs.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+        if self._protocol.shutting_down:
+            hdrs.append((b"connection", b"close"))
+        return hdrs
+
+
+def _response(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b""
+    return h11.Response(status_code=status, headers=headers, reason=reason)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-connection limits (spec §0.2, config.md ``maxRequestLength``)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One client connection: bytes <-> h11 events, one handler task per request."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        limits: HttpLimits | None = None,
+        connections: set[HttpProtocol] | None = None,
+    ) -> None:
+        self._handler = handler
+        self._limits = limits or HttpLimits()
+        self._connections = connections
+        self._loop = asyncio.get_running_loop()
+        self._conn = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=self._limits.max_header_bytes
+        )
+        self._transport: asyncio.Transport | None = None
+        self._client: tuple[str, int] | None = None
+        self._closed = False
+        self._discarding = False  # an error response was sent; drop further input
+        self.shutting_down = False
+        # flow control: reading is paused while any reason is present
+        self._read_pause: set[str] = set()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        # the request being received
+        self._head: h11.Request | None = None
+        self._head_headers: dict[str, str] = {}
+        self._arrival = 0.0
+        self._body: list[bytes] = []
+        self._body_len = 0
+        # the request being handled
+        self._request: HttpRequest | None = None
+        self._response: HttpResponse | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only duck-typed ones
+        self._transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self._client = (str(peer[0]), int(peer[1]))
+        if self._connections is not None:
+            self._connections.add(self)
+        self._arm_timer(self._limits.keep_alive_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding or self._closed:
+            return
+        self._cancel_timer()
+        self._conn.receive_data(data)
+        if self._response is not None:
+            # pipelined bytes while a request is handled: keep them in h11's buffer and
+            # stop reading until the current response is done.
+            self._pause_reading("pipeline")
+            return
+        self._handle_events()
+        if self._response is None and not self._discarding:
+            # idle or a request arriving slowly: the same timer bounds both
+            self._arm_timer(self._limits.keep_alive_s)
+
+    def eof_received(self) -> bool | None:
+        # The client will send nothing more: treat it as a disconnect (the transport
+        # closes and connection_lost wakes any handler).
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._cancel_timer()
+        self._writable.set()  # wake drain(), which then raises ClientDisconnected
+        if self._request is not None:
+            self._request.disconnected.set()
+        if self._connections is not None:
+            self._connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+        self._pause_reading("write")
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+        self._resume_reading("write")
+
+    # ------------------------------------------------------------------ flow control
+
+    def _pause_reading(self, reason: str) -> None:
+        if not self._read_pause and self._transport is not None and not self._closed:
+            self._transport.pause_reading()
+        self._read_pause.add(reason)
+
+    def _resume_reading(self, reason: str) -> None:
+        if reason not in self._read_pause:
+            return
+        self._read_pause.discard(reason)
+        if not self._read_pause and self._transport is not None and not self._closed:
+            self._transport.resume_reading()
+
+    async def drain(self) -> None:
+        """Wait until the transport accepts writes; raise if the client is gone."""
+        if self._closed:
+            raise ClientDisconnected()
+        if not self._writable.is_set():
+            await self._writable.wait()
+            if self._closed:
+                raise ClientDisconnected()
+
+    def send_events(self, events: list[Any]) -> None:
+        """Serialise h11 events and write them to the transport."""
+        if self._closed or self._transport is None:
+            raise ClientDisconnected()
+        out: list[bytes] = []
+        for event in events:
+            chunks = self._conn.send_with_data_passthrough(event)
+            if chunks:
+                out.extend(chunks)
+        if out:
+            self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    # ------------------------------------------------------------------ timers
+
+    def _arm_timer(self, delay: float) -> None:
+        self._cancel_timer()
+        if delay > 0 and not self._closed:
+            self._timer = self._loop.call_later(delay, self._on_idle_timeout)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_idle_timeout(self) -> None:
+        self._timer = None
+        if self._response is None and self._transport is not None:
+            self._transport.close()
+
+    # ------------------------------------------------------------------ request parsing
+
+    def _handle_events(self) -> None:
+        while not self._closed and not self._discarding and self._response is None:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint
+                msg = (
+                    "Request header too large." if status == 431 else f"Invalid HTTP request: {exc}"
+                )
+                self._reject(status, error_body(status, msg))
+                return
+            if event is h11.NEED_DATA:
+                return
+            if event is h11.PAUSED:
+                self._pause_reading("pipeline")
+                return
+            if isinstance(event, h11.Request):
+                self._on_request(event)
+            elif isinstance(event, h11.Data):
+                self._on_body(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._dispatch()
+                if self._conn.trailing_data[0]:
+                    self._pause_reading("pipeline")  # a next request is already buffered
+            elif isinstance(event, h11.ConnectionClosed):
+                if self._transport is not None:
+                    self._transport.close()
+                return
+
+    def _on_request(self, event: h11.Request) -> None:
+        self._arrival = time.monotonic()
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            key = name.decode("latin-1")
+            val = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {val}" if key in headers else val
+        self._head = event
+        self._head_headers = headers
+        self._body = []
+        self._body_len = 0
+        length = headers.get("content-length")
+        if length is not None and int(length.split(",")[0]) > self._limits.max_body_bytes:
+            self._reject_too_large()
+            return
+        if self._conn.they_are_waiting_for_100_continue:
+            self.send_events([h11.InformationalResponse(status_code=100, headers=[])])
+
+    def _on_body(self, data: bytes | bytearray) -> None:
+        self._body_len += len(data)
+        if self._body_len > self._limits.max_body_bytes:
+            self._reject_too_large()
+            return
+        self._body.append(bytes(data))
+
+    def _dispatch(self) -> None:
+        head = self._head
+        assert head is not None
+        self._head = None
+        path, query = _split_target(head.target.decode("latin-1"))
+        body = b"".join(self._body)
+        self._body = []
+        request = HttpRequest(
+            method=head.method.decode("latin-1").upper(),
+            path=path,
+            query=query,
+            headers=self._head_headers,
+            body=body,
+            disconnected=asyncio.Event(),
+            http_version=head.http_version.decode("latin-1"),
+            client=self._client,
+            arrival_time=self._arrival,
+        )
+        response = HttpResponse(self, head_only=request.method == "HEAD")
+        self._request = request
+        self._response = response
+        self.task = self._loop.create_task(self._run_cycle(request, response))
+
+    # ------------------------------------------------------------------ cycle
+
+    async def _run_cycle(self, request: HttpRequest, response: HttpResponse) -> None:
+        try:
+            await self._handler(request, response)
+        except ClientDisconnected:
+            pass
+        except HttpError as exc:
+            await self._fail(response, exc.status, exc.body(), exc.headers)
+        except asyncio.CancelledError:
+            self._abort_connection()
+            raise
+        except Exception:
+            logger.exception("unhandled error in handler for %s %s", request.method, request.path)
+            await self._fail(response, 500, error_body(500, INTERNAL_ERROR_MESSAGE))
+        else:
+            if not response.started:
+                logger.error("handler for %s %s sent no response", request.method, request.path)
+                await self._fail(response, 500, error_body(500, INTERNAL_ERROR_MESSAGE))
+            elif not response.finished:
+                try:
+                    await response.end()
+                except ClientDisconnected:
+                    pass
+        finally:
+            self._cycle_done(response)
+
+    async def _fail(
+        self,
+        response: HttpResponse,
+        status: int,
+        body: bytes,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if self._closed:
+            return
+        if response.started:
+            # a partial body cannot be turned into an error: close so the client sees an
+            # incomplete response rather than a well-formed truncated one
+            self._abort_connection()
+            return
+        try:
+            await response.send(status, body, "application/json", headers)
+        except ClientDisconnected:
+            pass
+
+    def _cycle_done(self, response: HttpResponse) -> None:
+        self._request = None
+        self._response = None
+        self.task = None
+        if self._closed or self._transport is None:
+            return
+        conn = self._conn
+        if (
+            not response.finished
+            or response.close_connection
+            or self.shutting_down
+            or conn.our_state is not h11.DONE
+            or conn.their_state is not h11.DONE
+        ):
+            self._transport.close()
+            return
+        conn.start_next_cycle()
+        self._resume_reading("pipeline")
+        self._handle_events()  # a pipelined request may already be buffered
+        if self._response is None and not self._discarding:
+            self._arm_timer(self._limits.keep_alive_s)
+
+    # ------------------------------------------------------------------ errors / closing
+
+    def _reject_too_large(self) -> None:
+        body = orjson.dumps({"message": body_too_large_message(self._limits.max_body_bytes)})
+        self._reject(413, body)
+
+    def _reject(self, status: int, body: bytes) -> None:
+        """Answer an error for a request we will not read to the end, then close."""
+        self._head = None
+        self._body = []
+        if self._transport is None or self._closed:
+            return
+        hdrs = [
+            (b"content-type", b"application/json"),
+            (b"RequestUUID", str(uuid.uuid4()).encode()),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            self.send_events([_response(status, hdrs), h11.Data(data=body), h11.EndOfMessage()])
+        except h11.LocalProtocolError:  # h11 cannot frame a response now: just close
+            self._transport.close()
+            return
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Half-close after an error response and discard input for a moment, so a client
+        still sending its body reads our response instead of a reset."""
+        self._discarding = True
+        self._cancel_timer()
+        assert self._transport is not None
+        for reason in list(self._read_pause):
+            self._resume_reading(reason)
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+            self._arm_timer(_LINGER_S)  # _on_idle_timeout closes
+        else:
+            self._transport.close()
+
+    def _abort_connection(self) -> None:
+        if self._transport is not None and not self._closed:
+            self._transport.close()
+
+    def shutdown(self) -> None:
+        """Graceful close: idle connections close now, busy ones after their response."""
+        self.shutting_down = True
+        if self._response is None:
+            self._abort_connection()
+
+    def force_close(self) -> None:
+        """Close now; a running handler sees ``request.disconnected``."""
+        self._abort_connection()
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """Split a request target into (percent-decoded path, raw query)."""
+    if not target.startswith("/"):
+        if target == "*":
+            return "*", ""
+        parts = urlsplit(target)  # absolute-form
+        return unquote(parts.path or "/"), parts.query
+    path, _, query = target.partition("?")
+    return (unquote(path) if "%" in path else path), query
+
+
+class HttpServer:
+    """Listens on one or more (host, port) pairs and serves ``handler`` on each.
+
+    Args:
+        handler: ``async def handler(request, response)``, usually a
+            :class:`tokenserve.http.router.Router`.
+        max_body_bytes: body limit (spec §0.2; default 40 MiB).
+        max_header_bytes: request line + headers limit (431 above it).
+        keep_alive_s: idle keep-alive connections close after this many seconds.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    ) -> None:
+        if max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
+        self._handler = handler
+        self.limits = HttpLimits(max_body_bytes, max_header_bytes, keep_alive_s)
+        self._servers: list[asyncio.base_events.Server] = []
+        self._connections: set[HttpProtocol] = set()
+
+    def _make_protocol(self) -> HttpProtocol:
+        return HttpProtocol(self._handler, self.limits, self._connections)
+
+    async def start(self, host: str, port: int, **kwargs: Any) -> asyncio.base_events.Server:
+        """Start listening (``port=0`` picks a free port; see ``server.sockets``).
+        Extra keyword arguments go to ``loop.create_server`` (ssl, backlog, ...)."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(self._make_protocol, host, port, **kwargs)
+        self._servers.append(server)
+        return server
+
+    @property
+    def ports(self) -> list[int]:
+        """The bound ports of every listener (for ``port=0``)."""
+        return [s.getsockname()[1] for srv in self._servers for s in (srv.sockets or ())]
+
+    @property
+    def num_connections(self) -> int:
+        """Open client connections."""
+        return len(self._connections)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Graceful shutdown: stop accepting, let in-flight requests finish for up to
+        ``timeout`` seconds, then close what is left (handlers see a disconnect)."""
+        for server in self._servers:
+            server.close()
+        for proto in list(self._connections):
+            proto.shutdown()
+        tasks = [p.task for p in self._connections if p.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        for proto in list(self._connections):
+            proto.force_close()
+        tasks = [p.task for p in self._connections if p.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()

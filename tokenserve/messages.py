@@ -1,0 +1,157 @@
+"""Every message that crosses an actor boundary, in one module.
+
+Actors (see ``shared/design.md``)::
+
+    HTTP handler --GenerateRequest/AbortRequest--> SchedulerActor inbox
+    SchedulerActor --StepPlan--> ExecutorActor (worker thread) --StepResult--> SchedulerActor
+    SchedulerActor --RequestOutput--> per-request output stream --> HTTP handler
+
+Messages are plain frozen dataclasses: no behaviour, no references to actor state.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenserve.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended (engine-side; each API family maps it to its own string).
+
+    MindIE native/TGI/Triton strings (spec §1.4): EOS -> ``eos_token``; LENGTH ->
+    ``length``; ABORT, TIMEOUT, ERROR -> ``stop_sequence``.
+    """
+
+    EOS = "eos"  # EOS token or a stop token id
+    LENGTH = "length"  # max_new_tokens, maxIterTimes or the context length reached
+    ABORT = "abort"  # client disconnected or stopInfer
+    TIMEOUT = "timeout"  # client timeout, tokenTimeout or e2eTimeout fired
+    ERROR = "error"  # the executor failed
+
+
+# --------------------------------------------------------------------------- HTTP -> engine
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated, tokenized request entering the engine.
+
+    Attributes:
+        request_id: unique id (the server's, or the client's where the API carries one).
+        prompt_token_ids: prompt, len >= 1, each id < vocab size.
+        params: sampling and stopping parameters.
+        priority: 1 (most urgent) .. 5 (default), spec §1.2.
+        timeout_s: the client's ``timeout`` (seconds), or None; the engine also applies
+            the server's ``tokenTimeout`` / ``e2eTimeout`` (spec config.md §1).
+        arrival_time: ``time.monotonic()`` when the HTTP request arrived (seconds).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 5
+    timeout_s: float | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request (client gone, stopInfer); its KV blocks are freed at once."""
+
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+# --------------------------------------------------------------------------- engine -> HTTP
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request gained since the last output (one engine step, or several merged
+    when the consumer was slower than the engine).
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: ids generated since the previous output (may be empty on the final
+            output of an aborted/timed-out request).
+        new_text: detokenized text of those ids (UTF-8 safe: an incomplete multi-byte
+            character is held back until complete).
+        finished: True on the last output of the request; nothing follows it.
+        finish_reason: set when ``finished``.
+        num_prompt_tokens: prompt length (tokens).
+        num_output_tokens: tokens generated so far, including ``new_token_ids``.
+        prefill_time_ms: on the first output: arrival -> first token (ms); else None.
+        decode_time_ms: on later outputs: time since the previous output (ms); else None.
+        error: on TIMEOUT/ERROR, MindIE's message, e.g.
+            ``"Engine callback timeout: client timeout"`` (spec §0.4 step 9).
+        seed: the seed the request sampled with.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    prefill_time_ms: float | None = None
+    decode_time_ms: float | None = None
+    error: str | None = None
+    seed: int | None = None
+
+
+# --------------------------------------------------------------------------- scheduler <-> executor
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step.
+
+    ``token_ids`` are the tokens to compute this step, at positions
+    ``[num_computed, num_computed + len(token_ids))``. ``block_table`` lists the KV
+    blocks covering positions ``[0, num_computed + len(token_ids))``::
+
+        positions  0 ........ num_computed ........ num_computed+len(token_ids)
+                   |  cached  |   computed this step   |
+        blocks     [b0][b1][b2][b3]   (block_size tokens each; last may be partial)
+
+    ``sample`` is True when this step reaches the end of the known tokens (the last
+    prefill chunk, or a decode step), so a next token is sampled.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams
+    generator: torch.Generator | None
+    # prompt + output ids so far; read by the repetition penalty
+    history: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """Everything the executor needs for one forward pass (a continuous-batching step)."""
+
+    step_id: int
+    seqs: list[ScheduledSeq]
+
+
+@dataclass
+class StepResult:
+    """The executor's answer to a :class:`StepPlan`.
+
+    ``sampled`` maps request_id -> the sampled token id, for the seqs with ``sample``.
+    ``error`` carries the exception text when the step failed (every seq of the plan
+    then fails with FinishReason.ERROR).
+    """
+
+    step_id: int
+    sampled: dict[str, int]
+    forward_ms: float
+    error: str | None = None

