@@ -70,6 +70,22 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one sampled token and its top alternatives.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability (natural log).
+        top: the ``SamplingParams.logprobs`` most likely (token_id, logprob) pairs,
+            most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one request gained since the last output (one engine step, or several merged
     when the consumer was slower than the engine).
@@ -89,6 +105,11 @@ class RequestOutput:
         error: on TIMEOUT/ERROR, MindIE's message, e.g.
             ``"Engine callback timeout: client timeout"`` (spec §0.4 step 9).
         seed: the seed the request sampled with.
+        logprobs: one :class:`TokenLogprob` per id in ``new_token_ids`` when the request
+            asked for logprobs, else None.
+        stop_reason: on a finished output: the stop string or stop token id that ended
+            it (vLLM's ``stop_reason``); None for EOS, length and the rest.
+        queue_time_ms: on the first output: arrival -> first scheduled (ms).
     """
 
     request_id: str
@@ -102,6 +123,9 @@ class RequestOutput:
     decode_time_ms: float | None = None
     error: str | None = None
     seed: int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    stop_reason: str | int | None = None
+    queue_time_ms: float | None = None
 
 
 # --------------------------------------------------------------------------- scheduler <-> executor
@@ -130,8 +154,11 @@ class ScheduledSeq:
     sample: bool
     params: SamplingParams
     generator: torch.Generator | None
-    # prompt + output ids so far; read by the repetition penalty
+    # prompt + output ids so far; read by the penalties
     history: list[int] = field(default_factory=list)
+    # length of the prompt prefix of ``history`` (presence/frequency penalties count
+    # generated tokens only)
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -146,7 +173,9 @@ class StepPlan:
 class StepResult:
     """The executor's answer to a :class:`StepPlan`.
 
-    ``sampled`` maps request_id -> the sampled token id, for the seqs with ``sample``.
+    ``sampled`` maps request_id -> the sampled token id, for the seqs with ``sample``;
+    ``logprobs`` maps request_id -> its :class:`TokenLogprob` for seqs whose params ask
+    for logprobs.
     ``error`` carries the exception text when the step failed (every seq of the plan
     then fails with FinishReason.ERROR).
     """
@@ -155,3 +184,4 @@ class StepResult:
     sampled: dict[str, int]
     forward_ms: float
     error: str | None = None
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)

@@ -34,6 +34,18 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         stop_token_ids: extra token ids that end the request like EOS.
         skip_special_tokens: drop special tokens from the detokenized text.
+        stop: stop strings; the request ends (finish EOS) when the output text contains
+            one, found across token boundaries and inside a token. Text from the match
+            on is cut unless ``include_stop_str_in_output``; a possible partial match is
+            held back from streaming until it is resolved.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        presence_penalty: subtracted once from the logit of every token already generated
+            (OpenAI API semantics), in [-2, 2].
+        frequency_penalty: subtracted per occurrence from the logit of generated tokens
+            (OpenAI API semantics), in [-2, 2].
+        logprobs: None for none; k >= 0 returns each sampled token's log-probability and
+            the k most likely alternatives (log-softmax of the logits after the
+            penalties, before temperature/top-k/top-p, as vLLM reports them).
     """
 
     max_new_tokens: int = 20
@@ -46,6 +58,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -58,6 +75,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
 

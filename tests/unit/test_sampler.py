@@ -378,3 +378,17 @@ def test_mixed_batches_of_odd_sizes(rows, vocab):
                 logits[r : r + 1], [histories[r]], [p.repetition_penalty]
             )
             assert int(out[r]) == int(penalised.argmax())
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    from tokenserve.engine.sampler import apply_presence_frequency_penalties_
+
+    logits = torch.zeros(2, 6)
+    apply_presence_frequency_penalties_(logits, [[1, 1, 3], []], [0.5, 0.5], [0.25, 0.25])
+    assert logits[0].tolist() == [0.0, -1.0, 0.0, -0.75, 0.0, 0.0]
+    assert logits[1].tolist() == [0.0] * 6
+    # in sample(): the prompt part of the history is not penalised
+    x = torch.tensor([[0.0, 1.0, 0.9]])
+    p = SamplingParams(frequency_penalty=2.0, seed=0)
+    assert sample(x, [p], [None], [[1, 1]], num_prompt_tokens=[2]).item() == 1
+    assert sample(x, [p], [None], [[1, 1]], num_prompt_tokens=[1]).item() == 2

@@ -11,7 +11,7 @@ import time
 import torch
 
 from tokenserve.engine.sampler import sample
-from tokenserve.messages import ScheduledSeq, StepPlan, StepResult
+from tokenserve.messages import ScheduledSeq, StepPlan, StepResult, TokenLogprob
 from tokenserve.models.attention import AttentionMetadata, PrefillChunk
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.ops.reference import context_slots, pad_block_tables, slot_mapping
@@ -70,15 +70,47 @@ class ModelRunner:
         hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                     pos_t, self.kv_caches, meta)
         sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
         to_sample = [s for s in order if s.sample]
         if to_sample:
             logits = self.model.compute_logits(hidden[sample_rows]).cpu()
             toks = sample(logits, [s.params for s in to_sample],
-                          [s.generator for s in to_sample], [s.history for s in to_sample])
+                          [s.generator for s in to_sample], [s.history for s in to_sample],
+                          num_prompt_tokens=[s.num_prompt_tokens for s in to_sample])
             sampled = {s.request_id: int(t) for s, t in zip(to_sample, toks.tolist())}
-        return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3)
+            want = [i for i, s in enumerate(to_sample) if s.params.logprobs is not None]
+            if want:
+                logprobs = token_logprobs(logits, toks, want, to_sample)
+        return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
+                          logprobs=logprobs)
 
 
 def is_decode(seq: ScheduledSeq) -> bool:
     """A decode computes exactly one token on top of a non-empty cache."""
     return len(seq.token_ids) == 1 and seq.num_computed > 0
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
+                   seqs: list[ScheduledSeq]) -> dict[str, TokenLogprob]:
+    """Log-probabilities of the sampled tokens and their top alternatives.
+
+    Taken from the raw logits (before penalties, temperature, top-k/top-p), which is
+    what vLLM v1 reports by default.
+
+    Args:
+        logits: [S, V] float32 logits of the sampled rows.
+        tokens: [S] int64 sampled ids.
+        rows: indices into ``seqs``/``logits`` of the seqs asking for logprobs.
+        seqs: the sampled seqs, aligned with ``logits``.
+    """
+    idx = torch.tensor(rows)
+    lp = torch.log_softmax(logits[idx], dim=-1)  # [R, V]
+    chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+    k = max(seqs[r].params.logprobs for r in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    out = {}
+    for j, r in enumerate(rows):
+        n = seqs[r].params.logprobs
+        top = tuple(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+        out[seqs[r].request_id] = TokenLogprob(int(tokens[r]), chosen[j], top)
+    return out

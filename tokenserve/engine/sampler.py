@@ -136,6 +136,35 @@ def apply_repetition_penalty_(
     return logits
 
 
+def apply_presence_frequency_penalties_(
+    logits: torch.Tensor,
+    outputs: Sequence[History],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+) -> torch.Tensor:
+    """In place: OpenAI's presence and frequency penalties (OpenAI API reference,
+    "Parameter details"): ``logits[i, t] -= frequency[i] * count_i(t) +
+    presence[i] * (count_i(t) > 0)``, counting ``t`` in the row's *generated* tokens.
+
+    Args:
+        logits: float ``[B, V]``; modified in place.
+        outputs: ``B`` generated-token id sequences (prompt excluded), ids in ``[0, V)``.
+        presence, frequency: ``B`` floats in [-2, 2]; rows with both 0 are untouched.
+
+    Returns:
+        ``logits``.
+    """
+    vocab = logits.shape[1]
+    for row, ids in enumerate(outputs):
+        pres, freq = float(presence[row]), float(frequency[row])
+        if (pres == 0.0 and freq == 0.0) or len(ids) == 0:
+            continue
+        counts = torch.bincount(_history_tensor(ids), minlength=vocab)[:vocab]
+        counts = counts.to(logits.dtype)
+        logits[row] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    return logits
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor,
     histories: Sequence[History],
@@ -451,6 +480,7 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[History],
+    num_prompt_tokens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Pick the next token of every row (the exact rules are in the module docstring).
 
@@ -467,7 +497,10 @@ def sample(
             uses torch's default generator. A sampled row consumes exactly one
             ``torch.rand(1)`` from its generator per call; a greedy row none.
         histories: ``B`` prompt + generated token ids (lists or 1-D int tensors), read
-            only for rows with ``repetition_penalty != 1``.
+            only for rows with a penalty on.
+        num_prompt_tokens: ``B`` prompt lengths within ``histories``; the presence and
+            frequency penalties (applied after the repetition penalty) count only the
+            generated part. None: no row has those penalties.
 
     Returns:
         int64 ``[B]``, token ids in ``[0, V)``.
@@ -496,6 +529,15 @@ def sample(
                 x,
                 [histories[r] for r in rows],
                 [params[r].repetition_penalty for r in rows],
+            )
+        if any(params[r].presence_penalty or params[r].frequency_penalty for r in rows):
+            assert num_prompt_tokens is not None, "presence/frequency penalty needs prompt lengths"
+            x = x.clone() if x is logits else x
+            apply_presence_frequency_penalties_(
+                x,
+                [histories[r][num_prompt_tokens[r]:] for r in rows],
+                [params[r].presence_penalty for r in rows],
+                [params[r].frequency_penalty for r in rows],
             )
         return x
 

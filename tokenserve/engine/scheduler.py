@@ -188,6 +188,7 @@ class Scheduler:
             params=req.params,
             generator=req.generator,
             history=req.token_ids,
+            num_prompt_tokens=req.num_prompt_tokens,
         )
 
     def _reserve(self, req: Request, n: int, protected: set[str]) -> bool:

@@ -25,7 +25,15 @@ from tokenserve.engine.output_stream import RequestStream
 from tokenserve.engine.request import Request
 from tokenserve.engine.sampler import make_generator
 from tokenserve.engine.scheduler import Scheduler
-from tokenserve.messages import AbortRequest, FinishReason, GenerateRequest, RequestOutput, StepPlan
+from tokenserve.engine.stop_strings import StopStringMatcher
+from tokenserve.messages import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    RequestOutput,
+    StepPlan,
+    TokenLogprob,
+)
 
 log = logging.getLogger("tokenserve.engine")
 
@@ -33,15 +41,30 @@ log = logging.getLogger("tokenserve.engine")
 class _Tracked:
     """Actor-side bookkeeping of one live request."""
 
-    __slots__ = ("stream", "detok", "last_emit", "seed", "emitted_first")
+    __slots__ = ("stream", "detok", "stop", "last_emit", "seed", "emitted_first",
+                 "queue_time_ms")
 
-    def __init__(self, stream: RequestStream, detok: IncrementalDetokenizer, now: float,
-                 seed: int) -> None:
+    def __init__(self, stream: RequestStream, detok: IncrementalDetokenizer,
+                 stop: StopStringMatcher | None, now: float, seed: int) -> None:
         self.stream = stream
         self.detok = detok
+        self.stop = stop
         self.last_emit = now
         self.seed = seed
         self.emitted_first = False
+        self.queue_time_ms: float | None = None
+
+    def text(self, delta: str, final: bool) -> str:
+        """Pass detokenized text through the stop-string matcher; on the final output
+        also release whatever the detokenizer or the matcher held back."""
+        if final:
+            delta += self.detok.flush()
+        if self.stop is None:
+            return delta
+        out = self.stop.feed(delta)
+        if final and self.stop.hit is None:
+            out += self.stop.flush()
+        return out
 
 
 class SchedulerActor:
@@ -90,6 +113,7 @@ class SchedulerActor:
                     pass
                 continue
             plan = StepPlan(next(self._step), seqs)
+            self._note_scheduled(seqs)
             result = await self.executor.run(plan)
             if result.error is not None:
                 for s in seqs:
@@ -97,7 +121,7 @@ class SchedulerActor:
                 continue
             now = time.monotonic()
             for req, toks in self.scheduler.update(seqs, result.sampled, now):
-                self._emit(req, toks, now)
+                self._emit(req, toks, now, result.logprobs.get(req.request_id))
 
     def _check_idle(self) -> None:
         pool = self.scheduler.pool
@@ -139,7 +163,9 @@ class SchedulerActor:
             stream.put(RequestOutput(g.request_id, (), "", True, FinishReason.ERROR,
                                      req.num_prompt_tokens, 0, error=str(exc), seed=params.seed))
             return
-        self._tracked[g.request_id] = _Tracked(stream, detok, arrival, params.seed)
+        stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
+                if params.stop else None)
+        self._tracked[g.request_id] = _Tracked(stream, detok, stop, arrival, params.seed)
 
     def _expire(self, now: float) -> None:
         for rid, why in self.scheduler.expired(now):
@@ -154,16 +180,32 @@ class SchedulerActor:
         t = self._tracked.pop(rid)
         self.finished_by_reason[reason] += 1
         if reason is not FinishReason.ABORT:
-            t.stream.put(RequestOutput(rid, (), t.detok.flush(), True, reason,
+            t.stream.put(RequestOutput(rid, (), t.text("", final=True), True, reason,
                                        req.num_prompt_tokens, req.num_output_tokens,
                                        error=error, seed=t.seed))
 
-    def _emit(self, req: Request, toks: list[int], now: float) -> None:
-        t = self._tracked[req.request_id] if not req.finished else self._tracked.pop(req.request_id)
-        text = t.detok.add(toks)
-        if req.finished:
-            text += t.detok.flush()
-            self.finished_by_reason[req.finish_reason] += 1
+    def _note_scheduled(self, seqs) -> None:
+        now = None
+        for s in seqs:
+            t = self._tracked.get(s.request_id)
+            if t is not None and t.queue_time_ms is None:
+                now = now or time.monotonic()
+                t.queue_time_ms = (now - self.scheduler.requests[s.request_id].arrival_time) * 1e3
+
+    def _emit(self, req: Request, toks: list[int], now: float,
+              logprob: TokenLogprob | None) -> None:
+        t = self._tracked[req.request_id]
+        text = t.text(t.detok.add(toks), final=req.finished)
+        stop_reason: str | int | None = None
+        if t.stop is not None and t.stop.hit is not None:
+            # a stop string completed: the request ends here, as if on EOS
+            stop_reason = t.stop.hit
+            if not req.finished:
+                self.scheduler.finish(req.request_id, FinishReason.EOS)
+            req.finish_reason = FinishReason.EOS
+        elif req.finished and req.finish_reason is FinishReason.EOS \
+                and toks[-1] in req.params.stop_token_ids:
+            stop_reason = toks[-1]
         first = not t.emitted_first
         t.emitted_first = True
         out = RequestOutput(
@@ -172,6 +214,11 @@ class SchedulerActor:
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             prefill_time_ms=(now - req.arrival_time) * 1e3 if first else None,
             decode_time_ms=None if first else (now - t.last_emit) * 1e3,
-            seed=t.seed)
+            seed=t.seed, logprobs=(logprob,) if logprob is not None else None,
+            stop_reason=stop_reason if req.finished else None,
+            queue_time_ms=t.queue_time_ms if first else None)
         t.last_emit = now
+        if req.finished:
+            self._tracked.pop(req.request_id)
+            self.finished_by_reason[req.finish_reason] += 1
         t.stream.put(out)

@@ -1,0 +1,111 @@
+"""Fakes shared by the API tests: a scripted engine and a one-char-per-token tokenizer.
+
+``FakeEngine`` implements the ``EngineClient`` protocol (tokenserve/http/api/common.py)
+without a model, so each API family's parsing, formatting and disconnect handling can be
+tested over a real socket in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+
+VOCAB = 1000
+MAX_MODEL_LEN = 64
+TIMEOUT_MSG = "Engine callback timeout: client timeout"
+
+
+class FakeTokenizer:
+    """One token per character: id = ord(c) (text is ASCII in the tests)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def token_text(token_id: int) -> str:
+    return chr(ord("a") + token_id % 26)
+
+
+@dataclass
+class FakeEngine:
+    """Echoes the prompt ids back (cycled) one token per step.
+
+    ``finish`` picks how a request ends: LENGTH after max_new_tokens, or after
+    ``finish_after`` tokens with ``finish`` (EOS / TIMEOUT / ERROR).
+    """
+
+    model_name: str = "fake-model"
+    vocab_size: int = VOCAB
+    max_model_len: int = MAX_MODEL_LEN
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    delay: float = 0.001
+    finish: FinishReason = FinishReason.LENGTH
+    finish_after: int | None = None
+    raise_on_generate: bool = False
+    hang_after_final: bool = False  # a generator that never returns by itself
+    healthy: bool = True
+    requests: list[GenerateRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    closed_early: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(request)
+        if self.raise_on_generate:
+            raise RuntimeError("executor exploded")
+        n = request.params.max_new_tokens
+        reason = FinishReason.LENGTH
+        if self.finish_after is not None and self.finish_after < n:
+            n, reason = self.finish_after, self.finish
+        prompt = request.prompt_token_ids
+        done = False
+        try:
+            for i in range(n):
+                await asyncio.sleep(self.delay)
+                tok = prompt[i % len(prompt)]
+                last = i == n - 1
+                if last:  # the consumer may close us at this yield
+                    done = True
+                    self.completed.append(request.request_id)
+                failed = last and reason in (FinishReason.TIMEOUT, FinishReason.ERROR)
+                yield RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=() if failed else (tok,),
+                    new_text="" if failed else token_text(tok),
+                    finished=last,
+                    finish_reason=reason if last else None,
+                    num_prompt_tokens=len(prompt),
+                    num_output_tokens=i if failed else i + 1,
+                    prefill_time_ms=12.3 if i == 0 else None,
+                    decode_time_ms=None if i == 0 else 4.6,
+                    error=(TIMEOUT_MSG if reason is FinishReason.TIMEOUT else "boom")
+                    if failed
+                    else None,
+                    seed=request.params.seed if last else None,
+                )
+            while self.hang_after_final:
+                await asyncio.sleep(3600)
+        finally:
+            if not done:
+                self.closed_early.append(request.request_id)
+
+
+async def wait_for(cond: Any, timeout: float = 2.0) -> None:
+    async def loop() -> None:
+        while not cond():
+            await asyncio.sleep(0.002)
+
+    await asyncio.wait_for(loop(), timeout)
