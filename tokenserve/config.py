@@ -31,6 +31,14 @@ class EngineConfig:
         max_iter_times: global cap on generated tokens per request (``maxIterTimes``).
         token_timeout_s: max seconds between two tokens of a request (``tokenTimeout``).
         e2e_timeout_s: max seconds a request may live (``e2eTimeout``).
+        max_prefill_batch_size: most requests prefilling in one step
+            (``maxPrefillBatchSize``).
+        max_input_len: prompt cap, tokens (``maxInputTokenLen``); None = max_seq_len - 1.
+        max_queue_size: most requests waiting for a batch slot; one more is refused at
+            once (HTTP 503) instead of queueing without bound.
+        enable_prefix_caching: share KV blocks of common prompt prefixes.
+        served_model_name: the name APIs report (MindIE ``modelName``); None = the
+            model's own name.
     """
 
     model: str | None = None
@@ -44,6 +52,11 @@ class EngineConfig:
     max_iter_times: int = 512
     token_timeout_s: float = 600.0
     e2e_timeout_s: float = 600.0
+    max_prefill_batch_size: int = 50
+    max_input_len: int | None = None
+    max_queue_size: int = 1024
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,8 +64,12 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda", "npu"):
             raise ValueError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
         for name in ("block_size", "kv_cache_bytes", "max_batch_size",
-                     "max_num_batched_tokens", "max_iter_times"):
+                     "max_num_batched_tokens", "max_iter_times", "max_prefill_batch_size",
+                     "max_queue_size"):
             if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_seq_len", "max_input_len"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.token_timeout_s <= 0 or self.e2e_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")

@@ -36,6 +36,11 @@ class FinishReason(str, enum.Enum):
 # --------------------------------------------------------------------------- HTTP -> engine
 
 
+class EngineOverloadedError(RuntimeError):
+    """Raised by ``AsyncEngine.generate`` when its waiting queue is full
+    (``EngineConfig.max_queue_size``); the HTTP layer answers 503 at once."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """A validated, tokenized request entering the engine.
@@ -110,6 +115,8 @@ class RequestOutput:
         stop_reason: on a finished output: the stop string or stop token id that ended
             it (vLLM's ``stop_reason``); None for EOS, length and the rest.
         queue_time_ms: on the first output: arrival -> first scheduled (ms).
+        num_cached_tokens: prompt tokens served from the prefix cache (OpenAI
+            ``usage.prompt_tokens_details.cached_tokens``).
     """
 
     request_id: str
@@ -126,6 +133,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None
     stop_reason: str | int | None = None
     queue_time_ms: float | None = None
+    num_cached_tokens: int = 0
 
 
 # --------------------------------------------------------------------------- scheduler <-> executor

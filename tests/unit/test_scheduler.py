@@ -13,19 +13,24 @@ from tokenserve.sampling_params import SamplingParams
 EOS = 2
 
 
-def make_sched(num_blocks=64, block_size=4, budget=64, max_batch=8, max_seq_len=256):
-    pool = BlockPool(num_blocks, block_size)
+def make_sched(num_blocks=64, block_size=4, budget=64, max_batch=8, max_seq_len=256,
+               caching=True, max_prefill_batch=50):
+    pool = BlockPool(num_blocks, block_size, enable_caching=caching)
     cfg = SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget,
-                          max_seq_len=max_seq_len, eos_token_ids=frozenset({EOS}))
+                          max_seq_len=max_seq_len, max_prefill_batch_size=max_prefill_batch,
+                          eos_token_ids=frozenset({EOS}))
     return Scheduler(cfg, pool)
 
 
 _seq = iter(range(10**9))
 
 
-def req(rid, n_prompt=5, max_new=4, priority=5, **kw):
-    return Request(request_id=rid, token_ids=list(range(10, 10 + n_prompt)),
-                   num_prompt_tokens=n_prompt, params=SamplingParams(max_new_tokens=max_new, seed=0),
+def req(rid, n_prompt=5, max_new=4, priority=5, prompt=None, **kw):
+    """A request; its prompt is unique to ``rid`` unless ``prompt`` is given."""
+    base = 100 + 1000 * (sum(map(ord, rid)) % 97)
+    tokens = list(prompt) if prompt is not None else list(range(base, base + n_prompt))
+    return Request(request_id=rid, token_ids=tokens, num_prompt_tokens=len(tokens),
+                   params=SamplingParams(max_new_tokens=max_new, seed=0),
                    priority=priority, arrival_time=0.0, arrival_seq=next(_seq), **kw)
 
 
@@ -125,7 +130,7 @@ def test_priority_orders_waiting_queue():
 
 
 def test_preempt_lowest_priority_latest_and_resume():
-    s = make_sched(num_blocks=4, block_size=4)
+    s = make_sched(num_blocks=4, block_size=4, caching=False)
     s.add(req("a", n_prompt=4, max_new=8, priority=1))
     s.add(req("b", n_prompt=4, max_new=8, priority=5))
     run_step(s)  # each prefills into 1 block
@@ -186,3 +191,97 @@ def test_add_rejects_overlong_prompt_and_duplicates():
     s.add(req("ok", n_prompt=3))
     with pytest.raises(ValueError):
         s.add(req("ok", n_prompt=3))
+
+
+def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
+    s = make_sched(block_size=4)
+    prompt = list(range(500, 508))  # exactly 2 full blocks
+    s.add(req("a", prompt=prompt, max_new=3))
+    run_step(s)
+    a_blocks = list(s.requests["a"].block_table)
+    s.add(req("b", prompt=prompt + [9, 9], max_new=3))
+    s.add(req("c", prompt=prompt, max_new=3))
+    seqs, _ = run_step(s)
+    d = {q.request_id: q for q in seqs}
+    # b: both full blocks are cached; it computes only its 2 extra tokens
+    assert d["b"].num_computed == 8 and d["b"].token_ids == [9, 9]
+    assert d["b"].block_table[:2] == a_blocks[:2]
+    # c: same 8 tokens; the hit is capped at 1 block so the last token is computed
+    assert d["c"].num_computed == 4 and len(d["c"].token_ids) == 4
+    assert s.pool.ref_count(a_blocks[0]) == 3 and s.pool.ref_count(a_blocks[1]) == 2
+    assert s.requests["b"].num_cached_tokens == 8 and s.requests["c"].num_cached_tokens == 4
+    assert s.prefix_query_tokens == 8 + 10 + 8 and s.prefix_hit_tokens == 12
+    while s.has_work():
+        run_step(s)
+    assert s.pool.all_free() and s.pool.num_cached > 0  # freed blocks stay cached
+    s.pool.check()
+
+
+def test_cached_blocks_survive_until_evicted_lru():
+    s = make_sched(num_blocks=6, block_size=4)
+    s.add(req("a", prompt=list(range(200, 209)), max_new=1))  # 2 full blocks + 1
+    run_step(s)
+    assert not s.has_work() and s.pool.num_cached == 2
+    # a new request that needs every block evicts the cached ones
+    s.add(req("big", n_prompt=23, max_new=1))
+    run_step(s)
+    assert s.pool.num_cached == 5 and s.pool.all_free()
+    s.add(req("again", prompt=list(range(200, 209)), max_new=1))
+    seqs, _ = run_step(s)
+    assert seqs[0].num_computed == 0  # a's blocks were evicted and reused
+
+
+def test_preempted_request_resumes_from_prefix_cache():
+    s = make_sched(num_blocks=4, block_size=4)
+    s.add(req("a", n_prompt=4, max_new=8, priority=1))
+    s.add(req("b", n_prompt=4, max_new=8, priority=5))
+    b = s.requests["b"]
+    while b.status is not RequestStatus.PREEMPTED:
+        run_step(s)
+    while "a" in s.requests:
+        run_step(s)
+    seqs, _ = run_step(s)
+    # b's first block was registered when full, survived in the cache, and is reused
+    assert seqs[0].request_id == "b" and seqs[0].num_computed >= 4
+    while s.has_work():
+        run_step(s)
+    assert b.num_output_tokens == 8 and s.pool.all_free()
+
+
+def test_caching_off_never_hits():
+    s = make_sched(caching=False)
+    p = list(range(300, 312))
+    s.add(req("a", prompt=p, max_new=1))
+    run_step(s)
+    s.add(req("b", prompt=p, max_new=1))
+    seqs, _ = run_step(s)
+    assert seqs[0].num_computed == 0 and s.pool.num_cached == 0
+
+
+def test_max_prefill_batch_size_limits_admissions_per_step():
+    s = make_sched(max_prefill_batch=2)
+    for i in range(5):
+        s.add(req(f"p{i}"))
+    seqs, _ = run_step(s)
+    assert len(seqs) == 2
+    seqs, _ = run_step(s)
+    assert sorted(len(q.token_ids) for q in seqs) == [1, 1, 5, 5]
+
+
+def test_higher_priority_waiting_request_preempts_when_batch_full():
+    s = make_sched(max_batch=2, caching=False)
+    s.add(req("bulk1", max_new=20))
+    s.add(req("bulk2", max_new=20))
+    s.add(req("bulk3", max_new=20))
+    run_step(s)
+    run_step(s)
+    s.add(req("urgent", priority=1, max_new=2))
+    seqs, _ = run_step(s)
+    ids = [q.request_id for q in seqs]
+    assert "urgent" in ids and "bulk2" not in ids  # latest-arrived bulk request preempted
+    assert s.requests["bulk2"].status is RequestStatus.PREEMPTED
+    assert [r.request_id for r in s.waiting] == ["bulk2", "bulk3"]
+    # equal priority never preempts
+    s.add(req("bulk4", max_new=2))
+    seqs, _ = run_step(s)
+    assert "bulk4" not in [q.request_id for q in seqs]

@@ -25,7 +25,13 @@ from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.engine.output_stream import RequestStream
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import SchedulerActor
-from tokenserve.messages import AbortRequest, FinishReason, GenerateRequest, RequestOutput
+from tokenserve.messages import (
+    AbortRequest,
+    EngineOverloadedError,
+    FinishReason,
+    GenerateRequest,
+    RequestOutput,
+)
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
@@ -43,6 +49,19 @@ class EngineStats:
     num_free_blocks: int
     num_preemptions: int
     finished_by_reason: dict[str, int]
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_cached_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up, in [0, 1]."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
 
 class AsyncEngine:
@@ -57,12 +76,15 @@ class AsyncEngine:
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
+        #: longest accepted prompt, tokens (spec config.md ``maxInputTokenLen``)
+        self.max_input_len = min(cfg.max_input_len or self.max_model_len - 1,
+                                 self.max_model_len - 1)
         eos = frozenset(model_cfg.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
-        self.pool = BlockPool(runner.num_blocks, cfg.block_size)
+        self.pool = BlockPool(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_batched_tokens, self.max_model_len,
-                            eos_token_ids=eos), self.pool)
+                            cfg.max_prefill_batch_size, eos_token_ids=eos), self.pool)
         self.executor = ExecutorActor(runner)
         self._streams: dict[str, RequestStream] = {}
         self.actor = SchedulerActor(
@@ -100,7 +122,7 @@ class AsyncEngine:
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token)",
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
                  num_blocks * per_block / 2**20, model.kv_bytes_per_token())
-        return cls(cfg, model_cfg, tokenizer, runner, model_cfg.name)
+        return cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,6 +169,10 @@ class AsyncEngine:
             raise RuntimeError(self._failure or "engine is not running")
         if request.request_id in self._streams:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if len(self._streams) >= self.cfg.max_batch_size + self.cfg.max_queue_size:
+            raise EngineOverloadedError(
+                f"too many requests: {len(self._streams)} in the engine, limit "
+                f"{self.cfg.max_batch_size} running + {self.cfg.max_queue_size} waiting")
         stream = RequestStream()
         self._streams[request.request_id] = stream
         self.actor.inbox.put_nowait(request)
@@ -171,7 +197,8 @@ class AsyncEngine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), self.pool.num_blocks,
                            self.pool.num_free, s.num_preemptions,
-                           {r.value: n for r, n in self.actor.finished_by_reason.items()})
+                           {r.value: n for r, n in self.actor.finished_by_reason.items()},
+                           s.prefix_query_tokens, s.prefix_hit_tokens, self.pool.num_cached)
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is queued or running (tests: the leak invariant)."""

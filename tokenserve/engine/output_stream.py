@@ -32,6 +32,11 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         decode_time_ms=(sum(decode) if decode and first.prefill_time_ms is None else None),
         error=last.error,
         seed=last.seed,
+        logprobs=(tuple(lp for o in outs for lp in (o.logprobs or ()))
+                  if any(o.logprobs is not None for o in outs) else None),
+        stop_reason=last.stop_reason,
+        queue_time_ms=first.queue_time_ms,
+        num_cached_tokens=last.num_cached_tokens,
     )
 
 

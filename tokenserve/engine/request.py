@@ -60,6 +60,11 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    #: prefix-cache hashes of the full, computed blocks at the head of block_table
+    block_hashes: list[int] = field(default_factory=list)
+    #: prompt tokens found in the prefix cache at first admission (usage.cached_tokens)
+    num_cached_tokens: int = 0
+    first_scheduled: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -9,14 +9,20 @@ v1's scheduler and Sarathi-Serve, Agrawal et al. 2024).
 
 When KV blocks run out, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed and it rejoins the waiting queue with
-its generated tokens, to be prefilled again later (Kwon et al. 2023, §4.5).
+its generated tokens, to be prefilled again later (Kwon et al. 2023, §4.5). A waiting
+request of strictly higher priority than a running one also preempts it when the batch
+or the KV cache is full, so urgent work never waits behind a long queue of bulk work.
+
+Admission looks the prompt up in the prefix cache first (see ``block_pool.py``): the
+cached blocks are shared, and only the rest is computed. The hit is capped so at least
+one token is computed, since the last position's logits are needed to sample.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenserve.engine.block_pool import BlockPool
+from tokenserve.engine.block_pool import BlockPool, block_key
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.messages import FinishReason, ScheduledSeq
 
@@ -29,6 +35,8 @@ class SchedulerConfig:
         max_batch_size: most requests in the running batch (``maxBatchSize``).
         max_num_batched_tokens: token budget of one step (``maxPrefillTokens``).
         max_seq_len: prompt + output cap per request, tokens (``maxSeqLen``).
+        max_prefill_batch_size: most requests prefilling in one step
+            (``maxPrefillBatchSize``).
         eos_token_ids: ids that end a request (unless ``ignore_eos``), from the model's
             generation config.
     """
@@ -36,10 +44,12 @@ class SchedulerConfig:
     max_batch_size: int = 200
     max_num_batched_tokens: int = 8192
     max_seq_len: int = 8192
+    max_prefill_batch_size: int = 50
     eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_batched_tokens", "max_seq_len"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "max_seq_len",
+                     "max_prefill_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -54,6 +64,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which found there
 
     # ------------------------------------------------------------------ queue changes
 
@@ -115,9 +127,11 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work and reserve KV blocks for it."""
+        self._preempt_for_priority()
         budget = self.cfg.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         scheduled: set[str] = set()
+        prefills = 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -127,19 +141,20 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next one
             out.append(self._seq(req, n))
             scheduled.add(req.request_id)
+            prefills += n > 1
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
+        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size
+               and prefills < self.cfg.max_prefill_batch_size):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self.pool.blocks_for(req.num_computed + n) - len(req.block_table)
-            if need > self.pool.num_free:
-                break  # no preemption to admit new work: wait for running ones to finish
+            if not self._admit(req, budget):
+                break  # no preemption to admit equal-priority work: wait for blocks
             self.waiting.pop(0)
-            req.block_table += self.pool.allocate(need)
+            n = min(req.num_tokens - req.num_computed, budget)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(self._seq(req, n))
+            prefills += 1
             budget -= n
         return out
 
@@ -162,6 +177,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished while the step ran
             req.num_computed += len(seq.token_ids)
+            self._register_full_blocks(req)
             if not seq.sample:
                 continue
             tok = sampled[seq.request_id]
@@ -191,6 +207,57 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
         )
 
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Give a waiting request its cached prefix and blocks for its first chunk.
+
+        Returns False (and changes nothing) when the blocks are not there.
+        """
+        bs = self.pool.block_size
+        # at least one token must be computed: look up at most (num_tokens - 1) // bs
+        keys, prev = [], None
+        for i in range((req.num_tokens - 1) // bs):
+            key = block_key(prev, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            keys.append(key)
+            prev = hash(key)
+        hits = self.pool.lookup(keys)
+        self.pool.acquire(hits)
+        n = min(req.num_tokens - len(hits) * bs, budget)
+        need = self.pool.blocks_for(len(hits) * bs + n) - len(hits)
+        if need > self.pool.num_free:
+            self.pool.free(hits)
+            return False
+        req.block_table = hits + self.pool.allocate(need)
+        req.block_hashes = [hash(k) for k in keys[: len(hits)]]
+        req.num_computed = len(hits) * bs
+        if not req.first_scheduled:  # count a prompt once, not again after preemption
+            req.first_scheduled = True
+            req.num_cached_tokens = req.num_computed
+            self.prefix_query_tokens += req.num_prompt_tokens
+            self.prefix_hit_tokens += min(req.num_computed, req.num_prompt_tokens)
+        return True
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Enter the request's newly full, computed blocks into the prefix cache."""
+        bs = self.pool.block_size
+        while len(req.block_hashes) < req.num_computed // bs:
+            i = len(req.block_hashes)
+            prev = req.block_hashes[-1] if req.block_hashes else None
+            key = block_key(prev, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            req.block_hashes.append(self.pool.register(req.block_table[i], key))
+
+    def _preempt_for_priority(self) -> None:
+        """Preempt running work of strictly lower priority than the waiting head while
+        the batch or the KV cache leaves the head no room."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = max(self.running, key=Request.sort_key)
+            if victim.priority <= head.priority:
+                return
+            need = self.pool.blocks_for(head.num_tokens + 1)
+            if len(self.running) < self.cfg.max_batch_size and need <= self.pool.num_free:
+                return
+            self._preempt(victim)
+
     def _reserve(self, req: Request, n: int, protected: set[str]) -> bool:
         """Make sure ``req`` has blocks for ``n`` more tokens, preempting if needed.
 
@@ -219,6 +286,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.pool.free(req.block_table)
         req.block_table = []
+        req.block_hashes = []
 
     def _enqueue(self, req: Request) -> None:
         key = req.sort_key()

@@ -216,7 +216,8 @@ class SchedulerActor:
             decode_time_ms=None if first else (now - t.last_emit) * 1e3,
             seed=t.seed, logprobs=(logprob,) if logprob is not None else None,
             stop_reason=stop_reason if req.finished else None,
-            queue_time_ms=t.queue_time_ms if first else None)
+            queue_time_ms=t.queue_time_ms if first else None,
+            num_cached_tokens=req.num_cached_tokens)
         t.last_emit = now
         if req.finished:
             self._tracked.pop(req.request_id)

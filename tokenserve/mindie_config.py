@@ -1,0 +1,170 @@
+"""Read a MindIE Service ``config.json`` into our configuration.
+
+Schema and ranges: ``shared/spec/config.md`` (ServerConfig §1, BackendConfig §2,
+ModelDeployConfig §3, ModelConfig §4, ScheduleConfig §5). Unknown keys are ignored, as
+MindIE does; a known key with a wrong type or an out-of-range value is a start-up
+error naming the key (ValueError). Keys MindIE requires but that have no meaning for
+this server (TLS material, NPU ids, backend names, ...) are accepted and ignored.
+
+KV cache size [I]: ``npuMemSize`` GB on an accelerator, ``cpuMemSize`` GB on the CPU
+(MindIE's ``cpuMemSize`` is swap space; on a CPU-only server the host memory *is* the
+KV cache); a value of -1 / 0 leaves the default (``EngineConfig.kv_cache_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tokenserve.config import EngineConfig
+
+GB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """HTTP listeners and limits (spec interfaces.md §0.1, config.md §1)."""
+
+    host: str = "127.0.0.1"
+    port: int = 1025
+    management_host: str | None = None  # None: same as host
+    management_port: int | None = None  # None: same as port (one listener)
+    metrics_port: int | None = None  # None: same as management port
+    max_body_bytes: int = 40 << 20
+    max_json_depth: int = 10
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``tokenserve serve`` needs."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerOptions = field(default_factory=ServerOptions)
+
+
+def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str,
+         lo: float | None = None, hi: float | None = None, default: Any = None) -> Any:
+    """``obj[key]`` checked for type and range; ``default`` when absent."""
+    if key not in obj:
+        return default
+    v = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise ValueError(f"config {where}.{key}: expected {names}, got {v!r}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise ValueError(f"config {where}.{key}: {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _section(obj: dict, key: str, where: str) -> dict:
+    v = obj.get(key, {})
+    if not isinstance(v, dict):
+        raise ValueError(f"config {where}.{key}: expected an object")
+    return v
+
+
+def config_path_from_env() -> Path | None:
+    """``$MIES_CONFIG_JSON_PATH``, else ``$MINDIE_LLM_HOME_PATH/conf/config.json`` if it
+    exists (spec config.md "General rules"), else None."""
+    if p := os.environ.get("MIES_CONFIG_JSON_PATH"):
+        return Path(p)
+    if home := os.environ.get("MINDIE_LLM_HOME_PATH"):
+        p = Path(home) / "conf" / "config.json"
+        return p if p.exists() else None
+    return None
+
+
+def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
+                       accelerator: bool = False) -> ServeConfig:
+    """Parse ``path`` over ``base`` (defaults); CLI flags are applied by the caller after.
+
+    Raises:
+        ValueError: unreadable JSON, a wrong type or an out-of-range value (the message
+            names the key), or a setting this server cannot honour (``httpsEnabled``).
+        FileNotFoundError: ``path`` does not exist.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    if not 0 < size <= 10 * 2**20:
+        raise ValueError(f"config {p}: size must be in (0, 10 MiB], got {size} bytes")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config {p}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"config {p}: the top level must be an object")
+    base = base or ServeConfig()
+    eng, srv = base.engine, base.server
+
+    sc = _section(doc, "ServerConfig", "")
+    w = "ServerConfig"
+    if _get(sc, "httpsEnabled", bool, w, default=False):
+        raise ValueError("config ServerConfig.httpsEnabled: TLS is not supported by this "
+                         "server; set it to false (terminate TLS in front of it)")
+    host = _get(sc, "ipAddress", str, w, default=srv.host)
+    port = _get(sc, "port", int, w, 1024, 65535, srv.port)
+    mgmt_host = _get(sc, "managementIpAddress", str, w, default=srv.management_host)
+    mgmt_port = _get(sc, "managementPort", int, w, 1024, 65535, srv.management_port)
+    metrics_port = _get(sc, "metricsPort", int, w, 1024, 65535, srv.metrics_port)
+    srv = replace(
+        srv, host=host, port=port, management_host=mgmt_host, management_port=mgmt_port,
+        metrics_port=metrics_port,
+        max_body_bytes=_get(sc, "maxRequestLength", int, w, 1, 100,
+                            srv.max_body_bytes >> 20) << 20,
+        max_json_depth=_get(sc, "maxJsonDepth", int, w, 10, 100, srv.max_json_depth))
+    eng = replace(
+        eng,
+        token_timeout_s=float(_get(sc, "tokenTimeout", int, w, 1, 3600, eng.token_timeout_s)),
+        e2e_timeout_s=float(_get(sc, "e2eTimeout", int, w, 1, 65535, eng.e2e_timeout_s)))
+
+    bc = _section(doc, "BackendConfig", "")
+    md = _section(bc, "ModelDeployConfig", "BackendConfig")
+    w = "BackendConfig.ModelDeployConfig"
+    max_seq_len = _get(md, "maxSeqLen", int, w, 1, None, eng.max_seq_len)
+    max_input = _get(md, "maxInputTokenLen", int, w, 1, 4194304, eng.max_input_len)
+    models = md.get("ModelConfig", [])
+    if not isinstance(models, list) or len(models) > 1:
+        raise ValueError(f"config {w}.ModelConfig: expected a list of at most one model")
+    model, name, kv_bytes = eng.model, eng.served_model_name, eng.kv_cache_bytes
+    if models:
+        mc, w2 = models[0], f"{w}.ModelConfig[0]"
+        if not isinstance(mc, dict):
+            raise ValueError(f"config {w2}: expected an object")
+        name = _get(mc, "modelName", str, w2, default=name)
+        if name is not None and not _valid_model_name(name):
+            raise ValueError(f"config {w2}.modelName: {name!r} must match "
+                             "^[A-Za-z0-9_.-]{1,256}$ and start/end alphanumeric")
+        model = _get(mc, "modelWeightPath", str, w2, default=model)
+        npu_gb = _get(mc, "npuMemSize", int, w2, -1, 2**31 - 1, -1)
+        cpu_gb = _get(mc, "cpuMemSize", int, w2, 0, None, 0)
+        if npu_gb == 0:
+            raise ValueError(f"config {w2}.npuMemSize: must be -1 (auto) or > 0")
+        gb = npu_gb if accelerator else cpu_gb
+        if gb > 0:
+            kv_bytes = gb * GB
+
+    sch = _section(bc, "ScheduleConfig", "BackendConfig")
+    w = "BackendConfig.ScheduleConfig"
+    max_batch = _get(sch, "maxBatchSize", int, w, 1, 819200, eng.max_batch_size)
+    prefill_batch = _get(sch, "maxPrefillBatchSize", int, w, 0, max_batch,
+                         eng.max_prefill_batch_size) or max_batch
+    eng = replace(
+        eng, model=model, served_model_name=name, kv_cache_bytes=kv_bytes,
+        max_seq_len=max_seq_len, max_input_len=max_input,
+        block_size=_get(sch, "cacheBlockSize", int, w, 1, 128, eng.block_size),
+        max_batch_size=max_batch, max_prefill_batch_size=prefill_batch,
+        max_num_batched_tokens=_get(sch, "maxPrefillTokens", int, w, 1, 4194304,
+                                    eng.max_num_batched_tokens),
+        max_iter_times=_get(sch, "maxIterTimes", int, w, 1, max_seq_len, eng.max_iter_times),
+        enable_prefix_caching=_get(sch, "enablePrefixCache", bool, w,
+                                   default=eng.enable_prefix_caching))
+    return ServeConfig(engine=eng, server=srv)
+
+
+def _valid_model_name(name: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,254}[A-Za-z0-9])?", name))
