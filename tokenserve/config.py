@@ -37,6 +37,7 @@ class EngineConfig:
         max_queue_size: most requests waiting for a batch slot; one more is refused at
             once (HTTP 503) instead of queueing without bound.
         enable_prefix_caching: share KV blocks of common prompt prefixes.
+        enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
         served_model_name: the name APIs report (MindIE ``modelName``); None = the
             model's own name.
     """
@@ -56,6 +57,7 @@ class EngineConfig:
     max_input_len: int | None = None
     max_queue_size: int = 1024
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:

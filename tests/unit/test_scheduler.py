@@ -14,11 +14,11 @@ EOS = 2
 
 
 def make_sched(num_blocks=64, block_size=4, budget=64, max_batch=8, max_seq_len=256,
-               caching=True, max_prefill_batch=50):
+               caching=True, max_prefill_batch=50, chunked=True):
     pool = BlockPool(num_blocks, block_size, enable_caching=caching)
     cfg = SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget,
                           max_seq_len=max_seq_len, max_prefill_batch_size=max_prefill_batch,
-                          eos_token_ids=frozenset({EOS}))
+                          enable_chunked_prefill=chunked, eos_token_ids=frozenset({EOS}))
     return Scheduler(cfg, pool)
 
 
@@ -285,3 +285,14 @@ def test_higher_priority_waiting_request_preempts_when_batch_full():
     s.add(req("bulk4", max_new=2))
     seqs, _ = run_step(s)
     assert "bulk4" not in [q.request_id for q in seqs]
+
+
+def test_without_chunked_prefill_long_prompt_runs_whole():
+    s = make_sched(budget=8, chunked=False)
+    s.add(req("short", n_prompt=3, max_new=10))
+    run_step(s)
+    s.add(req("long", n_prompt=20))
+    s.add(req("next", n_prompt=3))
+    seqs, _ = run_step(s)  # the whole prompt in one step; the budget is then spent
+    d = {q.request_id: (len(q.token_ids), q.sample) for q in seqs}
+    assert d == {"short": (1, True), "long": (20, True)}

@@ -84,7 +84,8 @@ class AsyncEngine:
         self.pool = BlockPool(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_batched_tokens, self.max_model_len,
-                            cfg.max_prefill_batch_size, eos_token_ids=eos), self.pool)
+                            cfg.max_prefill_batch_size, cfg.enable_chunked_prefill,
+                            eos_token_ids=eos), self.pool)
         self.executor = ExecutorActor(runner)
         self._streams: dict[str, RequestStream] = {}
         self.actor = SchedulerActor(

@@ -37,6 +37,9 @@ class SchedulerConfig:
         max_seq_len: prompt + output cap per request, tokens (``maxSeqLen``).
         max_prefill_batch_size: most requests prefilling in one step
             (``maxPrefillBatchSize``).
+        enable_chunked_prefill: split prompts longer than the step's remaining budget
+            across steps; when off, a prompt is prefilled whole in one step (the budget
+            then only limits admissions), stalling running decodes for that step.
         eos_token_ids: ids that end a request (unless ``ignore_eos``), from the model's
             generation config.
     """
@@ -45,6 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_seq_len: int = 8192
     max_prefill_batch_size: int = 50
+    enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
@@ -147,10 +151,13 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size
                and prefills < self.cfg.max_prefill_batch_size):
             req = self.waiting[0]
-            if not self._admit(req, budget):
+            # without chunking a prompt is prefilled whole, overrunning the budget (a
+            # budget below the prompt would otherwise starve it behind running decodes)
+            limit = budget if self.cfg.enable_chunked_prefill else max(budget, req.num_tokens)
+            if not self._admit(req, limit):
                 break  # no preemption to admit equal-priority work: wait for blocks
             self.waiting.pop(0)
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, limit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(self._seq(req, n))
