@@ -11,8 +11,7 @@ from tokenserve.engine.stop_strings import StopStringMatcher
 def run(pieces, stops, include=False):
     m = StopStringMatcher(tuple(stops), include)
     emitted = [m.feed(p) for p in pieces]
-    if m.hit is None:
-        emitted.append(m.flush())
+    emitted.append(m.flush())
     return emitted, m.hit
 
 
@@ -35,6 +34,11 @@ def test_partial_prefix_released_when_ruled_out():
 def test_unfinished_prefix_released_at_end():
     emitted, hit = run(["done <|en"], ["<|end|>"])
     assert hit is None and emitted == ["done ", "<|en"]
+
+
+def test_flush_after_hit_is_empty():
+    m = StopStringMatcher(("x",))
+    assert m.feed("axb") == "a" and m.flush() == ""
 
 
 def test_earliest_match_wins_among_several():
@@ -64,5 +68,17 @@ def test_chunking_does_not_change_the_result(text, cuts, stops):
     if hit is None:
         assert out == text
     else:
-        first = min(text.find(s) for s in stops if s in text)
-        assert out == text[:first]
+        first = min((text.find(s), len(s)) for s in stops if s in text)
+        assert (first[0], len(hit)) == first and out == text[: first[0]]
+
+
+def test_shorter_stop_at_same_place_wins_and_longer_earlier_partial_defers():
+    assert run(["<", "<"], ["<", "<<"])[1] == "<"
+    # "b" matches first in time, but "abc" starts earlier and may still complete
+    emitted, hit = run(["a", "b", "c"], ["abc", "b"])
+    assert hit == "abc" and "".join(emitted) == ""
+    emitted, hit = run(["a", "b", "x"], ["abc", "b"])
+    assert hit == "b" and "".join(emitted) == "a"
+    # a deferred match is settled when the text ends
+    emitted, hit = run(["xab"], ["abc", "b"])
+    assert hit == "b" and "".join(emitted) == "xa"

@@ -13,6 +13,11 @@ from __future__ import annotations
 class StopStringMatcher:
     """Feed text deltas in order; get back what is safe to emit and the stop hit.
 
+    The hit is the match that *starts* first in the output text; among stop strings
+    matching at the same place, the shortest (the one a stream sees complete first).
+    A match is only final once no earlier-starting partial match can still complete,
+    so the result does not depend on how the text was cut into deltas.
+
     Args:
         stops: non-empty stop strings.
         include_in_output: keep the matched stop string in the emitted text.
@@ -30,31 +35,35 @@ class StopStringMatcher:
         set), the text from the match on is cut and later calls return ``""``."""
         if self.hit is not None:
             return ""
-        buf = self._pending + delta
-        best = None  # (index, -len) of the earliest, then longest, match
-        for s in self.stops:
-            i = buf.find(s)
-            if i >= 0 and (best is None or (i, -len(s)) < best[0]):
-                best = ((i, -len(s)), s)
-        if best is not None:
-            (i, _), s = best
-            self.hit, self._pending = s, ""
-            return buf[: i + len(s)] if self.include else buf[:i]
-        keep = self._partial_suffix(buf)
-        self._pending = buf[len(buf) - keep:]
-        return buf[: len(buf) - keep]
+        return self._scan(self._pending + delta, final=False)
 
     def flush(self) -> str:
-        """The request ended without completing a match: release held-back text."""
-        out, self._pending = self._pending, ""
-        return out
+        """The text ended: settle a deferred match or release held-back text."""
+        if self.hit is not None:
+            return ""
+        return self._scan(self._pending, final=True)
 
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop."""
+    def _scan(self, buf: str, final: bool) -> str:
+        best: tuple[int, int, str] | None = None  # (start, length, stop)
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or (i, len(s)) < best[:2]):
+                best = (i, len(s), s)
+        partial = len(buf) if final else self._partial_start(buf)
+        if best is not None and best[0] <= partial:
+            i, n, s = best
+            self.hit, self._pending = s, ""
+            return buf[: i + n] if self.include else buf[:i]
+        self._pending = buf[partial:]
+        return buf[:partial]
+
+    def _partial_start(self, buf: str) -> int:
+        """Start of the longest suffix of ``buf`` that is a proper prefix of a stop
+        (``len(buf)`` when there is none)."""
         best = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), best, -1):
                 if buf.endswith(s[:n]):
                     best = n
                     break
-        return best
+        return len(buf) - best
