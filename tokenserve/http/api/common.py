@@ -18,8 +18,10 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
+from tokenserve.http.context import ServeContext, context_of
+from tokenserve.http.errors import HttpError
 from tokenserve.http.server import ClientDisconnected
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.messages import EngineOverloadedError, FinishReason, GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -292,14 +294,15 @@ async def encode_text(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
-    """spec §1.5 / §0.4 step 8: the prompt must leave room for one generated token.
+def check_prompt_fits(num_prompt_tokens: int, engine: EngineClient) -> None:
+    """spec §1.5 / §0.4 step 8: the prompt must fit ``min(maxInputTokenLen, maxSeqLen - 1)``
+    (``engine.max_input_len`` where the engine has it), leaving room for one token.
 
     Raises:
         ValueError: with the ``Failed to enqueue inferRequest.`` prefix (the family
             answers 424).
     """
-    limit = max_model_len - 1
+    limit = getattr(engine, "max_input_len", engine.max_model_len - 1)
     if num_prompt_tokens > limit:
         raise ValueError(
             f"Failed to enqueue inferRequest. Input length {num_prompt_tokens} exceeds the "
@@ -338,29 +341,68 @@ class EngineStream:
     closed and ``engine.abort(request_id)`` is awaited, so KV blocks are freed at once.
     After the final output the generator is closed too (``aclose()`` at its last yield),
     without waiting for it to return by itself.
+
+    Shared server state (``tokenserve.http.context``): ``context`` (default: the one
+    ``build_router`` attaches to the engine it hands the families) gets the request
+    registered for ``stopInfer`` (spec §2.3) under its ``request_id`` and ``aliases``
+    (e.g. the client's Triton ``id``) while the block runs, and its metrics record the
+    request (spec §7.7). :meth:`stop` (what ``stopInfer`` calls) aborts the request in
+    the engine and ends the iteration with a synthesized final output whose
+    ``finish_reason`` is ``ABORT`` (``stopped`` is then True), so the family can still
+    answer normally.
     """
 
     def __init__(
-        self, engine: EngineClient, request: GenerateRequest, disconnected: asyncio.Event
+        self,
+        engine: EngineClient,
+        request: GenerateRequest,
+        disconnected: asyncio.Event,
+        *,
+        context: ServeContext | None = None,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self._engine = engine
         self._request = request
         self._disconnected = disconnected
+        self._context = context if context is not None else context_of(engine)
+        self._ids = (request.request_id, *aliases)
+        self._tracker: Any = None
         self._gen: AsyncIterator[RequestOutput] | None = None
         self._owner: asyncio.Task[Any] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._active = False
         self._fired = False
         self._exhausted = False
+        self._waiting = False  # the owner is awaiting the engine inside __anext__
+        self._stop_requested = False
+        self._stop_cancels = 0  # our stop() cancellations not yet consumed
+        self._num_tokens = 0
         self.finished = False
+        self.stopped = False
         self.last: RequestOutput | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id of this request."""
+        return self._request.request_id
 
     async def __aenter__(self) -> EngineStream:
         if self._disconnected.is_set():
             raise ClientDisconnected()
         self._owner = asyncio.current_task()
-        self._gen = self._engine.generate(self._request)
+        try:
+            self._gen = self._engine.generate(self._request)
+        except EngineOverloadedError as exc:  # bounded waiting queue full: refuse at once
+            raise HttpError(503, str(exc)) from exc
         self._active = True
+        ctx = self._context
+        if ctx is not None:
+            ctx.registry.add(self, self._ids)
+            if ctx.metrics is not None:
+                try:
+                    self._tracker = ctx.metrics.request_started(self._request)
+                except Exception:
+                    logger.exception("metrics: request_started failed")
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return self
 
@@ -382,31 +424,100 @@ class EngineStream:
             # Never wait for more after the final output (an engine generator may not
             # return on its own); __aexit__ closes it.
             raise StopAsyncIteration
+        if self._stop_requested:
+            return self._stopped_output()
+        self._waiting = True
         try:
             out = await self._gen.__anext__()
         except StopAsyncIteration:
             self._exhausted = True
             raise
+        except asyncio.CancelledError:
+            if self._stop_cancels and not self._fired and self._owner is not None:
+                self._stop_cancels -= 1
+                uncancel = getattr(self._owner, "uncancel", None)
+                if uncancel is None or uncancel() == 0:
+                    self._exhausted = True  # the generator ended with the cancellation
+                    return self._stopped_output()
+            raise
+        finally:
+            self._waiting = False
         self.last = out
+        self._num_tokens += len(out.new_token_ids)
         if out.finished:
             self.finished = True
+        if self._tracker is not None:
+            try:
+                self._tracker.output(out)
+            except Exception:
+                logger.exception("metrics: output failed")
         return out
+
+    def _stopped_output(self) -> RequestOutput:
+        """The final output of a request ended by :meth:`stop`."""
+        req = self._request
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=(),
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=self._num_tokens,
+            seed=req.params.seed,
+        )
+        self.last = out
+        self.finished = True
+        self.stopped = True
+        return out
+
+    async def stop(self) -> bool:
+        """Stop the request (spec §2.3 stopInfer): abort it in the engine and end the
+        iteration with a final ``ABORT`` output. False when it had already finished."""
+        if self.finished or not self._active or self._stop_requested:
+            return False
+        self._stop_requested = True
+        if self._waiting and self._owner is not None:
+            self._stop_cancels += 1
+            self._owner.cancel()
+        try:
+            await self._engine.abort(self._request.request_id)
+        except Exception:
+            logger.exception("aborting %s failed", self._request.request_id)
+        return True
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         self._active = False
         if self._watcher is not None:
             self._watcher.cancel()
+        uncancel = getattr(self._owner, "uncancel", None)
+        while self._stop_cancels and uncancel is not None:
+            self._stop_cancels -= 1  # a stop() cancel that never surfaced as ours
+            uncancel()
         disconnected = False
         if self._fired:
             assert self._owner is not None
             # our cancellation is consumed; any other pending cancel keeps propagating
             # (Python 3.10 has no cancel counting: treat it as ours)
-            uncancel = getattr(self._owner, "uncancel", None)
             disconnected = uncancel is None or uncancel() == 0
-        await self._stop_engine()
+        try:
+            await self._stop_engine()
+        finally:
+            self._unregister()
         if disconnected:
             raise ClientDisconnected() from exc
         return False
+
+    def _unregister(self) -> None:
+        ctx = self._context
+        if ctx is None:
+            return
+        ctx.registry.remove(self, self._ids)
+        if self._tracker is not None:
+            try:
+                self._tracker.finished(self.last if self.finished else None)
+            except Exception:
+                logger.exception("metrics: finished failed")
 
     async def _stop_engine(self) -> None:
         """Close the engine generator (it is suspended at its last yield, or mid-way) and

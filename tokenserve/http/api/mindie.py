@@ -218,7 +218,7 @@ class MindIEApi:
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         try:
-            check_prompt_fits(len(ids), self._engine.max_model_len)
+            check_prompt_fits(len(ids), self._engine)
         except ValueError as exc:
             raise HttpError(424, str(exc)) from None
         greq = GenerateRequest(

@@ -1,0 +1,226 @@
+"""TGI (spec §3) and vLLM ``/generate`` (spec §4.1) over a real socket with the real model.
+
+The TGI side is driven by ``huggingface_hub.InferenceClient`` (synchronous: run in a
+thread so the session loop keeps serving) and by httpx; the vLLM side by httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+from huggingface_hub import InferenceClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CJK_EMOJI = "你好，世界！🌍🚀 我爱北京。😀\n" * 3
+
+
+def chat(live, user: str) -> str:
+    """A one-turn ChatML prompt as text, ready for the assistant's answer."""
+    return live.engine.tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                                     add_generation_prompt=True)
+
+
+async def tgi_events(client, path: str, body: dict) -> list[dict]:
+    """All SSE events of a TGI stream; each event must be valid UTF-8 on its own."""
+    events = []
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        buf = b""
+        async for chunk in r.aiter_bytes():
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                assert ev.startswith(b"data: "), ev
+                events.append(orjson.loads(ev[len(b"data: "):].decode("utf-8")))
+    assert buf == b""
+    return events
+
+
+async def vllm_chunks(client, body: dict) -> list[dict]:
+    """All NUL-delimited JSON chunks of a vLLM stream (spec §4.1)."""
+    chunks = []
+    async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        buf = b""
+        async for data in r.aiter_bytes():
+            buf += data
+            while b"\0" in buf:
+                raw, buf = buf.split(b"\0", 1)
+                chunks.append(orjson.loads(raw.decode("utf-8")))
+    assert buf == b""
+    return chunks
+
+
+async def vllm(client, body: dict) -> list[str]:
+    r = await client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["text"]
+
+
+# --------------------------------------------------------------------------- TGI
+
+
+async def test_tgi_client_details(live):
+    hf = InferenceClient(base_url=live.url)
+    out = await asyncio.to_thread(hf.text_generation, chat(live, "What is the capital of France?"),
+                                  details=True, max_new_tokens=16, top_n_tokens=3)
+    assert "Paris" in out.generated_text, out
+    d = out.details
+    assert d.finish_reason in ("eos_token", "length")
+    assert d.generated_tokens == len(d.tokens) and d.generated_tokens <= 16
+    assert isinstance(d.seed, int) and d.prefill == []
+    await live.assert_idle_and_leak_free()
+
+
+async def test_tgi_client_stream_equals_non_stream(live):
+    hf = InferenceClient(base_url=live.url)
+    prompt = chat(live, "Explain what a cat is in two sentences.")
+    full = await asyncio.to_thread(hf.text_generation, prompt, max_new_tokens=20)
+    tokens = await asyncio.to_thread(
+        lambda: list(hf.text_generation(prompt, max_new_tokens=20, stream=True)))
+    assert "".join(tokens) == full
+    events = await asyncio.to_thread(
+        lambda: list(hf.text_generation(prompt, max_new_tokens=20, stream=True, details=True)))
+    last = events[-1]
+    assert last.generated_text == full
+    assert all(e.details is None and e.generated_text is None for e in events[:-1])
+    assert sum(len(e.token.id) for e in events) == last.details.generated_tokens
+    assert last.details.finish_reason in ("eos_token", "length")
+
+
+async def test_tgi_full_text_and_prefill(live, client):
+    prompt = "The quick brown fox"
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 4, "return_full_text": True,
+                                             "decoder_input_details": True}}
+    r = await client.post("/generate", json=body)
+    obj = r.json()
+    d = obj["details"]
+    assert obj["generated_text"].startswith(prompt + " ")
+    assert len(d["prefill"]) == d["prompt_tokens"] == len(live.engine.tokenizer.encode(prompt))
+    assert [t["id"] for t in d["prefill"]] == live.engine.tokenizer.encode(prompt)
+
+
+async def test_tgi_cjk_emoji_stream_has_no_replacement_char(live, client):
+    body = {"inputs": CJK_EMOJI, "parameters": {"max_new_tokens": 24}}
+    events = await tgi_events(client, "/generate_stream", body)
+    pieces = [e["token"]["text"] for e in events]
+    final = events[-1]["generated_text"]
+    assert all("\ufffd" not in p for p in pieces) and "\ufffd" not in final
+    assert any(ord(c) > 0xFFFF for c in final), final
+    assert any("\u4e00" <= c <= "\u9fff" for c in final), final
+    assert "".join(pieces) == final
+    r = await client.post("/generate", json=body)
+    assert r.json()["generated_text"] == final
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+async def test_vllm_stream_equals_non_stream(live, client):
+    prompt = chat(live, "Give me one fact about the moon.")
+    [text] = await vllm(client, {"prompt": prompt, "max_tokens": 20})
+    assert text.startswith(prompt + " ")
+    chunks = await vllm_chunks(client, {"prompt": prompt, "max_tokens": 20})
+    assert all(len(c["text"]) == 1 for c in chunks)
+    assert prompt + " " + "".join(c["text"][0] for c in chunks) == text
+    await live.assert_idle_and_leak_free()
+
+
+async def test_vllm_cjk_emoji_stream_has_no_replacement_char(live, client):
+    chunks = await vllm_chunks(client, {"prompt": CJK_EMOJI, "max_tokens": 24})
+    pieces = [c["text"][0] for c in chunks]
+    streamed = "".join(pieces)
+    assert all("\ufffd" not in p for p in pieces)
+    assert any(ord(c) > 0xFFFF for c in streamed) and any("\u4e00" <= c <= "\u9fff" for c in streamed)
+    [text] = await vllm(client, {"prompt": CJK_EMOJI, "max_tokens": 24})
+    assert text == CJK_EMOJI + " " + streamed
+
+
+async def test_vllm_n_sampled_sequences(live, client):
+    prompt = chat(live, "Name a colour.")
+    texts = await vllm(client, {"prompt": prompt, "max_tokens": 8, "n": 2, "temperature": 0.9,
+                                "seed": 7})
+    assert len(texts) == 2 and all(t.startswith(prompt + " ") for t in texts)
+    assert texts == await vllm(client, {"prompt": prompt, "max_tokens": 8, "n": 2,
+                                        "temperature": 0.9, "seed": 7})  # seeded
+    await live.assert_idle_and_leak_free()
+
+
+# --------------------------------------------------------------------------- stop strings
+# These depend on the engine's stop-string support (SamplingParams.stop).
+
+
+async def test_tgi_stop_string_cuts_before_period(live, client):
+    prompt = chat(live, "What is the capital of France?")
+    base = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True}}
+    full = (await client.post("/generate", json=base)).json()["generated_text"]
+    assert "." in full, full
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True, "stop": ["."]}}
+    out = (await client.post("/generate", json=body)).json()
+    assert out["generated_text"] == full[: full.index(".")]
+    assert out["details"]["finish_reason"] == "eos_token"
+    events = await tgi_events(client, "/generate_stream", body)
+    assert events[-1]["generated_text"] == out["generated_text"]
+    assert "".join(e["token"]["text"] for e in events) == out["generated_text"]
+    await live.assert_idle_and_leak_free()
+
+
+async def test_vllm_stop_string(live, client):
+    prompt = chat(live, "What is the capital of France?")
+    [full] = await vllm(client, {"prompt": prompt, "max_tokens": 24})
+    gen = full[len(prompt) + 1:]
+    assert "." in gen, gen
+    cut = gen[: gen.index(".")]
+    assert await vllm(client, {"prompt": prompt, "max_tokens": 24, "stop": "."}) == [f"{prompt} {cut}"]
+    kept = await vllm(client, {"prompt": prompt, "max_tokens": 24, "stop": ["."],
+                               "include_stop_str_in_output": True})
+    assert kept == [f"{prompt} {cut}."]
+    chunks = await vllm_chunks(client, {"prompt": prompt, "max_tokens": 24, "stop": ["."]})
+    assert "".join(c["text"][0] for c in chunks) == cut
+    await live.assert_idle_and_leak_free()
+
+
+# --------------------------------------------------------------------------- disconnect
+
+
+@pytest.mark.parametrize("family", ["tgi", "vllm"])
+async def test_client_disconnect_mid_stream_frees_kv_blocks(live, family):
+    # max_new_tokens 200: the request must still be running when the client leaves
+    # (it is aborted after three chunks, so this stays fast)
+    prompt = chat(live, "Write a very long essay about the history of Rome.")
+    if family == "tgi":
+        path, body, sep = "/generate_stream", {"inputs": prompt,
+                                               "parameters": {"max_new_tokens": 200}}, b"\n\n"
+    else:
+        path, body, sep = "/generate", {"prompt": prompt, "max_tokens": 200, "stream": True}, b"\0"
+    await live.assert_idle_and_leak_free()
+    aborted_before = live.engine.stats().finished_by_reason.get("abort", 0)
+    async with httpx.AsyncClient(base_url=live.url, timeout=60) as c, \
+            c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        got = 0
+        async for chunk in r.aiter_bytes():
+            got += chunk.count(sep)
+            if got >= 3:
+                break
+    await live.assert_idle_and_leak_free()
+    assert live.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
+
+
+# --------------------------------------------------------------------------- /info
+
+
+async def test_info(live, client):
+    obj = (await client.get("/info")).json()
+    [model] = obj["models"]
+    assert model["model_id"] == live.engine.model_name
+    assert model["max_total_tokens"] == live.engine.max_model_len
+    assert model["model_dtype"] == "float32" and model["model_device_type"] == "cpu"
+    assert obj["max_concurrent_requests"] == 32 and obj["max_batch_total_tokens"] == 2048
+    assert obj["max_input_length"] == live.engine.max_model_len - 1

@@ -1,0 +1,182 @@
+"""Triton family (spec/interfaces.md §6), stopInfer (§2.3) and /metrics (§7.7) with the
+real default model over a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def addr(live) -> str:
+    return live.url.removeprefix("http://")
+
+
+def prompt_text(live, user: str) -> str:
+    return live.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], add_generation_prompt=True)
+
+
+async def stream_events(client, model: str, body: dict) -> list[dict]:
+    events = []
+    async with client.stream("POST", f"/v2/models/{model}/generate_stream", json=body) as r:
+        assert r.status_code == 200
+        buf = b""
+        async for chunk in r.aiter_bytes():
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                assert ev.startswith(b"data:{"), ev  # no space after data: (spec §9.4)
+                events.append(orjson.loads(ev[len(b"data:"):]))
+    assert buf == b""
+    return events
+
+
+async def scrape(client) -> dict[str, float]:
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    return {s.name: s.value for fam in text_string_to_metric_families(r.text)
+            for s in fam.samples if "le" not in s.labels}
+
+
+async def test_tritonclient_ready_and_infer(live):
+    import tritonclient.http as tc
+
+    model = live.engine.model_name
+    ids = live.chat_ids("What is the capital of France?")
+
+    def call() -> tuple[bool, bool, list[int], list[int]]:
+        c = tc.InferenceServerClient(url=addr(live), network_timeout=120)
+        try:
+            inp = tc.InferInput("input0", [1, len(ids)], "UINT32")
+            inp.set_data_from_numpy(np.array([ids], dtype=np.uint32))  # binary (default)
+            res = c.infer(model, [inp], request_id="tc1", parameters={"max_new_tokens": 12})
+            inp2 = tc.InferInput("input0", [len(ids)], "UINT32")
+            inp2.set_data_from_numpy(np.array(ids, dtype=np.uint32), binary_data=False)
+            res2 = c.infer(model, [inp2], outputs=[tc.InferRequestedOutput(
+                "output0", binary_data=False)], parameters={"max_new_tokens": 12})
+            return (c.is_server_ready(), c.is_model_ready(model),
+                    res.as_numpy("output0").ravel().tolist(),
+                    res2.as_numpy("output0").ravel().tolist())
+        finally:
+            c.close()
+
+    ready, model_ready, out, out2 = await asyncio.to_thread(call)
+    assert ready and model_ready
+    assert 0 < len(out) <= 12 and out == out2  # greedy: same ids either encoding
+    assert "Paris" in live.engine.tokenizer.decode(out)
+    await live.assert_idle_and_leak_free()
+
+
+async def test_generate_stream_equals_non_stream(live, client):
+    model = live.engine.model_name
+    body = {"id": "eq-1", "text_input": prompt_text(live, "Explain what a cat is."),
+            "parameters": {"max_new_tokens": 12, "details": True}}
+    r = await client.post(f"/v2/models/{model}/generate", json=body)
+    assert r.status_code == 200, r.text
+    full = r.json()
+    assert full["id"] == "eq-1" and full["model_name"] == model
+    events = await stream_events(client, model, body)
+    assert "".join(e["text_output"] for e in events) == full["text_output"]
+    assert events[-1]["details"]["finish_reason"] == full["details"]["finish_reason"]
+    assert events[-1]["details"]["generated_tokens"] == full["details"]["generated_tokens"]
+    assert events[0]["prefill_time"] is not None and events[1]["decode_time"] is not None
+
+
+async def test_generate_stream_chinese_emoji_utf8(live, client):
+    model = live.engine.model_name
+    body = {"text_input": "你好，世界！🌍🚀 我爱北京。😀\n" * 3, "max_tokens": 24}
+    events = await stream_events(client, model, body)
+    text = "".join(e["text_output"] for e in events)
+    assert all("\ufffd" not in e["text_output"] for e in events)
+    assert any(ord(c) > 0xFFFF for c in text), text
+    assert any("\u4e00" <= c <= "\u9fff" for c in text), text
+
+
+async def test_generate_stream_disconnect_frees_kv_blocks(live):
+    model = live.engine.model_name
+    body = {"text_input": prompt_text(live, "Write a very long essay about Rome."),
+            "parameters": {"max_new_tokens": 400}}
+    aborted_before = live.engine.stats().finished_by_reason.get("abort", 0)
+    async with (httpx.AsyncClient(base_url=live.url, timeout=60) as c,
+                c.stream("POST", f"/v2/models/{model}/generate_stream", json=body) as r):
+        got = 0
+        async for chunk in r.aiter_bytes():
+            got += chunk.count(b"\n\n")
+            if got >= 3:
+                break
+    await live.assert_idle_and_leak_free()
+    assert live.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
+
+
+async def test_stop_infer_stops_running_stream(live, client):
+    model = live.engine.model_name
+    body = {"id": "stop-me-1", "text_input": prompt_text(live, "Count from 1 to 1000."),
+            "parameters": {"max_new_tokens": 400, "details": True}}
+    aborted_before = live.engine.stats().finished_by_reason.get("abort", 0)
+    events: list[dict] = []
+    first = asyncio.Event()
+
+    async def run() -> None:
+        async with (httpx.AsyncClient(base_url=live.url, timeout=60) as c,
+                    c.stream("POST", f"/v2/models/{model}/generate_stream", json=body) as r):
+            buf = b""
+            async for chunk in r.aiter_bytes():
+                buf += chunk
+                while b"\n\n" in buf:
+                    ev, buf = buf.split(b"\n\n", 1)
+                    events.append(orjson.loads(ev[len(b"data:"):]))
+                    first.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(first.wait(), 60)
+    r = await client.post(f"/v2/models/{model}/stopInfer", json={"id": "stop-me-1"})
+    assert r.status_code == 200 and r.json() == {"id": "stop-me-1"}
+    await asyncio.wait_for(task, 30)
+    assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+    assert events[-1]["details"]["generated_tokens"] < 400
+    await live.assert_idle_and_leak_free()
+    assert live.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
+    r = await client.post(f"/v2/models/{model}/stopInfer", json={"id": "stop-me-1"})
+    assert r.status_code == 404
+
+
+async def test_metrics_count_requests(live, client):
+    model = live.engine.model_name
+    before = await scrape(client)
+    n = 3
+    for i in range(n):
+        r = await client.post(f"/v2/models/{model}/generate",
+                              json={"text_input": f"Say {i}.", "parameters": {"max_new_tokens": 4}})
+        assert r.status_code == 200
+    await live.assert_idle_and_leak_free()
+    after = await scrape(client)
+    assert after["request_received_total"] - before["request_received_total"] == n
+    assert after["request_success_total"] - before["request_success_total"] == n
+    ttft = "time_to_first_token_seconds_count"
+    assert after[ttft] - before[ttft] == n
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] >= n
+    assert after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0
+    assert after["cpu_cache_usage_perc"] == 0  # idle: every KV block free
+    r = await client.get("/metrics-json")
+    assert r.status_code == 200 and r.json()["resultType"] == "vector"
+
+
+async def test_triton_metadata_and_tokenizer(live, client):
+    model = live.engine.model_name
+    cfg = (await client.get(f"/v2/models/{model}/config")).json()
+    assert cfg["max_seq_len"] == live.engine.max_model_len
+    slots = (await client.get(f"/v2/models/{model}/getSlotCount")).json()
+    assert slots["total_slots"] == live.engine.cfg.max_batch_size
+    st = live.engine.stats()
+    assert slots["available_tokens_length"] == st.num_free_blocks * live.engine.cfg.block_size
+    r = await client.post("/v1/tokenizer", json={"inputs": "Hello world"})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["token_number"] == len(out["tokens"]) and "".join(out["tokens"]) == "Hello world"

@@ -1,0 +1,410 @@
+"""TGI-compatible family: ``POST /generate_stream``, ``POST /``, the TGI side of
+``POST /generate`` and ``GET /info`` (spec/interfaces.md §3).
+
+``POST /generate`` is shared with the vLLM family; ``tokenserve.http.app`` parses the body
+once, routes it (spec §3.1) and calls :meth:`TgiApi.generate` with the parsed object.
+Stream-ness (spec §3.2): ``/generate`` never streams, ``/generate_stream`` always does,
+``POST /`` reads ``stream`` from the body. The pipeline is spec §0.4: JSON (422) ->
+validation (422, MindIE's ``{"error", "error_type"}`` wrapper) -> prompt length (424) ->
+generation; a timeout or engine failure after a stream started is written as a plain-text
+last chunk and the connection is closed (§0.4 step 9).
+
+Response shapes (spec §3.3, §3.4)::
+
+    /generate      {"generated_text": ".."}  or, with details / decoder_input_details,
+                   {"details": {"prompt_tokens", "finish_reason", "generated_tokens",
+                                "prefill": [..], "seed", "tokens": [..]}, "generated_text": ".."}
+    POST /         the same object inside a one-element array
+    stream         data: {"token": {"id": [..], "text": "..", "logprob": null, "special": null},
+                          "generated_text": null, "details": null}
+                   last: generated_text = all text, details {prompt_tokens, finish_reason,
+                         generated_tokens, seed} or null
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+import tokenserve
+from tokenserve.http.api.common import (
+    DEFAULT_MAX_JSON_DEPTH,
+    FLT_MAX,
+    INT32_MAX,
+    EngineClient,
+    EngineStream,
+    check_json_content_type,
+    check_prompt_fits,
+    encode_text,
+    get_bool,
+    get_float,
+    get_int,
+    get_object,
+    get_str,
+    mindie_finish_reason,
+    parse_json_object,
+)
+from tokenserve.http.errors import HttpError
+from tokenserve.http.router import Router
+from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: spec §3.2 ``stop``: at most this many strings, each this many UTF-16 units, this in total.
+MAX_STOP_ITEMS = 1024
+MAX_STOP_LEN = 1024
+MAX_STOP_TOTAL = 32768
+#: spec §3.2 ``adapter_id``.
+_ADAPTER_ID = re.compile(r"[a-zA-Z0-9_./-]{1,256}", re.ASCII)
+_FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
+_NULL_TOKEN = {"logprob": None, "special": None, "text": None}
+
+
+@dataclass(frozen=True)
+class TgiBody:
+    """A validated TGI body (spec §3.2), before tokenisation."""
+
+    text: str
+    params: SamplingParams
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool
+    truncate: int | None
+
+
+def _utf16_len(s: str) -> int:
+    return len(s.encode("utf-16-le")) // 2
+
+
+def parse_text_input(value: Any, name: str = "inputs") -> str:
+    """A non-empty string, or a multimodal list whose ``text`` items are joined (spec §1.5;
+    media items are rejected: the models we serve are text-only [I])."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"Parameter {name} must not be empty.")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"Parameter {name} must be a non-empty string or a list.")
+    texts: list[str] = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise ValueError(f"Each element of {name} must be an object.")
+        kind = item.get("type")
+        if kind != "text":
+            raise ValueError(f"Unsupported element type in {name}: {str(kind)[:32]}.")
+        if not isinstance(item.get("text"), str):
+            raise ValueError(f"The text of a text element in {name} must be a string.")
+        texts.append(item["text"])
+    text = "".join(texts)
+    if not text:
+        raise ValueError(f"Parameter {name} must not be empty.")
+    return text
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    """``parameters.stop`` (spec §3.2): a string of 1..1024 UTF-16 units, or a list of at
+    most 1024 such strings, 32768 units in total. ``null`` or ``[]`` means none."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ValueError("Parameter stop must be a string or a list of strings.")
+    if len(items) > MAX_STOP_ITEMS:
+        raise ValueError(f"Parameter stop must have at most {MAX_STOP_ITEMS} items.")
+    total = 0
+    for s in items:
+        if not isinstance(s, str):
+            raise ValueError("Parameter stop must be a string or a list of strings.")
+        n = _utf16_len(s)
+        if not 0 < n <= MAX_STOP_LEN:
+            raise ValueError(f"Each stop string must have 1 to {MAX_STOP_LEN} characters.")
+        total += n
+    if total > MAX_STOP_TOTAL:
+        raise ValueError(f"The stop strings must have at most {MAX_STOP_TOTAL} characters in total.")
+    return tuple(items)
+
+
+def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBody:
+    """Validate a TGI body (spec §3.2) and map it onto the internal model (§1).
+
+    ``do_sample`` [I]: explicit wins, else sample iff temperature/top_k/top_p was given
+    (as the native family). ``typical_p`` and ``watermark`` are validated, then ignored;
+    fields the spec does not list (``best_of``, ``top_n_tokens``, ``grammar``,
+    ``frequency_penalty``...) are ignored, never rejected.
+
+    Raises:
+        ValueError: any violation (422).
+    """
+    if obj.get("inputs") is None:
+        raise ValueError("Not found inputs.")
+    text = parse_text_input(obj["inputs"])
+    p = get_object(obj, "parameters")
+    temperature = get_float(p, "temperature", 0.0, FLT_MAX, lo_open=True)
+    top_k = get_int(p, "top_k", 0, INT32_MAX, lo_open=True)
+    top_p = get_float(p, "top_p", 0.0, 1.0, lo_open=True, hi_open=True)
+    get_float(p, "typical_p", 0.0, 1.0, lo_open=True)
+    do_sample = get_bool(p, "do_sample")
+    seed = get_int(p, "seed", 0, MAX_SEED)
+    repetition_penalty = get_float(p, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
+    get_bool(p, "watermark")
+    max_new_tokens = get_int(p, "max_new_tokens", 0, INT32_MAX, lo_open=True, default=20)
+    stop = parse_stop(p.get("stop"))
+    details = bool(get_bool(p, "details", False))
+    decoder_input_details = bool(get_bool(p, "decoder_input_details", False))
+    return_full_text = bool(get_bool(p, "return_full_text", False))
+    truncate = get_int(p, "truncate", 0, INT32_MAX, lo_open=True)
+    adapter = get_str(p, "adapter_id")
+    if adapter is not None:
+        if not _ADAPTER_ID.fullmatch(adapter):
+            raise ValueError("Parameter adapter_id must match ^[a-zA-Z0-9_./-]{1,256}$.")
+        if adapter not in (model_name, "None"):  # [I] no LoRA adapters are served
+            raise ValueError(f"Adapter {adapter} not found.")
+    if stream and decoder_input_details:
+        raise ValueError("decoder_input_details == true is not supported when streaming tokens.")
+
+    if do_sample is None:
+        do_sample = temperature is not None or top_k is not None or top_p is not None
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "stop": stop}
+    for key, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                       ("repetition_penalty", repetition_penalty), ("seed", seed)):
+        if value is not None:
+            kwargs[key] = value
+    return TgiBody(text, SamplingParams(**kwargs), details, decoder_input_details,
+                   return_full_text, truncate)
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def _get(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+class TgiApi:
+    """Handlers of the TGI family (spec §3)."""
+
+    def __init__(
+        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    ) -> None:
+        self._engine = engine
+        self._max_json_depth = max_json_depth
+
+    def register(self, router: Router) -> None:
+        """Add ``POST /generate_stream``, ``POST /`` and ``GET /info`` (``POST /generate``
+        is registered by the app's dispatcher, spec §3.1)."""
+        router.post("/generate_stream", self.generate_stream)
+        router.post("/", self.root)
+        router.get("/info", self.info)
+
+    # ------------------------------------------------------------------ routes
+
+    async def generate(
+        self, request: HttpRequest, response: HttpResponse, *, body: dict[str, Any] | None = None
+    ) -> None:
+        """TGI ``POST /generate`` (never streams, spec §3.2); ``body`` is the parsed JSON
+        when the dispatcher already has it."""
+        obj = body if body is not None else self._parse(request)
+        await self._run(request, response, obj, stream=False, wrap=False)
+
+    async def generate_stream(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /generate_stream`` (always streams, spec §3.4)."""
+        await self._run(request, response, self._parse(request), stream=True, wrap=False)
+
+    async def root(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /``: ``stream`` from the body; non-stream answers a one-element array."""
+        obj = self._parse(request)
+        try:
+            stream = bool(get_bool(obj, "stream", False))
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        await self._run(request, response, obj, stream=stream, wrap=not stream)
+
+    async def info(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``GET /info`` (spec §3.5); 503 with an empty body when the engine is unhealthy.
+
+        [I] ``model_device_type`` is the device the model runs on (MindIE: always npu);
+        ``model_dtype`` the dtype the weights are served in; ``max_input_length`` is
+        ``max_model_len - 1`` (the prompt must leave room for one token)."""
+        eng = self._engine
+        try:
+            healthy = bool(eng.is_healthy())
+        except Exception:
+            logger.exception("engine health check failed")
+            healthy = False
+        if not healthy:
+            await response.send(503, b"", "application/json")
+            return
+        cfg = getattr(eng, "cfg", None)
+        device = _get(eng, "executor.runner.device.type") or getattr(cfg, "device", None)
+        dtype = getattr(cfg, "dtype", None) or _get(eng, "model_config.torch_dtype")
+        await response.send_json(200, {
+            "docker_label": None,
+            "max_batch_total_tokens": getattr(cfg, "max_num_batched_tokens", eng.max_model_len),
+            "max_best_of": 1,
+            "max_concurrent_requests": getattr(cfg, "max_batch_size", None),
+            "max_stop_sequences": None,
+            "max_waiting_tokens": None,
+            "sha": None,
+            "validation_workers": None,
+            "version": getattr(tokenserve, "__version__", "1.0.0"),
+            "waiting_served_ratio": None,
+            "models": [{
+                "model_device_type": device or "cpu",
+                "model_dtype": dtype,
+                "model_id": eng.model_name,
+                "model_pipeline_tag": "text-generation",
+                "model_sha": None,
+                "max_total_tokens": eng.max_model_len,
+            }],
+            "max_input_length": eng.max_model_len - 1,
+        })
+
+    # ------------------------------------------------------------------ pipeline
+
+    def _parse(self, request: HttpRequest) -> dict[str, Any]:
+        try:
+            check_json_content_type(request.headers)
+            return parse_json_object(request.body, self._max_json_depth)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+
+    async def _build(
+        self, request: HttpRequest, obj: dict[str, Any], stream: bool
+    ) -> tuple[TgiBody, GenerateRequest]:
+        """Steps 5-8 of spec §0.4; raises HttpError 422/424."""
+        try:
+            body = parse_tgi_body(obj, stream, self._engine.model_name)
+            ids = await encode_text(self._engine.tokenizer, body.text)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        if body.truncate is not None and len(ids) > body.truncate:
+            ids = ids[-body.truncate:]  # spec §1.2: keep the last N prompt tokens
+        try:
+            check_prompt_fits(len(ids), self._engine)
+        except ValueError as exc:
+            raise HttpError(424, str(exc)) from None
+        greq = GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=tuple(ids),
+            params=body.params,
+            arrival_time=request.arrival_time,
+        )
+        return body, greq
+
+    async def _run(
+        self, request: HttpRequest, response: HttpResponse, obj: dict[str, Any], *,
+        stream: bool, wrap: bool,
+    ) -> None:
+        body, greq = await self._build(request, obj, stream)
+        if stream:
+            await self._stream(request, response, body, greq)
+        else:
+            await self._complete(request, response, body, greq, wrap)
+
+    def _prefix(self, body: TgiBody) -> str:
+        """spec §3.2 ``return_full_text``: ``inputs + " "`` before the generated text."""
+        return body.text + " " if body.return_full_text else ""
+
+    @staticmethod
+    def _seed(out: RequestOutput, greq: GenerateRequest) -> int:
+        return out.seed if out.seed is not None else greq.params.seed
+
+    async def _complete(
+        self, request: HttpRequest, response: HttpResponse, body: TgiBody,
+        greq: GenerateRequest, wrap: bool,
+    ) -> None:
+        texts: list[str] = []
+        ids: list[int] = []
+        async with EngineStream(self._engine, greq, request.disconnected) as stream:
+            async for out in stream:
+                texts.append(out.new_text)
+                ids.extend(out.new_token_ids)
+            last = stream.last
+            if last is None or not last.finished:
+                raise HttpError(500, "Engine stream ended without a final output.")
+            if last.finish_reason in _FAILED:
+                raise HttpError(500, last.error or f"Engine request {last.finish_reason.value}.")
+            result: dict[str, Any] = {}
+            if body.details or body.decoder_input_details:
+                prefill = greq.prompt_token_ids if body.decoder_input_details else ()
+                result["details"] = {
+                    "prompt_tokens": len(greq.prompt_token_ids),
+                    "finish_reason": mindie_finish_reason(last.finish_reason),
+                    "generated_tokens": last.num_output_tokens,
+                    "prefill": [{"id": i, **_NULL_TOKEN} for i in prefill],
+                    "seed": self._seed(last, greq),
+                    "tokens": [{"id": i, **_NULL_TOKEN} for i in ids],
+                }
+            result["generated_text"] = self._prefix(body) + "".join(texts)
+            await response.send_json(200, [result] if wrap else result)
+
+    async def _stream(
+        self, request: HttpRequest, response: HttpResponse, body: TgiBody, greq: GenerateRequest
+    ) -> None:
+        await response.start_stream(200, "text/event-stream")
+        texts: list[str] = []
+        async with EngineStream(self._engine, greq, request.disconnected) as stream:
+            try:
+                async for out in stream:
+                    if out.finished and out.finish_reason in _FAILED:
+                        await self._fail_stream(response, out)
+                        return
+                    if not out.finished and not out.new_token_ids and not out.new_text:
+                        continue
+                    texts.append(out.new_text)
+                    event: dict[str, Any] = {
+                        "token": {"id": list(out.new_token_ids), "text": out.new_text,
+                                  "logprob": None, "special": None},
+                        "generated_text": None,
+                        "details": None,
+                    }
+                    if out.finished:
+                        event["generated_text"] = self._prefix(body) + "".join(texts)
+                        if body.details:
+                            event["details"] = {
+                                "prompt_tokens": len(greq.prompt_token_ids),
+                                "finish_reason": mindie_finish_reason(out.finish_reason),
+                                "generated_tokens": out.num_output_tokens,
+                                "seed": self._seed(out, greq),
+                            }
+                    await response.write(_sse(event))
+            except ClientDisconnected:
+                raise
+            except Exception as exc:
+                # engine failure after the head was sent: plain-text last chunk (§0.4 step 9)
+                logger.exception("engine failed while streaming %s", greq.request_id)
+                await response.write(f"Engine failure: {exc}".encode())
+                await response.end(close_connection=True)
+                return
+            if not stream.finished:
+                await response.write(b"Engine stream ended without a final output.")
+                await response.end(close_connection=True)
+                return
+        await response.end()
+
+    @staticmethod
+    async def _fail_stream(response: HttpResponse, out: RequestOutput) -> None:
+        """Timeout / engine error mid-stream (spec §0.4 step 9): tokens that came with the
+        final output go out as a normal event, then the error text, then close."""
+        if out.new_token_ids:
+            await response.write(_sse({
+                "token": {"id": list(out.new_token_ids), "text": out.new_text,
+                          "logprob": None, "special": None},
+                "generated_text": None,
+                "details": None,
+            }))
+        reason = out.finish_reason.value if out.finish_reason else "error"
+        await response.write((out.error or f"Engine request {reason}.").encode())
+        await response.end(close_connection=True)

@@ -1,0 +1,392 @@
+"""vLLM-compatible family: ``POST /generate`` with a ``prompt`` (spec/interfaces.md §4.1).
+
+``POST /generate`` is shared with TGI; ``tokenserve.http.app`` parses the body once,
+routes it (spec §3.1: a non-null ``prompt`` wins) and calls :meth:`VllmApi.generate` with
+the parsed object. All fields are top-level (no ``parameters`` object). The pipeline is
+spec §0.4: JSON (422) -> validation (422) -> prompt length (424) -> generation; a timeout
+or engine failure after a stream started is written as a plain-text last chunk and the
+connection is closed (§0.4 step 9).
+
+``n`` / ``best_of`` (spec §4.1): ``best_of`` (else ``n``) sequences are generated as that
+many engine requests with seeds ``seed, seed+1, ...``; the non-stream answer lists them
+best first by cumulative log-probability (submission order when the engine reports no
+logprobs).
+
+Response shapes (spec §4.1, §9.5)::
+
+    non-stream  {"text": ["<prompt> <generated>", ...]}
+    stream      text/event-stream, but NUL-delimited JSON, not SSE:
+                {"text": ["<new text of seq 0>", ...]}\\0{"text": [...]}\\0 ...
+                (per step, the new text of each sequence; "" for one with nothing new)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import orjson
+
+from tokenserve.http.api.common import (
+    DEFAULT_MAX_JSON_DEPTH,
+    FLT_MAX,
+    INT32_MAX,
+    EngineClient,
+    EngineStream,
+    check_json_content_type,
+    check_prompt_fits,
+    encode_text,
+    get_bool,
+    get_float,
+    get_int,
+    get_str,
+    parse_json_object,
+)
+from tokenserve.http.errors import HttpError
+from tokenserve.http.router import Router
+from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: spec §4.1 ``stop``: one string up to 32768 UTF-16 units, list items up to 1024 each,
+#: 32768 in total, no count limit.
+MAX_STOP_SINGLE = 32768
+MAX_STOP_LEN = 1024
+MAX_STOP_TOTAL = 32768
+MAX_BEST_OF = 128
+MAX_N = 8192
+_FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
+_NO_FINAL = "Engine stream ended without a final output."
+
+
+@dataclass(frozen=True)
+class VllmBody:
+    """A validated vLLM ``/generate`` body (spec §4.1) before tokenisation.
+
+    ``count`` is how many sequences to generate and return (``best_of`` else ``n``).
+    """
+
+    text: str
+    stream: bool
+    params: SamplingParams
+    count: int
+
+
+def _utf16_len(s: str) -> int:
+    return len(s.encode("utf-16-le")) // 2
+
+
+def parse_text_input(value: Any, name: str = "prompt") -> str:
+    """A non-empty string, or a multimodal list whose ``text`` items are joined (spec §1.5;
+    media items are rejected: the models we serve are text-only [I])."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"Parameter {name} must not be empty.")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"Parameter {name} must be a non-empty string or a list.")
+    texts: list[str] = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise ValueError(f"Each element of {name} must be an object.")
+        kind = item.get("type")
+        if kind != "text":
+            raise ValueError(f"Unsupported element type in {name}: {str(kind)[:32]}.")
+        if not isinstance(item.get("text"), str):
+            raise ValueError(f"The text of a text element in {name} must be a string.")
+        texts.append(item["text"])
+    text = "".join(texts)
+    if not text:
+        raise ValueError(f"Parameter {name} must not be empty.")
+    return text
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    """``stop`` (spec §4.1): a string of 1..32768 UTF-16 units, or a list of strings of
+    1..1024 units each, 32768 in total. ``null`` or ``[]`` means none."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        if not 0 < _utf16_len(value) <= MAX_STOP_SINGLE:
+            raise ValueError(f"Parameter stop must have 1 to {MAX_STOP_SINGLE} characters.")
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError("Parameter stop must be a string or a list of strings.")
+    lengths = [_utf16_len(s) for s in value]
+    if not all(0 < n <= MAX_STOP_LEN for n in lengths):
+        raise ValueError(f"Each stop string must have 1 to {MAX_STOP_LEN} characters.")
+    if sum(lengths) > MAX_STOP_TOTAL:
+        raise ValueError(f"The stop strings must have at most {MAX_STOP_TOTAL} characters in total.")
+    return tuple(value)
+
+
+def parse_stop_token_ids(value: Any) -> tuple[int, ...]:
+    """``stop_token_ids`` (spec §1.2): integers; ids outside [0, 2^31-1] are dropped, the
+    rest de-duplicated and sorted."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
+        raise ValueError("Parameter stop_token_ids must be a list of integers.")
+    return tuple(sorted({i for i in value if 0 <= i <= INT32_MAX}))
+
+
+def parse_vllm_body(
+    obj: dict[str, Any], *, default_max_tokens: int, model_name: str, max_n: int = MAX_N
+) -> VllmBody:
+    """Validate a vLLM ``/generate`` body (spec §4.1) and map it onto the internal model.
+
+    Sampling [I]: ``temperature`` 0 is greedy, > 0 samples; unset, it samples iff
+    ``top_k`` (other than -1) or ``top_p`` was given (the rule of the other families).
+    ``best_of``/``n`` > 1 need a non-zero ``temperature`` (spec §4.1). ``model`` must name
+    the served model (or be "None"): no LoRA adapters are served [I].
+
+    Raises:
+        ValueError: any violation (422).
+    """
+    if obj.get("prompt") is None:
+        raise ValueError("Not found prompt.")
+    text = parse_text_input(obj["prompt"])
+    stream = bool(get_bool(obj, "stream", False))
+    max_tokens = get_int(obj, "max_tokens", 0, INT32_MAX, lo_open=True, default=default_max_tokens)
+    temperature = get_float(obj, "temperature", 0.0, FLT_MAX)
+    top_k = get_int(obj, "top_k")
+    if top_k is not None and top_k != -1 and not 0 < top_k <= INT32_MAX:
+        raise ValueError(f"Parameter top_k must be -1 or in (0,{INT32_MAX}], got {top_k}.")
+    top_p = get_float(obj, "top_p", 0.0, 1.0, lo_open=True)
+    seed = get_int(obj, "seed", 0, MAX_SEED)
+    repetition_penalty = get_float(obj, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
+    frequency_penalty = get_float(obj, "frequency_penalty", -2.0, 2.0, default=0.0)
+    presence_penalty = get_float(obj, "presence_penalty", -2.0, 2.0, default=0.0)
+    stop = parse_stop(obj.get("stop"))
+    stop_token_ids = parse_stop_token_ids(obj.get("stop_token_ids"))
+    include_stop = False
+    if obj.get("stop") is not None or obj.get("stop_token_ids") is not None:  # spec §1.2
+        include_stop = bool(get_bool(obj, "include_stop_str_in_output", False))
+    ignore_eos = bool(get_bool(obj, "ignore_eos", False))
+    skip_special_tokens = bool(get_bool(obj, "skip_special_tokens", True))
+    best_of = get_int(obj, "best_of", 1, MAX_BEST_OF)
+    n = get_int(obj, "n", 1, MAX_N, default=1)
+    model = get_str(obj, "model")
+    if model is not None:
+        if not 0 < len(model) <= 256:
+            raise ValueError("Parameter model must have 1 to 256 characters.")
+        if model not in (model_name, "None"):
+            raise ValueError(f"Model {model} not found.")
+
+    assert n is not None and max_tokens is not None
+    if best_of is not None and best_of < n:
+        raise ValueError(f"best_of must be greater than or equal to n, got n={n}, best_of={best_of}.")
+    count = best_of if best_of is not None else n
+    if count > max_n:
+        raise ValueError(f"Parameter n must not exceed the maximum batch size {max_n}, got {count}.")
+    if count > 1 and not temperature:
+        raise ValueError("best_of and n must be 1 when temperature is 0 or not set (greedy).")
+
+    if temperature is not None:
+        do_sample = temperature > 0
+    else:
+        do_sample = (top_k is not None and top_k != -1) or top_p is not None
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_tokens, "do_sample": do_sample, "stop": stop,
+        "stop_token_ids": stop_token_ids, "include_stop_str_in_output": include_stop,
+        "ignore_eos": ignore_eos, "skip_special_tokens": skip_special_tokens,
+        "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
+    }
+    if temperature:
+        kwargs["temperature"] = temperature
+    if top_k is not None and top_k != -1:
+        kwargs["top_k"] = top_k
+    for key, value in (("top_p", top_p), ("repetition_penalty", repetition_penalty),
+                       ("seed", seed)):
+        if value is not None:
+            kwargs[key] = value
+    return VllmBody(text, stream, SamplingParams(**kwargs), count)
+
+
+Item = RequestOutput | BaseException | None
+
+
+class _FanOut:
+    """Runs one engine request per sequence in its own task (each an
+    :class:`EngineStream`, so a disconnect aborts them all); outputs arrive tagged with
+    the sequence index on one queue. ``None`` marks a stream that ended (after its final
+    output, or early on disconnect); an exception is passed on as the item. Leaving the
+    ``async with`` cancels what still runs, which aborts those engine requests."""
+
+    def __init__(
+        self, engine: EngineClient, reqs: list[GenerateRequest], disconnected: asyncio.Event
+    ) -> None:
+        self._engine = engine
+        self._reqs = reqs
+        self._disconnected = disconnected
+        self._queue: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> _FanOut:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._pump(i, r)) for i, r in enumerate(self._reqs)]
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pump(self, index: int, req: GenerateRequest) -> None:
+        item: Item = None
+        try:
+            async with EngineStream(self._engine, req, self._disconnected) as stream:
+                async for out in stream:
+                    self._queue.put_nowait((index, out))
+        except ClientDisconnected:
+            pass
+        except Exception as exc:  # noqa: BLE001 - handed to the handler, which answers 500
+            item = exc
+        self._queue.put_nowait((index, item))
+
+    async def batch(self) -> list[tuple[int, Item]]:
+        """Wait for one item, then take every item already queued (one engine step of
+        several sequences arrives together)."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
+
+
+def _cum_logprob(outs: list[RequestOutput]) -> float | None:
+    total = 0.0
+    for out in outs:
+        if out.new_token_ids and out.logprobs is None:
+            return None
+        total += sum(lp.logprob for lp in out.logprobs or ())
+    return total
+
+
+class VllmApi:
+    """Handler of the vLLM family (spec §4.1)."""
+
+    def __init__(
+        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    ) -> None:
+        self._engine = engine
+        self._max_json_depth = max_json_depth
+
+    def register(self, router: Router) -> None:
+        """Nothing: ``POST /generate`` is registered by the app's dispatcher (spec §3.1)."""
+
+    @property
+    def default_max_tokens(self) -> int:
+        """spec §1.2: ``maxIterTimes`` (engine config), else the context length."""
+        value = getattr(getattr(self._engine, "cfg", None), "max_iter_times", None)
+        return int(value) if value else self._engine.max_model_len
+
+    async def generate(
+        self, request: HttpRequest, response: HttpResponse, *, body: dict[str, Any] | None = None
+    ) -> None:
+        """vLLM ``POST /generate``; ``body`` is the parsed JSON when the dispatcher has it."""
+        if body is None:
+            try:
+                check_json_content_type(request.headers)
+                body = parse_json_object(request.body, self._max_json_depth)
+            except ValueError as exc:
+                raise HttpError(422, str(exc)) from None
+        vb, reqs = await self._build(request, body)
+        async with _FanOut(self._engine, reqs, request.disconnected) as fan:
+            if vb.stream:
+                await self._stream(response, vb, fan)
+            else:
+                await self._complete(response, vb, fan)
+
+    async def _build(
+        self, request: HttpRequest, obj: dict[str, Any]
+    ) -> tuple[VllmBody, list[GenerateRequest]]:
+        """Steps 5-8 of spec §0.4; raises HttpError 422/424."""
+        max_n = getattr(getattr(self._engine, "cfg", None), "max_batch_size", None) or MAX_N
+        try:
+            vb = parse_vllm_body(obj, default_max_tokens=self.default_max_tokens,
+                                 model_name=self._engine.model_name, max_n=min(max_n, MAX_N))
+            ids = await encode_text(self._engine.tokenizer, vb.text)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        try:
+            check_prompt_fits(len(ids), self._engine)
+        except ValueError as exc:
+            raise HttpError(424, str(exc)) from None
+        params = [vb.params]
+        if vb.count > 1:  # distinct seeds; logprobs rank the sequences
+            params = [dataclasses.replace(vb.params, seed=(vb.params.seed + i) % (MAX_SEED + 1),
+                                          logprobs=vb.params.logprobs or 0)
+                      for i in range(vb.count)]
+        reqs = [GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
+                                params=p, arrival_time=request.arrival_time) for p in params]
+        return vb, reqs
+
+    async def _complete(self, response: HttpResponse, vb: VllmBody, fan: _FanOut) -> None:
+        outs: list[list[RequestOutput]] = [[] for _ in range(vb.count)]
+        done = [False] * vb.count
+        while not all(done):
+            for i, item in await fan.batch():
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    if not done[i]:
+                        raise HttpError(500, _NO_FINAL)
+                    continue
+                outs[i].append(item)
+                if item.finished:
+                    if item.finish_reason in _FAILED:
+                        raise HttpError(500, item.error or f"Engine request {item.finish_reason.value}.")
+                    done[i] = True
+        order = list(range(vb.count))
+        scores = [_cum_logprob(o) for o in outs]
+        if vb.count > 1 and all(s is not None for s in scores):
+            order.sort(key=lambda i: -scores[i])  # type: ignore[operator]
+        texts = [vb.text + " " + "".join(o.new_text for o in outs[i]) for i in order]
+        await response.send_json(200, {"text": texts})
+
+    async def _stream(self, response: HttpResponse, vb: VllmBody, fan: _FanOut) -> None:
+        await response.start_stream(200, "text/event-stream")
+        done = [False] * vb.count
+        sent = False
+        try:
+            while not all(done):
+                deltas = [""] * vb.count
+                failed: RequestOutput | None = None
+                incomplete = False
+                for i, item in await fan.batch():
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        incomplete = incomplete or not done[i]
+                        continue
+                    deltas[i] += item.new_text
+                    if item.finished:
+                        done[i] = True
+                        if item.finish_reason in _FAILED:
+                            failed = failed or item
+                if any(deltas) or (all(done) and not sent):
+                    await response.write(orjson.dumps({"text": deltas}) + b"\0")
+                    sent = True
+                if failed is not None or incomplete:
+                    # spec §0.4 step 9: the error text is the last chunk, then close
+                    reason = failed.finish_reason.value if failed and failed.finish_reason else "error"
+                    message = (failed.error or f"Engine request {reason}.") if failed else _NO_FINAL
+                    await response.write(message.encode())
+                    await response.end(close_connection=True)
+                    return
+        except ClientDisconnected:
+            raise
+        except Exception as exc:
+            logger.exception("engine failed while streaming a vLLM request")
+            await response.write(f"Engine failure: {exc}".encode())
+            await response.end(close_connection=True)
+            return
+        await response.end()
