@@ -1,9 +1,29 @@
-"""Wire the API families onto a router and serve it (spec/interfaces.md §0.1, §2.1, §3.6).
+"""Wire every API family onto one router and serve it on its planes
+(spec/interfaces.md §0.1, §3.1, §3.6).
 
-``build_router(engine)`` registers the MindIE native routes and ``GET /health``;
-``serve(engine, host, port)`` runs an :class:`HttpServer` until cancelled or ``stop`` is
-set; ``run(coro)`` runs a coroutine on uvloop when it is installed (call it from the CLI:
-the engine's actors must be created inside the loop that serves them).
+:func:`build_router` registers each family's routes on one :class:`Router`::
+
+    MindIE native  POST /infer, /infer_token (§2.1); /v1/tokenizer, stopInfer (§2.2-2.3)
+    TGI            POST /generate_stream, POST /, GET /info (§3)
+    vLLM           POST /generate with a ``prompt`` (§4.1)
+    OpenAI         /v1/chat/completions, /v1/completions, /v1/models[/{model}] (§5)
+    Triton         /v2/models/{model}/infer|generate|generate_stream, /v2 health and
+                   metadata (§6)
+    shared         POST /generate dispatch (§3.1), GET /health (§3.6),
+                   GET /metrics, /metrics-json (§7.6-7.7)
+
+``POST /generate`` belongs to two families: :func:`make_generate_dispatcher` parses the
+body once and hands it to vLLM when ``prompt`` is non-null, else to TGI when ``inputs`` is,
+else answers 422 with :data:`GENERATE_ROUTING_ERROR`. The families get the engine wrapped
+in a :class:`ContextEngine` carrying the server's :class:`ServeContext` (stopInfer
+registry, metrics).
+
+:func:`serve` splits the routes over the listening planes (business, management, metrics;
+spec §0.1, :mod:`tokenserve.http.planes`), one :class:`HttpServer` per distinct address,
+until cancelled or ``stop`` is set. :func:`run` runs a coroutine on uvloop when it is
+installed (call it from the CLI: the engine's actors must be created inside the loop that
+serves them); :func:`serve_engine` / :func:`run_server` build the engine from a
+``ServeConfig`` and serve it (``tokenserve serve``).
 """
 
 from __future__ import annotations
@@ -29,17 +49,12 @@ from tokenserve.http.api.tgi import TgiApi
 from tokenserve.http.api.triton import TritonApi
 from tokenserve.http.api.vllm import VllmApi
 from tokenserve.http.context import ContextEngine, ServeContext, unwrap_engine
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.metrics import ServerMetrics
 from tokenserve.http.planes import Plane, plane_handler, plane_layout
 from tokenserve.http.router import Handler, Router
-from tokenserve.http.server import (
-    DEFAULT_KEEP_ALIVE_S,
-    DEFAULT_MAX_BODY_BYTES,
-    HttpRequest,
-    HttpResponse,
-    HttpServer,
-)
+from tokenserve.http.server import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY_BYTES, HttpServer
 
 if TYPE_CHECKING:
     from tokenserve.mindie_config import ServeConfig
@@ -218,7 +233,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         loop.close()
 
 
-async def serve_engine(cfg: "ServeConfig") -> None:
+async def serve_engine(cfg: ServeConfig) -> None:
     """Build the engine from ``cfg.engine`` (model load in a worker thread), start its
     actors and serve it on ``cfg.server``'s planes until cancelled (see :func:`serve`);
     the engine is stopped on the way out."""
@@ -242,6 +257,6 @@ async def serve_engine(cfg: "ServeConfig") -> None:
         await engine.stop()
 
 
-def run_server(cfg: "ServeConfig") -> None:
+def run_server(cfg: ServeConfig) -> None:
     """Blocking entry point for ``tokenserve serve`` (uvloop when installed)."""
     run(serve_engine(cfg))

@@ -3,7 +3,7 @@
 
 ``build_router`` makes one :class:`ServeContext` per server and hands the families the
 engine wrapped in :class:`ContextEngine`: every attribute is the engine's, plus
-``serve_context``. :class:`~tokenserve.http.api.common.EngineStream` finds the context
+``serve_context``. :class:`~tokenserve.http.api.engine_stream.EngineStream` finds the context
 there (or takes it as an argument), so every family registers its requests and records
 metrics in one place without any module-global state::
 

@@ -4,7 +4,7 @@ One :class:`ServerMetrics` per server, with its own ``CollectorRegistry`` (no mo
 registry: tests and the PD coordinator run several servers in one process). Everything
 is read at scrape time by one custom collector:
 
-- per-request numbers, recorded by :class:`~tokenserve.http.api.common.EngineStream` (the
+- per-request numbers, recorded by :class:`~tokenserve.http.api.engine_stream.EngineStream` (the
   one place every API family passes through) via :meth:`ServerMetrics.request_started` ->
   :class:`RequestTracker`: ``request_received_total`` when the request enters the engine,
   then at its end ``request_success_total`` or ``request_failed_total`` and the TTFT,

@@ -23,9 +23,9 @@ import enum
 import re
 from dataclasses import dataclass
 
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import PARAM_PATTERN, Handler
-from tokenserve.http.server import HttpRequest, HttpResponse
 
 
 class Plane(str, enum.Enum):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tokenserve.http.errors import HttpError
 
 if TYPE_CHECKING:
-    from tokenserve.http.server import HttpRequest, HttpResponse
+    from tokenserve.http.cycle import HttpRequest, HttpResponse
 
 Handler = Callable[["HttpRequest", "HttpResponse"], Awaitable[None]]
 

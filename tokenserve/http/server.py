@@ -1,5 +1,9 @@
 """HTTP/1.1 on h11: one :class:`asyncio.Protocol` per connection (spec/interfaces.md §0.2).
 
+The request/response cycle itself (:class:`HttpRequest`, :class:`HttpResponse`,
+:class:`ClientDisconnected`) lives in :mod:`tokenserve.http.cycle` and is re-exported
+here; this module owns the connection, its limits and the listening server.
+
 Shape (after uvicorn's h11 protocol, written for our needs)::
 
     socket bytes --data_received--> h11.Connection --events--> HttpProtocol
@@ -32,14 +36,19 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from http import HTTPStatus
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import h11
 import orjson
 
+from tokenserve.http.cycle import (  # re-exported: their import path before cycle.py
+    ClientDisconnected,
+    HttpRequest,
+    HttpResponse,
+    response_head,
+)
 from tokenserve.http.errors import (
     INTERNAL_ERROR_MESSAGE,
     HttpError,
@@ -61,160 +70,6 @@ DEFAULT_KEEP_ALIVE_S = 180.0
 _LINGER_S = 2.0
 
 Handler = Callable[["HttpRequest", "HttpResponse"], Awaitable[None]]
-
-
-class ClientDisconnected(ConnectionError):
-    """The client went away; raised by :class:`HttpResponse` writes after disconnect."""
-
-
-@dataclass(eq=False)
-class HttpRequest:
-    """One fully received request (body included).
-
-    Attributes:
-        method: upper-case method, e.g. ``"POST"``.
-        path: percent-decoded path without the query, e.g. ``"/infer"``.
-        query: raw query string (after ``?``), ``""`` when none.
-        headers: header names lower-cased; repeated headers joined with ``", "``.
-        body: the request body (at most ``max_body_bytes``).
-        disconnected: set as soon as the connection is lost.
-        http_version: ``"1.1"`` or ``"1.0"``.
-        client: peer (host, port) when known.
-        arrival_time: ``time.monotonic()`` when the request head arrived (seconds).
-        path_params: ``{param}`` values filled in by the router.
-    """
-
-    method: str
-    path: str
-    query: str
-    headers: dict[str, str]
-    body: bytes
-    disconnected: asyncio.Event
-    http_version: str = "1.1"
-    client: tuple[str, int] | None = None
-    arrival_time: float = 0.0
-    path_params: dict[str, str] = field(default_factory=dict)
-
-
-class HttpResponse:
-    """The handler's side of one request/response cycle.
-
-    Either ``send``/``send_json``/``send_error`` once, or ``start_stream`` then any number
-    of ``write`` and one ``end``. Every method raises :class:`ClientDisconnected` once the
-    client is gone and ``RuntimeError`` when called out of order.
-    """
-
-    def __init__(self, protocol: HttpProtocol, head_only: bool = False) -> None:
-        self._protocol = protocol
-        self._head_only = head_only
-        self.status: int | None = None
-        self.started = False
-        self.finished = False
-        self.close_connection = False
-
-    # ------------------------------------------------------------------ whole responses
-
-    async def send(
-        self,
-        status: int,
-        body: bytes = b"",
-        content_type: str = "application/json",
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        """Send a complete response with a Content-Length."""
-        if self.started:
-            raise RuntimeError("response already started")
-        hdrs = self._headers(content_type, headers)
-        hdrs.append((b"content-length", str(len(body)).encode()))
-        await self._protocol.drain()
-        self.started = True
-        self.status = status
-        events: list[Any] = [_response(status, hdrs)]
-        if body and not self._head_only:
-            events.append(h11.Data(data=body))
-        events.append(h11.EndOfMessage())
-        self._protocol.send_events(events)
-        self.finished = True
-
-    async def send_json(
-        self, status: int, obj: Any, headers: Mapping[str, str] | None = None
-    ) -> None:
-        """Send ``obj`` serialised with orjson as ``application/json``."""
-        await self.send(status, orjson.dumps(obj), "application/json", headers)
-
-    async def send_error(
-        self,
-        status: int,
-        message: str,
-        error_type: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        """Send the MindIE error wrapper (spec §0.3)."""
-        await self.send(
-            status, error_body(status, message, error_type), "application/json", headers
-        )
-
-    # ------------------------------------------------------------------ streaming
-
-    async def start_stream(
-        self,
-        status: int = 200,
-        content_type: str = "text/event-stream",
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        """Send the head of a streamed response (chunked on HTTP/1.1; h11 picks the
-        framing because no Content-Length is set)."""
-        if self.started:
-            raise RuntimeError("response already started")
-        hdrs = self._headers(content_type, headers)
-        await self._protocol.drain()
-        self.started = True
-        self.status = status
-        self._protocol.send_events([_response(status, hdrs)])
-
-    async def write(self, chunk: bytes) -> None:
-        """Write one piece of a streamed body (one SSE event = one h11.Data = one chunk),
-        waiting for the transport to drain first if it is paused."""
-        if not self.started or self.finished:
-            raise RuntimeError("write() outside a started stream")
-        await self._protocol.drain()
-        if chunk and not self._head_only:
-            self._protocol.send_events([h11.Data(data=chunk)])
-
-    async def end(self, *, close_connection: bool = False) -> None:
-        """Finish a streamed body; ``close_connection`` closes the connection afterwards
-        (spec §0.4 step 9: the timeout text is the last chunk, then close)."""
-        if not self.started:
-            raise RuntimeError("end() before start_stream()")
-        if self.finished:
-            return
-        if close_connection:
-            self.close_connection = True
-        self._protocol.send_events([h11.EndOfMessage()])
-        self.finished = True
-
-    # ------------------------------------------------------------------ helpers
-
-    def _headers(
-        self, content_type: str, extra: Mapping[str, str] | None
-    ) -> list[tuple[bytes, bytes]]:
-        hdrs = [
-            (b"content-type", content_type.encode("latin-1")),
-            (b"RequestUUID", str(uuid.uuid4()).encode()),
-        ]
-        if extra:
-            hdrs.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
-        if self._protocol.shutting_down:
-            hdrs.append((b"connection", b"close"))
-        return hdrs
-
-
-def _response(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
-    try:
-        reason = HTTPStatus(status).phrase.encode()
-    except ValueError:
-        reason = b""
-    return h11.Response(status_code=status, headers=headers, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -530,7 +385,7 @@ class HttpProtocol(asyncio.Protocol):
             (b"connection", b"close"),
         ]
         try:
-            self.send_events([_response(status, hdrs), h11.Data(data=body), h11.EndOfMessage()])
+            self.send_events([response_head(status, hdrs), h11.Data(data=body), h11.EndOfMessage()])
         except h11.LocalProtocolError:  # h11 cannot frame a response now: just close
             self._transport.close()
             return

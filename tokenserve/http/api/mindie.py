@@ -30,24 +30,27 @@ import orjson
 
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
-    FLT_MAX,
-    INT32_MAX,
     EngineClient,
-    EngineStream,
     check_json_content_type,
     check_prompt_fits,
-    check_token_ids,
     encode_text,
+    mindie_finish_reason,
+    parse_json_object,
+)
+from tokenserve.http.api.engine_stream import EngineStream
+from tokenserve.http.api.fields import (
+    FLT_MAX,
+    INT32_MAX,
+    check_token_ids,
     get_bool,
     get_float,
     get_int,
     get_object,
-    mindie_finish_reason,
-    parse_json_object,
+    parse_text_input,
 )
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -55,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 #: spec §2.1 ``timeout``: (0, 65535] seconds.
 MAX_TIMEOUT_S = 65535
-#: spec §1.5: at most this many media items in a multimodal ``inputs`` list.
+#: spec §1.5: at most this many media items in a multimodal ``inputs`` list; they are
+#: counted and checked, then refused (the models we serve are text-only [I]).
 MAX_MEDIA_ITEMS = 20
 _MEDIA_TYPES = ("image_url", "video_url", "audio_url")
 _FAILED_FINISH = (FinishReason.TIMEOUT, FinishReason.ERROR)
@@ -77,42 +81,6 @@ class InferBody:
     timeout_s: float | None
 
 
-def _parse_inputs(value: Any) -> str:
-    """``inputs``: a non-empty string, or a multimodal list whose items are text
-    (media items are counted and rejected: the models we serve are text-only [I])."""
-    if isinstance(value, str):
-        if not value:
-            raise ValueError("Parameter inputs must not be empty.")
-        return value
-    if not isinstance(value, list) or not value:
-        raise ValueError("Parameter inputs must be a non-empty string or a list.")
-    texts: list[str] = []
-    media = 0
-    for item in value:
-        if not isinstance(item, dict):
-            raise ValueError("Each element of inputs must be an object.")
-        kind = item.get("type")
-        if kind == "text":
-            text = item.get("text")
-            if not isinstance(text, str):
-                raise ValueError("The text of a text element in inputs must be a string.")
-            texts.append(text)
-        elif kind in _MEDIA_TYPES:
-            if item.get(kind) is None:
-                raise ValueError(f"The {kind} of an element in inputs must not be null.")
-            media += 1
-            if media > MAX_MEDIA_ITEMS:
-                raise ValueError(f"At most {MAX_MEDIA_ITEMS} media items are allowed in inputs.")
-        else:
-            raise ValueError(f"Unsupported element type in inputs: {str(kind)[:32]}.")
-    if media:
-        raise ValueError("Multimodal inputs are not supported by this model.")
-    text = "".join(texts)
-    if not text:
-        raise ValueError("Parameter inputs must not be empty.")
-    return text
-
-
 def parse_infer_body(obj: dict[str, Any], vocab_size: int) -> InferBody:
     """Validate an ``/infer`` body (spec §2.1) and map it onto the internal model (§1).
 
@@ -129,7 +97,10 @@ def parse_infer_body(obj: dict[str, Any], vocab_size: int) -> InferBody:
         raise ValueError("Input conflict.")
     if not has_text and not has_ids:
         raise ValueError("Not found inputs.")
-    text = _parse_inputs(obj["inputs"]) if has_text else None
+    text: str | None = None
+    if has_text:
+        text = parse_text_input(obj["inputs"], "inputs", media_types=_MEDIA_TYPES,
+                                max_media=MAX_MEDIA_ITEMS)
     ids = check_token_ids(obj["input_id"], vocab_size, "input_id") if has_ids else None
 
     stream = get_bool(obj, "stream", False)
@@ -266,11 +237,12 @@ class MindIEApi:
     async def _stream(
         self, request: HttpRequest, response: HttpResponse, body: InferBody, greq: GenerateRequest
     ) -> None:
-        await response.start_stream(200, "text/event-stream")
         texts: list[str] = []
         first = True
         last_time = request.arrival_time or time.monotonic()
+        # admission first (a full queue is a 503 answer), then the head
         async with EngineStream(self._engine, greq, request.disconnected) as stream:
+            await response.start_stream(200, "text/event-stream")
             try:
                 async for out in stream:
                     now = time.monotonic()

@@ -14,17 +14,17 @@ from typing import Any
 
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
-    MAX_TOKENS_NUM,
     TOKENIZE_OFFLOAD_CHARS,
     EngineClient,
     check_json_content_type,
     parse_json_object,
 )
+from tokenserve.http.api.fields import MAX_TOKENS_NUM
 from tokenserve.http.api.triton_params import ID_PATTERN
 from tokenserve.http.context import ServeContext, context_of
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.http.server import HttpRequest, HttpResponse
 
 #: spec §2.2 messages.
 JSON_FAIL = "Req body converts to json fail."

@@ -42,12 +42,12 @@ from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
     TOKENIZE_OFFLOAD_CHARS,
     EngineClient,
-    EngineStream,
     check_json_content_type,
     check_prompt_fits,
     encode_text,
     parse_json_object,
 )
+from tokenserve.http.api.engine_stream import FanOut
 from tokenserve.http.api.openai_format import (
     SSE_DONE,
     OpenAIBody,
@@ -61,9 +61,9 @@ from tokenserve.http.api.openai_format import (
     sse,
     usage,
 )
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import INTERNAL_ERROR_MESSAGE, HttpError
 from tokenserve.http.router import Handler, Router
-from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -112,64 +112,6 @@ class Plan:
                 cached.setdefault(c.prompt_index, c.final.num_cached_tokens)
         done = sum(c.final.num_output_tokens for c in self.choices if c.final is not None)
         return usage(sum(prompt), done, sum(cached.values()))
-
-
-class FanOut:
-    """Consume several engine requests concurrently (one :class:`EngineStream` each, in
-    its own task, so each aborts on disconnect) and yield ``(choice_index, output)`` in
-    arrival order. Leaving the block cancels what still runs (its engine request is
-    aborted). An engine failure or a disconnect is raised from iteration."""
-
-    def __init__(
-        self, engine: EngineClient, requests: list[GenerateRequest], disconnected: asyncio.Event
-    ) -> None:
-        self._engine = engine
-        self._requests = requests
-        self._disconnected = disconnected
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = (
-            asyncio.Queue(maxsize=2 * len(requests) + 2)
-        )
-        self._tasks: list[asyncio.Task[None]] = []
-        self._open = len(requests)
-
-    async def __aenter__(self) -> FanOut:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._pump(i, r)) for i, r in enumerate(self._requests)]
-        return self
-
-    async def _pump(self, index: int, request: GenerateRequest) -> None:
-        error: Exception | None = None
-        try:
-            async with EngineStream(self._engine, request, self._disconnected) as stream:
-                async for out in stream:
-                    await self._queue.put((index, out, None))
-            if not stream.finished:
-                error = RuntimeError("Engine stream ended without a final output.")
-        except Exception as exc:  # ClientDisconnected included
-            error = exc
-        if error is not None:
-            await self._queue.put((index, None, error))
-
-    def __aiter__(self) -> FanOut:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if self._open == 0:
-            raise StopAsyncIteration
-        index, out, error = await self._queue.get()
-        if error is not None:
-            raise error
-        assert out is not None
-        if out.finished:
-            self._open -= 1
-        return index, out
-
-    async def __aexit__(self, *exc: object) -> None:
-        pending = [t for t in self._tasks if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
 
 
 def openai_errors(handler: Handler) -> Handler:
@@ -398,11 +340,12 @@ class OpenAIApi:
 
     async def _stream(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
         kind = "chat.completion.chunk" if plan.chat else "text_completion"
-        await response.start_stream(200, "text/event-stream")
         open_choices = len(plan.choices)
         requests = [c.request for c in plan.choices]
         try:
+            # every choice admitted first (a full queue is a 503 answer), then the head
             async with FanOut(self._engine, requests, request.disconnected) as fan:
+                await response.start_stream(200, "text/event-stream")
                 for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
                     if plan.chat or c.prefix:
                         await response.write(sse(self._chunk(plan, kind, c, None, c.prefix)))
@@ -429,6 +372,8 @@ class OpenAIApi:
         except ClientDisconnected:
             raise
         except Exception as exc:
+            if not response.started:  # refused at admission: an ordinary error answer
+                raise
             # engine failure after the head was sent: plain-text last chunk (§0.4 step 9)
             logger.exception("engine failed while streaming %s", plan.id)
             await response.write(f"Engine failure: {exc}".encode())

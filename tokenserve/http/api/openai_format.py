@@ -12,6 +12,9 @@ Output shapes follow spec §5.1/§5.2 and the OpenAI API reference (Chat Complet
 Completions objects, their chunk objects and ``logprobs``).
 """
 
+# ValueError, not TypeError, is the contract of every parser here (the family answers 422).
+# ruff: noqa: TRY004
+
 from __future__ import annotations
 
 import re
@@ -20,15 +23,19 @@ from typing import Any
 
 import orjson
 
-from tokenserve.http.api.common import (
+from tokenserve.http.api.fields import (
     FLT_MAX,
     INT32_MAX,
+    STOP_ITEM_MAX,
+    STOP_TOTAL_MAX,
     check_token_ids,
     get_bool,
     get_float,
     get_int,
     get_object,
     get_str,
+    parse_stop_token_ids,
+    utf16_len,
 )
 from tokenserve.http.errors import error_type_for
 from tokenserve.messages import FinishReason, TokenLogprob
@@ -42,9 +49,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 #: [I] temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-5
-#: spec §1.2: one stop string is 1..1024 UTF-16 units, all together <= 32768.
-STOP_ITEM_MAX = 1024
-STOP_TOTAL_MAX = 32768
 #: spec §5.1: roles checked strictly when ``tools`` is given.
 ROLES = ("system", "user", "assistant", "tool")
 _MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio")
@@ -85,14 +89,11 @@ class OpenAIBody:
     prompts: list[Prompt] | None = None
 
 
-def utf16_len(text: str) -> int:
-    """Length in UTF-16 code units (how MindIE measures strings, spec §1.2)."""
-    return len(text.encode("utf-16-le")) // 2
-
-
 def parse_stop(obj: dict[str, Any], native: bool = False) -> tuple[str, ...]:
     """``stop``: a string or a list of strings (spec §4.1 vLLM rules; §5.1 native: a
-    string <= 1024 or at most 1024 items). An empty list means none."""
+    string <= 1024 or at most 1024 items). An empty list means none; duplicates are
+    dropped. Its messages and de-duplication are this family's own, hence not
+    :func:`tokenserve.http.api.fields.parse_stop`."""
     value = obj.get("stop")
     if value is None:
         return ()
@@ -112,17 +113,6 @@ def parse_stop(obj: dict[str, Any], native: bool = False) -> tuple[str, ...]:
             f"at most {STOP_TOTAL_MAX}."
         )
     return tuple(dict.fromkeys(value))
-
-
-def parse_stop_token_ids(obj: dict[str, Any]) -> tuple[int, ...]:
-    """``stop_token_ids``: integers; ids outside [0, 2^31-1] are dropped, the rest
-    de-duplicated and sorted (spec §1.2)."""
-    value = obj.get("stop_token_ids")
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(type(i) is int for i in value):
-        raise ValueError("Parameter stop_token_ids must be a list of integers.")
-    return tuple(sorted({i for i in value if 0 <= i <= INT32_MAX}))
 
 
 def _parse_sampling(obj: dict[str, Any], native: bool) -> tuple[dict[str, Any], bool]:
@@ -148,7 +138,7 @@ def _parse_sampling(obj: dict[str, Any], native: bool) -> tuple[dict[str, Any], 
         "presence_penalty": get_float(obj, "presence_penalty", -2.0, 2.0, default=0.0),
         "frequency_penalty": get_float(obj, "frequency_penalty", -2.0, 2.0, default=0.0),
         "stop": parse_stop(obj, native),
-        "stop_token_ids": parse_stop_token_ids(obj),
+        "stop_token_ids": parse_stop_token_ids(obj.get("stop_token_ids")),
         "include_stop_str_in_output": get_bool(obj, "include_stop_str_in_output", False),
         "ignore_eos": get_bool(obj, "ignore_eos", False),
         "skip_special_tokens": get_bool(obj, "skip_special_tokens", True),

@@ -34,30 +34,35 @@ import orjson
 import tokenserve
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
-    FLT_MAX,
-    INT32_MAX,
     EngineClient,
-    EngineStream,
     check_json_content_type,
     check_prompt_fits,
     encode_text,
+    mindie_finish_reason,
+    parse_json_object,
+)
+from tokenserve.http.api.engine_stream import EngineStream
+from tokenserve.http.api.fields import (
+    FLT_MAX,
+    INT32_MAX,
     get_bool,
     get_float,
     get_int,
     get_object,
     get_str,
-    mindie_finish_reason,
-    parse_json_object,
+    parse_stop,
+    parse_text_input,
 )
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-#: spec §3.2 ``stop``: at most this many strings, each this many UTF-16 units, this in total.
+#: spec §3.2 ``stop``: at most this many strings, each this many UTF-16 units, this in total
+#: (a lone string is one item).
 MAX_STOP_ITEMS = 1024
 MAX_STOP_LEN = 1024
 MAX_STOP_TOTAL = 32768
@@ -79,58 +84,6 @@ class TgiBody:
     truncate: int | None
 
 
-def _utf16_len(s: str) -> int:
-    return len(s.encode("utf-16-le")) // 2
-
-
-def parse_text_input(value: Any, name: str = "inputs") -> str:
-    """A non-empty string, or a multimodal list whose ``text`` items are joined (spec §1.5;
-    media items are rejected: the models we serve are text-only [I])."""
-    if isinstance(value, str):
-        if not value:
-            raise ValueError(f"Parameter {name} must not be empty.")
-        return value
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"Parameter {name} must be a non-empty string or a list.")
-    texts: list[str] = []
-    for item in value:
-        if not isinstance(item, dict):
-            raise ValueError(f"Each element of {name} must be an object.")
-        kind = item.get("type")
-        if kind != "text":
-            raise ValueError(f"Unsupported element type in {name}: {str(kind)[:32]}.")
-        if not isinstance(item.get("text"), str):
-            raise ValueError(f"The text of a text element in {name} must be a string.")
-        texts.append(item["text"])
-    text = "".join(texts)
-    if not text:
-        raise ValueError(f"Parameter {name} must not be empty.")
-    return text
-
-
-def parse_stop(value: Any) -> tuple[str, ...]:
-    """``parameters.stop`` (spec §3.2): a string of 1..1024 UTF-16 units, or a list of at
-    most 1024 such strings, 32768 units in total. ``null`` or ``[]`` means none."""
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        raise ValueError("Parameter stop must be a string or a list of strings.")
-    if len(items) > MAX_STOP_ITEMS:
-        raise ValueError(f"Parameter stop must have at most {MAX_STOP_ITEMS} items.")
-    total = 0
-    for s in items:
-        if not isinstance(s, str):
-            raise ValueError("Parameter stop must be a string or a list of strings.")
-        n = _utf16_len(s)
-        if not 0 < n <= MAX_STOP_LEN:
-            raise ValueError(f"Each stop string must have 1 to {MAX_STOP_LEN} characters.")
-        total += n
-    if total > MAX_STOP_TOTAL:
-        raise ValueError(f"The stop strings must have at most {MAX_STOP_TOTAL} characters in total.")
-    return tuple(items)
-
-
 def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBody:
     """Validate a TGI body (spec §3.2) and map it onto the internal model (§1).
 
@@ -144,7 +97,7 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
     """
     if obj.get("inputs") is None:
         raise ValueError("Not found inputs.")
-    text = parse_text_input(obj["inputs"])
+    text = parse_text_input(obj["inputs"], "inputs")
     p = get_object(obj, "parameters")
     temperature = get_float(p, "temperature", 0.0, FLT_MAX, lo_open=True)
     top_k = get_int(p, "top_k", 0, INT32_MAX, lo_open=True)
@@ -155,7 +108,8 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
     repetition_penalty = get_float(p, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
     get_bool(p, "watermark")
     max_new_tokens = get_int(p, "max_new_tokens", 0, INT32_MAX, lo_open=True, default=20)
-    stop = parse_stop(p.get("stop"))
+    stop = parse_stop(p.get("stop"), max_items=MAX_STOP_ITEMS, max_len=MAX_STOP_LEN,
+                      max_total=MAX_STOP_TOTAL)
     details = bool(get_bool(p, "details", False))
     decoder_input_details = bool(get_bool(p, "decoder_input_details", False))
     return_full_text = bool(get_bool(p, "return_full_text", False))
@@ -353,9 +307,10 @@ class TgiApi:
     async def _stream(
         self, request: HttpRequest, response: HttpResponse, body: TgiBody, greq: GenerateRequest
     ) -> None:
-        await response.start_stream(200, "text/event-stream")
         texts: list[str] = []
+        # admission first (a full queue is a 503 answer), then the head
         async with EngineStream(self._engine, greq, request.disconnected) as stream:
+            await response.start_stream(200, "text/event-stream")
             try:
                 async for out in stream:
                     if out.finished and out.finish_reason in _FAILED:

@@ -37,17 +37,15 @@ import orjson
 import tokenserve
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
-    INT32_MAX,
     EngineClient,
-    EngineStream,
     check_json_content_type,
     check_prompt_fits,
     encode_text,
-    get_int,
-    get_object,
     mindie_finish_reason,
     parse_json_object,
 )
+from tokenserve.http.api.engine_stream import EngineStream
+from tokenserve.http.api.fields import INT32_MAX, get_int, get_object
 from tokenserve.http.api.triton_params import (
     ID_PATTERN,
     TritonParams,
@@ -56,9 +54,9 @@ from tokenserve.http.api.triton_params import (
     parse_parameters,
     parse_text_input,
 )
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 
 __all__ = ["ID_PATTERN", "TritonApi"]
@@ -305,11 +303,12 @@ class TritonApi:
         ``text_output`` = that step's new text; no ``[DONE]``."""
         rid, params, greq = await self._parse_generate(request)
         rid = rid or greq.request_id
-        await response.start_stream(200, "text/event-stream")
         first = True
         last_time = request.arrival_time or time.monotonic()
         aliases = (rid,) if rid != greq.request_id else ()
+        # admission first (a full queue is a 503 answer), then the head
         async with EngineStream(self._engine, greq, request.disconnected, aliases=aliases) as s:
+            await response.start_stream(200, "text/event-stream")
             try:
                 async for out in s:
                     now = time.monotonic()

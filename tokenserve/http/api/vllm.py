@@ -22,34 +22,37 @@ Response shapes (spec §4.1, §9.5)::
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import orjson
 
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
-    FLT_MAX,
-    INT32_MAX,
     EngineClient,
-    EngineStream,
     check_json_content_type,
     check_prompt_fits,
     encode_text,
+    parse_json_object,
+)
+from tokenserve.http.api.engine_stream import NO_FINAL_OUTPUT, FanOut
+from tokenserve.http.api.fields import (
+    FLT_MAX,
+    INT32_MAX,
     get_bool,
     get_float,
     get_int,
     get_str,
-    parse_json_object,
+    parse_stop,
+    parse_stop_token_ids,
+    parse_text_input,
 )
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.http.server import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -63,7 +66,6 @@ MAX_STOP_TOTAL = 32768
 MAX_BEST_OF = 128
 MAX_N = 8192
 _FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
-_NO_FINAL = "Engine stream ended without a final output."
 
 
 @dataclass(frozen=True)
@@ -77,64 +79,6 @@ class VllmBody:
     stream: bool
     params: SamplingParams
     count: int
-
-
-def _utf16_len(s: str) -> int:
-    return len(s.encode("utf-16-le")) // 2
-
-
-def parse_text_input(value: Any, name: str = "prompt") -> str:
-    """A non-empty string, or a multimodal list whose ``text`` items are joined (spec §1.5;
-    media items are rejected: the models we serve are text-only [I])."""
-    if isinstance(value, str):
-        if not value:
-            raise ValueError(f"Parameter {name} must not be empty.")
-        return value
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"Parameter {name} must be a non-empty string or a list.")
-    texts: list[str] = []
-    for item in value:
-        if not isinstance(item, dict):
-            raise ValueError(f"Each element of {name} must be an object.")
-        kind = item.get("type")
-        if kind != "text":
-            raise ValueError(f"Unsupported element type in {name}: {str(kind)[:32]}.")
-        if not isinstance(item.get("text"), str):
-            raise ValueError(f"The text of a text element in {name} must be a string.")
-        texts.append(item["text"])
-    text = "".join(texts)
-    if not text:
-        raise ValueError(f"Parameter {name} must not be empty.")
-    return text
-
-
-def parse_stop(value: Any) -> tuple[str, ...]:
-    """``stop`` (spec §4.1): a string of 1..32768 UTF-16 units, or a list of strings of
-    1..1024 units each, 32768 in total. ``null`` or ``[]`` means none."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        if not 0 < _utf16_len(value) <= MAX_STOP_SINGLE:
-            raise ValueError(f"Parameter stop must have 1 to {MAX_STOP_SINGLE} characters.")
-        return (value,)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise ValueError("Parameter stop must be a string or a list of strings.")
-    lengths = [_utf16_len(s) for s in value]
-    if not all(0 < n <= MAX_STOP_LEN for n in lengths):
-        raise ValueError(f"Each stop string must have 1 to {MAX_STOP_LEN} characters.")
-    if sum(lengths) > MAX_STOP_TOTAL:
-        raise ValueError(f"The stop strings must have at most {MAX_STOP_TOTAL} characters in total.")
-    return tuple(value)
-
-
-def parse_stop_token_ids(value: Any) -> tuple[int, ...]:
-    """``stop_token_ids`` (spec §1.2): integers; ids outside [0, 2^31-1] are dropped, the
-    rest de-duplicated and sorted."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(type(i) is int for i in value):
-        raise ValueError("Parameter stop_token_ids must be a list of integers.")
-    return tuple(sorted({i for i in value if 0 <= i <= INT32_MAX}))
 
 
 def parse_vllm_body(
@@ -152,7 +96,7 @@ def parse_vllm_body(
     """
     if obj.get("prompt") is None:
         raise ValueError("Not found prompt.")
-    text = parse_text_input(obj["prompt"])
+    text = parse_text_input(obj["prompt"], "prompt")
     stream = bool(get_bool(obj, "stream", False))
     max_tokens = get_int(obj, "max_tokens", 0, INT32_MAX, lo_open=True, default=default_max_tokens)
     temperature = get_float(obj, "temperature", 0.0, FLT_MAX)
@@ -164,7 +108,8 @@ def parse_vllm_body(
     repetition_penalty = get_float(obj, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
     frequency_penalty = get_float(obj, "frequency_penalty", -2.0, 2.0, default=0.0)
     presence_penalty = get_float(obj, "presence_penalty", -2.0, 2.0, default=0.0)
-    stop = parse_stop(obj.get("stop"))
+    stop = parse_stop(obj.get("stop"), max_single=MAX_STOP_SINGLE, max_len=MAX_STOP_LEN,
+                      max_total=MAX_STOP_TOTAL)
     stop_token_ids = parse_stop_token_ids(obj.get("stop_token_ids"))
     include_stop = False
     if obj.get("stop") is not None or obj.get("stop_token_ids") is not None:  # spec §1.2
@@ -210,57 +155,6 @@ def parse_vllm_body(
     return VllmBody(text, stream, SamplingParams(**kwargs), count)
 
 
-Item = RequestOutput | BaseException | None
-
-
-class _FanOut:
-    """Runs one engine request per sequence in its own task (each an
-    :class:`EngineStream`, so a disconnect aborts them all); outputs arrive tagged with
-    the sequence index on one queue. ``None`` marks a stream that ended (after its final
-    output, or early on disconnect); an exception is passed on as the item. Leaving the
-    ``async with`` cancels what still runs, which aborts those engine requests."""
-
-    def __init__(
-        self, engine: EngineClient, reqs: list[GenerateRequest], disconnected: asyncio.Event
-    ) -> None:
-        self._engine = engine
-        self._reqs = reqs
-        self._disconnected = disconnected
-        self._queue: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-
-    async def __aenter__(self) -> _FanOut:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._pump(i, r)) for i, r in enumerate(self._reqs)]
-        return self
-
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _pump(self, index: int, req: GenerateRequest) -> None:
-        item: Item = None
-        try:
-            async with EngineStream(self._engine, req, self._disconnected) as stream:
-                async for out in stream:
-                    self._queue.put_nowait((index, out))
-        except ClientDisconnected:
-            pass
-        except Exception as exc:  # noqa: BLE001 - handed to the handler, which answers 500
-            item = exc
-        self._queue.put_nowait((index, item))
-
-    async def batch(self) -> list[tuple[int, Item]]:
-        """Wait for one item, then take every item already queued (one engine step of
-        several sequences arrives together)."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        return items
-
-
 def _cum_logprob(outs: list[RequestOutput]) -> float | None:
     total = 0.0
     for out in outs:
@@ -299,7 +193,7 @@ class VllmApi:
             except ValueError as exc:
                 raise HttpError(422, str(exc)) from None
         vb, reqs = await self._build(request, body)
-        async with _FanOut(self._engine, reqs, request.disconnected) as fan:
+        async with FanOut(self._engine, reqs, request.disconnected) as fan:
             if vb.stream:
                 await self._stream(response, vb, fan)
             else:
@@ -329,7 +223,7 @@ class VllmApi:
                                 params=p, arrival_time=request.arrival_time) for p in params]
         return vb, reqs
 
-    async def _complete(self, response: HttpResponse, vb: VllmBody, fan: _FanOut) -> None:
+    async def _complete(self, response: HttpResponse, vb: VllmBody, fan: FanOut) -> None:
         outs: list[list[RequestOutput]] = [[] for _ in range(vb.count)]
         done = [False] * vb.count
         while not all(done):
@@ -338,7 +232,7 @@ class VllmApi:
                     raise item
                 if item is None:
                     if not done[i]:
-                        raise HttpError(500, _NO_FINAL)
+                        raise HttpError(500, NO_FINAL_OUTPUT)
                     continue
                 outs[i].append(item)
                 if item.finished:
@@ -352,7 +246,7 @@ class VllmApi:
         texts = [vb.text + " " + "".join(o.new_text for o in outs[i]) for i in order]
         await response.send_json(200, {"text": texts})
 
-    async def _stream(self, response: HttpResponse, vb: VllmBody, fan: _FanOut) -> None:
+    async def _stream(self, response: HttpResponse, vb: VllmBody, fan: FanOut) -> None:
         await response.start_stream(200, "text/event-stream")
         done = [False] * vb.count
         sent = False
@@ -378,7 +272,7 @@ class VllmApi:
                 if failed is not None or incomplete:
                     # spec §0.4 step 9: the error text is the last chunk, then close
                     reason = failed.finish_reason.value if failed and failed.finish_reason else "error"
-                    message = (failed.error or f"Engine request {reason}.") if failed else _NO_FINAL
+                    message = (failed.error or f"Engine request {reason}.") if failed else NO_FINAL_OUTPUT
                     await response.write(message.encode())
                     await response.end(close_connection=True)
                     return
