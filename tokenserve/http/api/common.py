@@ -1,5 +1,8 @@
-"""What every API family shares: the engine as it sees it, JSON body parsing, tokenisation,
-the prompt-length check and the finish-reason mapping (spec/interfaces.md §0.4, §1, §2.1).
+"""What every API family shares: the engine as it sees it, :class:`FamilyApi` (the base of
+the handler classes), JSON body parsing, tokenisation, the prompt-length check, the
+finish-reason mapping and how a request's end is answered: :func:`collect` /
+:func:`check_final` for a non-stream answer, :func:`run_stream` / :func:`guard_stream` for a
+stream (spec/interfaces.md §0.4, §1, §2.1).
 
 Two neighbours hold the rest: :mod:`tokenserve.http.api.fields`, the typed field getters
 and the field parsers several families share (spec §2.1 type rules), and
@@ -10,22 +13,27 @@ with disconnect -> abort (spec §0.4 step 10; re-exported here, its former home)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
-from tokenserve.http.api.engine_stream import EngineStream
+from tokenserve.http.api.engine_stream import NO_FINAL_OUTPUT, EngineStream
 from tokenserve.http.api.fields import MAX_TOKENS_NUM, show
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.http.errors import HttpError
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 
 __all__ = [  # EngineStream: re-exported, this was its home
-    "DEFAULT_MAX_JSON_DEPTH", "MINDIE_FINISH_REASONS", "PARSE_ERROR", "TOKENIZE_OFFLOAD_CHARS",
-    "EngineClient", "EngineStream", "check_json_content_type", "check_prompt_fits",
-    "encode_text", "json_depth_exceeds", "mindie_finish_reason", "parse_json",
-    "parse_json_object",
+    "DEFAULT_MAX_JSON_DEPTH", "FAILED_FINISH", "MINDIE_FINISH_REASONS", "PARSE_ERROR",
+    "TOKENIZE_OFFLOAD_CHARS", "Collected", "EngineClient", "EngineStream", "FamilyApi",
+    "check_final", "check_json_content_type", "check_prompt_fits", "close_stream", "collect",
+    "encode_text", "failure_text", "guard_stream", "json_depth_exceeds",
+    "mindie_finish_reason", "parse_json", "parse_json_object", "run_stream", "sse",
 ]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +62,36 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def is_healthy(self) -> bool: ...
+
+
+class FamilyApi:
+    """Base of the families' handler classes: the engine they serve and the nesting limit
+    their JSON bodies are parsed under (config.md ``maxJsonDepth``)."""
+
+    def __init__(
+        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    ) -> None:
+        self._engine = engine
+        self._max_json_depth = max_json_depth
+
+    def _json(self, request: HttpRequest) -> dict[str, Any]:
+        """The body as a JSON object (spec §0.4 step 3); raises ``ValueError``."""
+        check_json_content_type(request.headers)
+        return parse_json_object(request.body, self._max_json_depth)
+
+    def _body(self, request: HttpRequest, message: str | None = None) -> dict[str, Any]:
+        """:meth:`_json`, a failure answered 422 (with ``message`` when given)."""
+        try:
+            return self._json(request)
+        except ValueError as exc:
+            raise HttpError(422, message or str(exc)) from None
+
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        """:func:`check_prompt_fits`, a prompt too long answered 424 (spec §0.4 step 8)."""
+        try:
+            check_prompt_fits(num_prompt_tokens, self._engine)
+        except ValueError as exc:
+            raise HttpError(424, str(exc)) from None
 
 
 # --------------------------------------------------------------------------- JSON bodies
@@ -186,3 +224,147 @@ def mindie_finish_reason(reason: FinishReason | None) -> str:
     if reason is None:
         return "invalid finishReason"
     return MINDIE_FINISH_REASONS.get(reason, "invalid finishReason")
+
+
+# --------------------------------------------------------------------------- request ends
+
+
+#: spec §0.4 step 9: final outputs that end a request in failure (timeout, engine error).
+FAILED_FINISH = (FinishReason.TIMEOUT, FinishReason.ERROR)
+
+
+def failure_text(out: RequestOutput) -> str:
+    """What a failed final output is answered with: its error, else ``Engine request <reason>.``"""
+    reason = out.finish_reason.value if out.finish_reason else "error"
+    return out.error or f"Engine request {reason}."
+
+
+def check_final(last: RequestOutput | None) -> RequestOutput:
+    """A non-stream answer's final output: 500 when the engine stream ended without one or
+    the request failed (timeout, engine error).
+
+    Raises:
+        HttpError: 500 ``Engine stream ended without a final output.`` or :func:`failure_text`.
+    """
+    if last is None or not last.finished:
+        raise HttpError(500, NO_FINAL_OUTPUT)
+    if last.finish_reason in FAILED_FINISH:
+        raise HttpError(500, failure_text(last))
+    return last
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One engine request run to its end by :func:`collect`."""
+
+    texts: list[str]
+    ids: list[int]
+    last: RequestOutput  # the final output, not a failed one
+
+    @property
+    def text(self) -> str:
+        """All the generated text."""
+        return "".join(self.texts)
+
+
+@contextlib.asynccontextmanager
+async def collect(
+    engine: EngineClient,
+    request: GenerateRequest,
+    http_request: HttpRequest,
+    *,
+    aliases: tuple[str, ...] = (),
+    on_output: Callable[[RequestOutput], None] | None = None,
+) -> AsyncIterator[Collected]:
+    """For a non-stream answer: run one engine request to its end (an :class:`EngineStream`,
+    ``on_output`` seeing each output), gathering its texts and token ids, its final output
+    checked by :func:`check_final`. Send the answer inside the block, while the request is
+    still registered (``stopInfer``, metrics)."""
+    texts: list[str] = []
+    ids: list[int] = []
+    async with EngineStream(engine, request, http_request.disconnected,
+                            aliases=aliases) as stream:
+        async for out in stream:
+            texts.append(out.new_text)
+            ids.extend(out.new_token_ids)
+            if on_output is not None:
+                on_output(out)
+        yield Collected(texts, ids, check_final(stream.last))
+
+
+def sse(event: Any) -> bytes:
+    """One server-sent event ``data: <json>\\n\\n``."""
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+async def close_stream(response: HttpResponse, text: str) -> None:
+    """spec §0.4 step 9: ``text`` as the plain-text last chunk of a started stream, then
+    the connection closes."""
+    await response.write(text.encode())
+    await response.end(close_connection=True)
+
+
+async def guard_stream(
+    response: HttpResponse, body: Awaitable[bool], log: logging.Logger, what: str
+) -> bool:
+    """Await ``body`` (a stream's writes) and return what it returns (False: it closed the
+    stream itself). Any failure but a disconnect once the head is out is answered as
+    spec §0.4 step 9 asks: logged on ``log`` (naming ``what``), ``Engine failure: <exc>``
+    as the last chunk, then close (False). Before the head, the failure is raised."""
+    try:
+        return await body
+    except ClientDisconnected:
+        raise
+    except Exception as exc:
+        if not response.started:  # refused at admission: an ordinary error answer
+            raise
+        log.exception("engine failed while streaming %s", what)
+        await close_stream(response, f"Engine failure: {exc}")
+        return False
+
+
+#: Renders one engine output as the bytes to write (None: nothing to write).
+Render = Callable[[RequestOutput], bytes | None]
+
+
+async def run_stream(
+    engine: EngineClient,
+    request: GenerateRequest,
+    http_request: HttpRequest,
+    response: HttpResponse,
+    on_output: Render,
+    on_failure: Render,
+    *,
+    aliases: tuple[str, ...] = (),
+    log: logging.Logger = logger,
+) -> None:
+    """Stream one engine request as ``text/event-stream`` (spec §0.4 steps 9-10).
+
+    Admission first (a full queue is a 503 answer), then the head. Each output is
+    written as ``on_output`` renders it; a failed final output (timeout, engine error) as
+    ``on_failure`` renders it (the tokens that came with it), then :func:`failure_text`
+    is the last chunk and the connection closes. An engine failure is answered by
+    :func:`guard_stream`; a stream that ends without a final output closes with
+    ``Engine stream ended without a final output.``
+    """
+
+    async def pump(stream: EngineStream) -> bool:
+        async for out in stream:
+            failed = out.finished and out.finish_reason in FAILED_FINISH
+            chunk = on_failure(out) if failed else on_output(out)
+            if chunk is not None:
+                await response.write(chunk)
+            if failed:
+                await close_stream(response, failure_text(out))
+                return False
+        return True
+
+    async with EngineStream(engine, request, http_request.disconnected,
+                            aliases=aliases) as stream:
+        await response.start_stream(200, "text/event-stream")
+        if not await guard_stream(response, pump(stream), log, request.request_id):
+            return
+        if not stream.finished:
+            await close_stream(response, NO_FINAL_OUTPUT)
+            return
+    await response.end()

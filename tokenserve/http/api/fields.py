@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
+
+from tokenserve.sampling_params import MAX_SEED
 
 #: C ``FLT_MAX``: upper bound of MindIE's float parameters (spec §2.1).
 FLT_MAX = 3.4028234663852886e38
@@ -150,6 +152,66 @@ def get_object(obj: Mapping[str, Any], key: str, *, name: str | None = None) -> 
     if not isinstance(value, dict):
         raise ValueError(f"Parameter {name or key} must be an object.")
     return value
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class Bounds(NamedTuple):
+    """An interval for :func:`get_int` / :func:`get_float` (``get_int(p, key, *bounds)``);
+    ``None`` is unbounded, ``*_open`` makes that end exclusive."""
+
+    lo: Any = None
+    hi: Any = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+
+def given(**values: Any) -> dict[str, Any]:
+    """The keyword arguments whose value is not ``None`` (the fields a body set)."""
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def parse_sampling(
+    p: Mapping[str, Any],
+    *,
+    top_k: Bounds,
+    top_p: Bounds,
+    typical_p: bool = True,
+    priority: bool = False,
+) -> tuple[dict[str, Any], int | None]:
+    """The sampling ``parameters`` the native, TGI and Triton families share (spec §2.1,
+    §3.2, §6.3), checked in this order: ``temperature`` (0, FLT_MAX], ``top_k`` and
+    ``top_p`` in the family's ``Bounds``, ``typical_p`` (0, 1] (validated, then ignored;
+    only when ``typical_p``), ``do_sample``, ``seed`` [0, MAX_SEED],
+    ``repetition_penalty`` (0, FLT_MAX], ``watermark`` (validated, then ignored),
+    ``priority`` [1, 5] default 5 (only when ``priority``), ``max_new_tokens``
+    (0, 2^31-1] default 20.
+
+    ``do_sample`` [I]: an explicit value wins; when absent, sample iff ``temperature``,
+    ``top_k`` or ``top_p`` was given (the TGI rule).
+
+    Returns:
+        The ``SamplingParams`` keyword arguments (``max_new_tokens``, ``do_sample`` and
+        the fields given) and the priority (``None`` unless ``priority``).
+    """
+    temperature = get_float(p, "temperature", 0.0, FLT_MAX, lo_open=True)
+    k = get_int(p, "top_k", *top_k)
+    top_p_value = get_float(p, "top_p", *top_p)
+    if typical_p:
+        get_float(p, "typical_p", 0.0, 1.0, lo_open=True)
+    do_sample = get_bool(p, "do_sample")
+    seed = get_int(p, "seed", 0, MAX_SEED)
+    repetition_penalty = get_float(p, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
+    get_bool(p, "watermark")
+    level = get_int(p, "priority", 1, 5, default=5) if priority else None
+    max_new_tokens = get_int(p, "max_new_tokens", 0, INT32_MAX, lo_open=True, default=20)
+    if do_sample is None:
+        do_sample = temperature is not None or k is not None or top_p_value is not None
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+    kwargs.update(given(temperature=temperature, top_k=k, top_p=top_p_value,
+                        repetition_penalty=repetition_penalty, seed=seed))
+    return kwargs, level
 
 
 # --------------------------------------------------------------------------- prompts

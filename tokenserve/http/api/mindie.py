@@ -26,33 +26,29 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from tokenserve.http.api.common import (
-    DEFAULT_MAX_JSON_DEPTH,
-    EngineClient,
-    check_json_content_type,
-    check_prompt_fits,
+    FamilyApi,
+    collect,
     encode_text,
     mindie_finish_reason,
-    parse_json_object,
+    run_stream,
+    sse,
 )
-from tokenserve.http.api.engine_stream import EngineStream
 from tokenserve.http.api.fields import (
-    FLT_MAX,
     INT32_MAX,
+    Bounds,
     check_token_ids,
     get_bool,
-    get_float,
     get_int,
     get_object,
+    parse_sampling,
     parse_text_input,
 )
-from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
-from tokenserve.sampling_params import MAX_SEED, SamplingParams
+from tokenserve.messages import GenerateRequest, RequestOutput
+from tokenserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +58,9 @@ MAX_TIMEOUT_S = 65535
 #: counted and checked, then refused (the models we serve are text-only [I]).
 MAX_MEDIA_ITEMS = 20
 _MEDIA_TYPES = ("image_url", "video_url", "audio_url")
-_FAILED_FINISH = (FinishReason.TIMEOUT, FinishReason.ERROR)
+#: spec §2.1: ``top_k`` (0, 2^31-1], ``top_p`` (0, 1).
+TOP_K = Bounds(0, INT32_MAX, lo_open=True)
+TOP_P = Bounds(0.0, 1.0, lo_open=True, hi_open=True)
 
 
 @dataclass(frozen=True)
@@ -105,32 +103,9 @@ def parse_infer_body(obj: dict[str, Any], vocab_size: int) -> InferBody:
 
     stream = get_bool(obj, "stream", False)
     p = get_object(obj, "parameters")
-    temperature = get_float(p, "temperature", 0.0, FLT_MAX, lo_open=True)
-    top_k = get_int(p, "top_k", 0, INT32_MAX, lo_open=True)
-    top_p = get_float(p, "top_p", 0.0, 1.0, lo_open=True, hi_open=True)
-    get_float(p, "typical_p", 0.0, 1.0, lo_open=True)
-    do_sample = get_bool(p, "do_sample")
-    seed = get_int(p, "seed", 0, MAX_SEED)
-    repetition_penalty = get_float(p, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
-    get_bool(p, "watermark")
-    priority = get_int(p, "priority", 1, 5, default=5)
-    max_new_tokens = get_int(p, "max_new_tokens", 0, INT32_MAX, lo_open=True, default=20)
+    kwargs, priority = parse_sampling(p, top_k=TOP_K, top_p=TOP_P, priority=True)
     timeout = get_int(p, "timeout", 0, MAX_TIMEOUT_S, lo_open=True)
     details = get_bool(p, "details", False)
-
-    if do_sample is None:
-        do_sample = temperature is not None or top_k is not None or top_p is not None
-    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
-    if temperature is not None:
-        kwargs["temperature"] = temperature
-    if top_k is not None:
-        kwargs["top_k"] = top_k
-    if top_p is not None:
-        kwargs["top_p"] = top_p
-    if repetition_penalty is not None:
-        kwargs["repetition_penalty"] = repetition_penalty
-    if seed is not None:
-        kwargs["seed"] = seed
     return InferBody(
         text=text,
         input_ids=ids,
@@ -157,18 +132,8 @@ def _step_times(out: RequestOutput, first: bool, elapsed_ms: float) -> dict[str,
     return {"prefill_time": None, "decode_time": _ms(ms)}
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(event) + b"\n\n"
-
-
-class MindIEApi:
+class MindIEApi(FamilyApi):
     """Handlers of the MindIE native family (spec §2.1)."""
-
-    def __init__(
-        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    ) -> None:
-        self._engine = engine
-        self._max_json_depth = max_json_depth
 
     def register(self, router: Router) -> None:
         """Add ``POST /infer`` and ``POST /infer_token`` (one handler, spec §9.1)."""
@@ -178,9 +143,7 @@ class MindIEApi:
     async def _build(self, request: HttpRequest) -> tuple[InferBody, GenerateRequest]:
         """Steps 3-8 of spec §0.4; raises HttpError 422/424."""
         try:
-            check_json_content_type(request.headers)
-            obj = parse_json_object(request.body, self._max_json_depth)
-            body = parse_infer_body(obj, self._engine.vocab_size)
+            body = parse_infer_body(self._json(request), self._engine.vocab_size)
             if body.input_ids is not None:
                 ids = body.input_ids
             else:
@@ -188,10 +151,7 @@ class MindIEApi:
                 ids = await encode_text(self._engine.tokenizer, body.text)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        try:
-            check_prompt_fits(len(ids), self._engine)
-        except ValueError as exc:
-            raise HttpError(424, str(exc)) from None
+        self._check_fits(len(ids))
         greq = GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=tuple(ids),
@@ -213,23 +173,14 @@ class MindIEApi:
     async def _complete(
         self, request: HttpRequest, response: HttpResponse, body: InferBody, greq: GenerateRequest
     ) -> None:
-        texts: list[str] = []
-        ids: list[int] = []
-        async with EngineStream(self._engine, greq, request.disconnected) as stream:
-            async for out in stream:
-                texts.append(out.new_text)
-                ids.extend(out.new_token_ids)
-            last = stream.last
-            if last is None or not last.finished:
-                raise HttpError(500, "Engine stream ended without a final output.")
-            if last.finish_reason in _FAILED_FINISH:
-                raise HttpError(500, last.error or f"Engine request {last.finish_reason.value}.")
-            result: dict[str, Any] = {"generated_text": "".join(texts)}
+        async with collect(self._engine, greq, request) as got:
+            last = got.last
+            result: dict[str, Any] = {"generated_text": got.text}
             if body.details:
                 result["details"] = {
                     "finish_reason": mindie_finish_reason(last.finish_reason),
                     "generated_tokens": last.num_output_tokens,
-                    "generated_token_ids": ids,
+                    "generated_token_ids": got.ids,
                     "seed": last.seed if last.seed is not None else greq.params.seed,
                 }
             await response.send_json(200, result)
@@ -240,42 +191,40 @@ class MindIEApi:
         texts: list[str] = []
         first = True
         last_time = request.arrival_time or time.monotonic()
-        # admission first (a full queue is a 503 answer), then the head
-        async with EngineStream(self._engine, greq, request.disconnected) as stream:
-            await response.start_stream(200, "text/event-stream")
-            try:
-                async for out in stream:
-                    now = time.monotonic()
-                    times = _step_times(out, first, (now - last_time) * 1000)
-                    last_time = now
-                    if out.finished and out.finish_reason in _FAILED_FINISH:
-                        await self._fail_stream(response, out, times)
-                        return
-                    texts.append(out.new_text)
-                    event: dict[str, Any] = dict(times)
-                    if out.finished:
-                        event["generated_text"] = "".join(texts)
-                        event["details"] = self._stream_details(out, greq) if body.details else None
-                        event["token"] = {"id": list(out.new_token_ids), "text": None}
-                    elif not out.new_token_ids and not out.new_text:
-                        continue
-                    else:
-                        event["token"] = {"id": list(out.new_token_ids), "text": out.new_text}
-                    await response.write(_sse(event))
-                    first = False
-            except ClientDisconnected:
-                raise
-            except Exception as exc:
-                # engine failure after the head was sent: plain-text last chunk (§0.4 step 9)
-                logger.exception("engine failed while streaming %s", greq.request_id)
-                await response.write(f"Engine failure: {exc}".encode())
-                await response.end(close_connection=True)
-                return
-            if not stream.finished:
-                await response.write(b"Engine stream ended without a final output.")
-                await response.end(close_connection=True)
-                return
-        await response.end()
+
+        def step_times(out: RequestOutput) -> dict[str, Any]:
+            nonlocal last_time
+            now = time.monotonic()
+            times = _step_times(out, first, (now - last_time) * 1000)
+            last_time = now
+            return times
+
+        def on_output(out: RequestOutput) -> bytes | None:
+            nonlocal first
+            event: dict[str, Any] = step_times(out)
+            texts.append(out.new_text)
+            if out.finished:
+                event["generated_text"] = "".join(texts)
+                event["details"] = self._stream_details(out, greq) if body.details else None
+                event["token"] = {"id": list(out.new_token_ids), "text": None}
+            elif not out.new_token_ids and not out.new_text:
+                return None
+            else:
+                event["token"] = {"id": list(out.new_token_ids), "text": out.new_text}
+            first = False
+            return sse(event)
+
+        def on_failure(out: RequestOutput) -> bytes | None:
+            """Timeout / engine error (spec §0.4 step 9): tokens that came with the final
+            output go out as a normal event before the error text."""
+            event = step_times(out)
+            if not out.new_token_ids:
+                return None
+            event["token"] = {"id": list(out.new_token_ids), "text": out.new_text}
+            return sse(event)
+
+        await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         log=logger)
 
     @staticmethod
     def _stream_details(out: RequestOutput, greq: GenerateRequest) -> dict[str, Any]:
@@ -284,18 +233,3 @@ class MindIEApi:
             "generated_tokens": out.num_output_tokens,
             "seed": out.seed if out.seed is not None else greq.params.seed,
         }
-
-    @staticmethod
-    async def _fail_stream(
-        response: HttpResponse, out: RequestOutput, times: dict[str, Any]
-    ) -> None:
-        """Timeout / engine error mid-stream (spec §0.4 step 9): tokens that came with the
-        final output are sent as a normal event, then the error text as the last chunk,
-        then the connection closes."""
-        if out.new_token_ids:
-            event = dict(times)
-            event["token"] = {"id": list(out.new_token_ids), "text": out.new_text}
-            await response.write(_sse(event))
-        reason = out.finish_reason.value if out.finish_reason else "error"
-        await response.write((out.error or f"Engine request {reason}.").encode())
-        await response.end(close_connection=True)

@@ -10,14 +10,12 @@ handler answers its client normally with ``finish_reason`` ``stop_sequence`` (§
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
     TOKENIZE_OFFLOAD_CHARS,
     EngineClient,
-    check_json_content_type,
-    parse_json_object,
+    FamilyApi,
 )
 from tokenserve.http.api.fields import MAX_TOKENS_NUM
 from tokenserve.http.api.triton_params import ID_PATTERN
@@ -35,7 +33,7 @@ TOKENIZER_FAIL = "TikToken process fail."
 MAX_TEXT_CHARS = 40 * 2**20
 
 
-class MindIEExtraApi:
+class MindIEExtraApi(FamilyApi):
     """``/v1/tokenizer`` and ``stopInfer``.
 
     Args:
@@ -46,21 +44,13 @@ class MindIEExtraApi:
 
     def __init__(self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
                  context: ServeContext | None = None) -> None:
-        self._engine = engine
-        self._max_json_depth = max_json_depth
+        super().__init__(engine, max_json_depth=max_json_depth)
         self._context = context if context is not None else context_of(engine)
 
     def register(self, router: Router) -> None:
         """Add ``POST /v1/tokenizer`` and ``POST /v2/models/{model}/stopInfer``."""
         router.post("/v1/tokenizer", self.tokenizer)
         router.post("/v2/models/{model}/stopInfer", self.stop_infer)
-
-    def _body(self, request: HttpRequest, message: str | None = None) -> dict[str, Any]:
-        try:
-            check_json_content_type(request.headers)
-            return parse_json_object(request.body, self._max_json_depth)
-        except ValueError as exc:
-            raise HttpError(422, message or str(exc)) from None
 
     async def tokenizer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/tokenizer`` (spec §2.2): ``{"inputs": str, "do_decode": bool=true}``

@@ -40,12 +40,15 @@ from typing import Any
 
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
+    FAILED_FINISH,
     TOKENIZE_OFFLOAD_CHARS,
     EngineClient,
-    check_json_content_type,
-    check_prompt_fits,
+    FamilyApi,
+    close_stream,
     encode_text,
-    parse_json_object,
+    failure_text,
+    guard_stream,
+    sse,
 )
 from tokenserve.http.api.engine_stream import FanOut
 from tokenserve.http.api.openai_format import (
@@ -58,18 +61,16 @@ from tokenserve.http.api.openai_format import (
     openai_error,
     parse_chat_body,
     parse_completion_body,
-    sse,
     usage,
 )
 from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import INTERNAL_ERROR_MESSAGE, HttpError
 from tokenserve.http.router import Handler, Router
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
 #: spec §5.3/§5.4: ``owned_by`` of every model.
 OWNER = "MindIE Server"
 
@@ -144,7 +145,7 @@ def openai_errors(handler: Handler) -> Handler:
     return wrapped
 
 
-class OpenAIApi:
+class OpenAIApi(FamilyApi):
     """Handlers of the OpenAI family (spec §5).
 
     ``openai_support`` is MindIE's ``ServerConfig.openAiSupport``: ``"vllm"`` (default)
@@ -158,8 +159,7 @@ class OpenAIApi:
         max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
         openai_support: str = "vllm",
     ) -> None:
-        self._engine = engine
-        self._max_json_depth = max_json_depth
+        super().__init__(engine, max_json_depth=max_json_depth)
         self._native = openai_support != "vllm"
         self._started = int(time.time())
         self._texts = TokenTexts(engine.tokenizer)
@@ -198,7 +198,7 @@ class OpenAIApi:
     async def chat_completions(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/chat/completions`` (spec §5.1)."""
         try:
-            obj = self._parse(request)
+            obj = self._json(request)
             body = parse_chat_body(obj, self._native)
             self._check_model(body.model, "Got model {m}, but not found in server"
                               if self._native else "Model not found")
@@ -217,7 +217,7 @@ class OpenAIApi:
     async def completions(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/completions`` (spec §5.2)."""
         try:
-            obj = self._parse(request)
+            obj = self._json(request)
             body = parse_completion_body(obj, self._engine.vocab_size)
             self._check_model(body.model,
                               "Not found given model, please check modelName in config file.")
@@ -238,10 +238,6 @@ class OpenAIApi:
             raise HttpError(422, str(exc)) from None
         plan = self._plan("cmpl", False, body, prompts, echoes, request.arrival_time)
         await self._run(request, response, plan)
-
-    def _parse(self, request: HttpRequest) -> dict[str, Any]:
-        check_json_content_type(request.headers)
-        return parse_json_object(request.body, self._max_json_depth)
 
     def _check_model(self, model: str, message: str) -> None:
         """spec §5.1: ``model`` must name the served model, or [I] its path."""
@@ -274,10 +270,7 @@ class OpenAIApi:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         choices: list[Choice] = []
         for p, ids in enumerate(prompts):
-            try:
-                check_prompt_fits(len(ids), self._engine)
-            except ValueError as exc:
-                raise HttpError(424, str(exc)) from None
+            self._check_fits(len(ids))
             room = self._engine.max_model_len - len(ids)
             want = body.max_tokens or self._max_iter_times or room
             try:
@@ -314,9 +307,8 @@ class OpenAIApi:
                 if out.finished:
                     choice.final = out
         for c in plan.choices:
-            if c.final is not None and c.final.finish_reason in _FAILED:
-                reason = c.final.finish_reason.value  # type: ignore[union-attr]
-                raise HttpError(500, c.final.error or f"Engine request {reason}.")
+            if c.final is not None and c.final.finish_reason in FAILED_FINISH:
+                raise HttpError(500, failure_text(c.final))
         result = self._envelope(plan, "chat.completion" if plan.chat else "text_completion")
         result["choices"] = [self._final_choice(plan, c) for c in plan.choices]
         result["usage"] = plan.usage()
@@ -339,47 +331,43 @@ class OpenAIApi:
     # ------------------------------------------------------------------ stream
 
     async def _stream(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
+        if await guard_stream(response, self._pump(request, response, plan), logger, plan.id):
+            await response.end()
+
+    async def _pump(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> bool:
+        """Every choice admitted first (a full queue is a 503 answer), then the head and
+        the chunks; False when it closed the stream on a failed choice."""
         kind = "chat.completion.chunk" if plan.chat else "text_completion"
         open_choices = len(plan.choices)
         requests = [c.request for c in plan.choices]
-        try:
-            # every choice admitted first (a full queue is a 503 answer), then the head
-            async with FanOut(self._engine, requests, request.disconnected) as fan:
-                await response.start_stream(200, "text/event-stream")
-                for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
-                    if plan.chat or c.prefix:
-                        await response.write(sse(self._chunk(plan, kind, c, None, c.prefix)))
-                async for index, out in fan:
-                    choice = plan.choices[index]
-                    if out.finished and out.finish_reason in _FAILED:
-                        await self._fail_stream(response, out)
-                        return
-                    if not (out.finished or out.new_text or out.logprobs):
-                        continue  # nothing to show (spec §5.1 item 2)
-                    chunk = self._chunk(plan, kind, choice, out, out.new_text)
-                    if out.finished:
-                        choice.final = out
-                        open_choices -= 1
-                        if open_choices == 0 and not plan.body.include_usage:
-                            chunk["usage"] = plan.usage()
-                    await response.write(sse(chunk))
-                if plan.body.include_usage:
-                    chunk = self._envelope(plan, kind)
-                    chunk["choices"] = []
-                    chunk["usage"] = plan.usage()
-                    await response.write(sse(chunk))
-                await response.write(SSE_DONE)
-        except ClientDisconnected:
-            raise
-        except Exception as exc:
-            if not response.started:  # refused at admission: an ordinary error answer
-                raise
-            # engine failure after the head was sent: plain-text last chunk (§0.4 step 9)
-            logger.exception("engine failed while streaming %s", plan.id)
-            await response.write(f"Engine failure: {exc}".encode())
-            await response.end(close_connection=True)
-            return
-        await response.end()
+        async with FanOut(self._engine, requests, request.disconnected) as fan:
+            await response.start_stream(200, "text/event-stream")
+            for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
+                if plan.chat or c.prefix:
+                    await response.write(sse(self._chunk(plan, kind, c, None, c.prefix)))
+            async for index, out in fan:
+                choice = plan.choices[index]
+                if out.finished and out.finish_reason in FAILED_FINISH:
+                    # spec §0.4 step 9: the error text is the last chunk, then close (the
+                    # other choices are aborted)
+                    await close_stream(response, failure_text(out))
+                    return False
+                if not (out.finished or out.new_text or out.logprobs):
+                    continue  # nothing to show (spec §5.1 item 2)
+                chunk = self._chunk(plan, kind, choice, out, out.new_text)
+                if out.finished:
+                    choice.final = out
+                    open_choices -= 1
+                    if open_choices == 0 and not plan.body.include_usage:
+                        chunk["usage"] = plan.usage()
+                await response.write(sse(chunk))
+            if plan.body.include_usage:
+                chunk = self._envelope(plan, kind)
+                chunk["choices"] = []
+                chunk["usage"] = plan.usage()
+                await response.write(sse(chunk))
+            await response.write(SSE_DONE)
+        return True
 
     def _chunk(
         self, plan: Plan, kind: str, c: Choice, out: RequestOutput | None, text: str
@@ -407,11 +395,3 @@ class OpenAIApi:
     @staticmethod
     def _envelope(plan: Plan, kind: str) -> dict[str, Any]:
         return {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model}
-
-    @staticmethod
-    async def _fail_stream(response: HttpResponse, out: RequestOutput) -> None:
-        """Timeout / engine error mid-stream (spec §0.4 step 9): the error text is the
-        last chunk, then the connection closes (the other choices are aborted)."""
-        reason = out.finish_reason.value if out.finish_reason else "error"
-        await response.write((out.error or f"Engine request {reason}.").encode())
-        await response.end(close_connection=True)

@@ -21,8 +21,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from tokenserve.http.api.fields import (
     FLT_MAX,
     INT32_MAX,
@@ -367,11 +365,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def sse(obj: Any) -> bytes:
-    """One server-sent event ``data: <json>\\n\\n`` (spec §5.1)."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -29,35 +29,31 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 import tokenserve
 from tokenserve.http.api.common import (
-    DEFAULT_MAX_JSON_DEPTH,
-    EngineClient,
-    check_json_content_type,
-    check_prompt_fits,
+    FamilyApi,
+    collect,
     encode_text,
     mindie_finish_reason,
-    parse_json_object,
+    run_stream,
+    sse,
 )
-from tokenserve.http.api.engine_stream import EngineStream
 from tokenserve.http.api.fields import (
-    FLT_MAX,
     INT32_MAX,
+    Bounds,
     get_bool,
-    get_float,
     get_int,
     get_object,
     get_str,
+    parse_sampling,
     parse_stop,
     parse_text_input,
 )
-from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
-from tokenserve.sampling_params import MAX_SEED, SamplingParams
+from tokenserve.messages import GenerateRequest, RequestOutput
+from tokenserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +64,9 @@ MAX_STOP_LEN = 1024
 MAX_STOP_TOTAL = 32768
 #: spec §3.2 ``adapter_id``.
 _ADAPTER_ID = re.compile(r"[a-zA-Z0-9_./-]{1,256}", re.ASCII)
-_FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
+#: spec §3.2: ``top_k`` (0, 2^31-1], ``top_p`` (0, 1).
+TOP_K = Bounds(0, INT32_MAX, lo_open=True)
+TOP_P = Bounds(0.0, 1.0, lo_open=True, hi_open=True)
 _NULL_TOKEN = {"logprob": None, "special": None, "text": None}
 
 
@@ -99,17 +97,9 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
         raise ValueError("Not found inputs.")
     text = parse_text_input(obj["inputs"], "inputs")
     p = get_object(obj, "parameters")
-    temperature = get_float(p, "temperature", 0.0, FLT_MAX, lo_open=True)
-    top_k = get_int(p, "top_k", 0, INT32_MAX, lo_open=True)
-    top_p = get_float(p, "top_p", 0.0, 1.0, lo_open=True, hi_open=True)
-    get_float(p, "typical_p", 0.0, 1.0, lo_open=True)
-    do_sample = get_bool(p, "do_sample")
-    seed = get_int(p, "seed", 0, MAX_SEED)
-    repetition_penalty = get_float(p, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
-    get_bool(p, "watermark")
-    max_new_tokens = get_int(p, "max_new_tokens", 0, INT32_MAX, lo_open=True, default=20)
-    stop = parse_stop(p.get("stop"), max_items=MAX_STOP_ITEMS, max_len=MAX_STOP_LEN,
-                      max_total=MAX_STOP_TOTAL)
+    kwargs, _ = parse_sampling(p, top_k=TOP_K, top_p=TOP_P)
+    kwargs["stop"] = parse_stop(p.get("stop"), max_items=MAX_STOP_ITEMS,
+                                max_len=MAX_STOP_LEN, max_total=MAX_STOP_TOTAL)
     details = bool(get_bool(p, "details", False))
     decoder_input_details = bool(get_bool(p, "decoder_input_details", False))
     return_full_text = bool(get_bool(p, "return_full_text", False))
@@ -122,20 +112,18 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
             raise ValueError(f"Adapter {adapter} not found.")
     if stream and decoder_input_details:
         raise ValueError("decoder_input_details == true is not supported when streaming tokens.")
-
-    if do_sample is None:
-        do_sample = temperature is not None or top_k is not None or top_p is not None
-    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "stop": stop}
-    for key, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                       ("repetition_penalty", repetition_penalty), ("seed", seed)):
-        if value is not None:
-            kwargs[key] = value
     return TgiBody(text, SamplingParams(**kwargs), details, decoder_input_details,
                    return_full_text, truncate)
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(event) + b"\n\n"
+def _token_event(out: RequestOutput) -> dict[str, Any]:
+    """A stream event carrying ``out``'s new tokens (spec §3.4)."""
+    return {
+        "token": {"id": list(out.new_token_ids), "text": out.new_text,
+                  "logprob": None, "special": None},
+        "generated_text": None,
+        "details": None,
+    }
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -146,14 +134,8 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
-class TgiApi:
+class TgiApi(FamilyApi):
     """Handlers of the TGI family (spec §3)."""
-
-    def __init__(
-        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    ) -> None:
-        self._engine = engine
-        self._max_json_depth = max_json_depth
 
     def register(self, router: Router) -> None:
         """Add ``POST /generate_stream``, ``POST /`` and ``GET /info`` (``POST /generate``
@@ -169,16 +151,16 @@ class TgiApi:
     ) -> None:
         """TGI ``POST /generate`` (never streams, spec §3.2); ``body`` is the parsed JSON
         when the dispatcher already has it."""
-        obj = body if body is not None else self._parse(request)
+        obj = body if body is not None else self._body(request)
         await self._run(request, response, obj, stream=False, wrap=False)
 
     async def generate_stream(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /generate_stream`` (always streams, spec §3.4)."""
-        await self._run(request, response, self._parse(request), stream=True, wrap=False)
+        await self._run(request, response, self._body(request), stream=True, wrap=False)
 
     async def root(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /``: ``stream`` from the body; non-stream answers a one-element array."""
-        obj = self._parse(request)
+        obj = self._body(request)
         try:
             stream = bool(get_bool(obj, "stream", False))
         except ValueError as exc:
@@ -227,13 +209,6 @@ class TgiApi:
 
     # ------------------------------------------------------------------ pipeline
 
-    def _parse(self, request: HttpRequest) -> dict[str, Any]:
-        try:
-            check_json_content_type(request.headers)
-            return parse_json_object(request.body, self._max_json_depth)
-        except ValueError as exc:
-            raise HttpError(422, str(exc)) from None
-
     async def _build(
         self, request: HttpRequest, obj: dict[str, Any], stream: bool
     ) -> tuple[TgiBody, GenerateRequest]:
@@ -245,10 +220,7 @@ class TgiApi:
             raise HttpError(422, str(exc)) from None
         if body.truncate is not None and len(ids) > body.truncate:
             ids = ids[-body.truncate:]  # spec §1.2: keep the last N prompt tokens
-        try:
-            check_prompt_fits(len(ids), self._engine)
-        except ValueError as exc:
-            raise HttpError(424, str(exc)) from None
+        self._check_fits(len(ids))
         greq = GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=tuple(ids),
@@ -279,17 +251,8 @@ class TgiApi:
         self, request: HttpRequest, response: HttpResponse, body: TgiBody,
         greq: GenerateRequest, wrap: bool,
     ) -> None:
-        texts: list[str] = []
-        ids: list[int] = []
-        async with EngineStream(self._engine, greq, request.disconnected) as stream:
-            async for out in stream:
-                texts.append(out.new_text)
-                ids.extend(out.new_token_ids)
-            last = stream.last
-            if last is None or not last.finished:
-                raise HttpError(500, "Engine stream ended without a final output.")
-            if last.finish_reason in _FAILED:
-                raise HttpError(500, last.error or f"Engine request {last.finish_reason.value}.")
+        async with collect(self._engine, greq, request) as got:
+            last = got.last
             result: dict[str, Any] = {}
             if body.details or body.decoder_input_details:
                 prefill = greq.prompt_token_ids if body.decoder_input_details else ()
@@ -299,67 +262,36 @@ class TgiApi:
                     "generated_tokens": last.num_output_tokens,
                     "prefill": [{"id": i, **_NULL_TOKEN} for i in prefill],
                     "seed": self._seed(last, greq),
-                    "tokens": [{"id": i, **_NULL_TOKEN} for i in ids],
+                    "tokens": [{"id": i, **_NULL_TOKEN} for i in got.ids],
                 }
-            result["generated_text"] = self._prefix(body) + "".join(texts)
+            result["generated_text"] = self._prefix(body) + got.text
             await response.send_json(200, [result] if wrap else result)
 
     async def _stream(
         self, request: HttpRequest, response: HttpResponse, body: TgiBody, greq: GenerateRequest
     ) -> None:
         texts: list[str] = []
-        # admission first (a full queue is a 503 answer), then the head
-        async with EngineStream(self._engine, greq, request.disconnected) as stream:
-            await response.start_stream(200, "text/event-stream")
-            try:
-                async for out in stream:
-                    if out.finished and out.finish_reason in _FAILED:
-                        await self._fail_stream(response, out)
-                        return
-                    if not out.finished and not out.new_token_ids and not out.new_text:
-                        continue
-                    texts.append(out.new_text)
-                    event: dict[str, Any] = {
-                        "token": {"id": list(out.new_token_ids), "text": out.new_text,
-                                  "logprob": None, "special": None},
-                        "generated_text": None,
-                        "details": None,
-                    }
-                    if out.finished:
-                        event["generated_text"] = self._prefix(body) + "".join(texts)
-                        if body.details:
-                            event["details"] = {
-                                "prompt_tokens": len(greq.prompt_token_ids),
-                                "finish_reason": mindie_finish_reason(out.finish_reason),
-                                "generated_tokens": out.num_output_tokens,
-                                "seed": self._seed(out, greq),
-                            }
-                    await response.write(_sse(event))
-            except ClientDisconnected:
-                raise
-            except Exception as exc:
-                # engine failure after the head was sent: plain-text last chunk (§0.4 step 9)
-                logger.exception("engine failed while streaming %s", greq.request_id)
-                await response.write(f"Engine failure: {exc}".encode())
-                await response.end(close_connection=True)
-                return
-            if not stream.finished:
-                await response.write(b"Engine stream ended without a final output.")
-                await response.end(close_connection=True)
-                return
-        await response.end()
 
-    @staticmethod
-    async def _fail_stream(response: HttpResponse, out: RequestOutput) -> None:
-        """Timeout / engine error mid-stream (spec §0.4 step 9): tokens that came with the
-        final output go out as a normal event, then the error text, then close."""
-        if out.new_token_ids:
-            await response.write(_sse({
-                "token": {"id": list(out.new_token_ids), "text": out.new_text,
-                          "logprob": None, "special": None},
-                "generated_text": None,
-                "details": None,
-            }))
-        reason = out.finish_reason.value if out.finish_reason else "error"
-        await response.write((out.error or f"Engine request {reason}.").encode())
-        await response.end(close_connection=True)
+        def on_output(out: RequestOutput) -> bytes | None:
+            if not out.finished and not out.new_token_ids and not out.new_text:
+                return None
+            texts.append(out.new_text)
+            event = _token_event(out)
+            if out.finished:
+                event["generated_text"] = self._prefix(body) + "".join(texts)
+                if body.details:
+                    event["details"] = {
+                        "prompt_tokens": len(greq.prompt_token_ids),
+                        "finish_reason": mindie_finish_reason(out.finish_reason),
+                        "generated_tokens": out.num_output_tokens,
+                        "seed": self._seed(out, greq),
+                    }
+            return sse(event)
+
+        def on_failure(out: RequestOutput) -> bytes | None:
+            """Timeout / engine error (spec §0.4 step 9): tokens that came with the final
+            output go out as a normal event before the error text."""
+            return sse(_token_event(out)) if out.new_token_ids else None
+
+        await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         log=logger)

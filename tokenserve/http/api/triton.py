@@ -36,15 +36,14 @@ import orjson
 
 import tokenserve
 from tokenserve.http.api.common import (
-    DEFAULT_MAX_JSON_DEPTH,
-    EngineClient,
+    FamilyApi,
     check_json_content_type,
-    check_prompt_fits,
+    collect,
     encode_text,
     mindie_finish_reason,
     parse_json_object,
+    run_stream,
 )
-from tokenserve.http.api.engine_stream import EngineStream
 from tokenserve.http.api.fields import INT32_MAX, get_int, get_object
 from tokenserve.http.api.triton_params import (
     ID_PATTERN,
@@ -54,31 +53,24 @@ from tokenserve.http.api.triton_params import (
     parse_parameters,
     parse_text_input,
 )
-from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.messages import GenerateRequest, RequestOutput
 
 __all__ = ["ID_PATTERN", "TritonApi"]
 
 logger = logging.getLogger(__name__)
 
 BINARY_HEADER = "inference-header-content-length"
-_FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
     return b"data:" + orjson.dumps(event) + b"\n\n"  # no space (spec §6.3, §9.4)
 
 
-class TritonApi:
+class TritonApi(FamilyApi):
     """Handlers of the Triton family (spec §6)."""
-
-    def __init__(
-        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    ) -> None:
-        self._engine = engine
-        self._max_json_depth = max_json_depth
 
     def register(self, router: Router) -> None:
         """Add this family's routes to ``router``."""
@@ -125,10 +117,7 @@ class TritonApi:
         if ids is None:
             assert text is not None
             ids = await encode_text(self._engine.tokenizer, text)
-        try:
-            check_prompt_fits(len(ids), self._engine)
-        except ValueError as exc:
-            raise HttpError(424, str(exc)) from None
+        self._check_fits(len(ids))
         return ids
 
     @staticmethod
@@ -218,12 +207,9 @@ class TritonApi:
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         greq = self._request(request, await self._prompt(None, parsed.input_ids), parsed.params)
-        ids: list[int] = []
         aliases = (parsed.id,) if parsed.id else ()
-        async with EngineStream(self._engine, greq, request.disconnected, aliases=aliases) as s:
-            async for out in s:
-                ids.extend(out.new_token_ids)
-            self._check_final(s.last)
+        async with collect(self._engine, greq, request, aliases=aliases) as got:
+            ids = got.ids
             output: dict[str, Any] = {"name": parsed.output_name, "shape": [1, len(ids)],
                                       "datatype": "UINT32"}
             if not parsed.binary_output:
@@ -237,21 +223,13 @@ class TritonApi:
             await response.send(200, head + raw, "application/octet-stream",
                                 {"Inference-Header-Content-Length": str(len(head))})
 
-    @staticmethod
-    def _check_final(last: RequestOutput | None) -> None:
-        if last is None or not last.finished:
-            raise HttpError(500, "Engine stream ended without a final output.")
-        if last.finish_reason in _FAILED:
-            raise HttpError(500, last.error or f"Engine request {last.finish_reason.value}.")
-
     # ------------------------------------------------------------------ generate (§6.3)
 
     async def _parse_generate(self, request: HttpRequest) -> tuple[str | None, TritonParams,
                                                                    GenerateRequest]:
         self._model(request)
         try:
-            check_json_content_type(request.headers)
-            obj = parse_json_object(request.body, self._max_json_depth)
+            obj = self._json(request)
             rid = parse_id(obj)
             if obj.get("text_input") is None:
                 raise ValueError("Not found text_input.")
@@ -277,20 +255,19 @@ class TritonApi:
     async def generate(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v2/models/{m}/generate`` (spec §6.3, non-stream)."""
         rid, params, greq = await self._parse_generate(request)
-        texts: list[str] = []
         batch: list[int | None] = []
         queue: list[float] = []
+
+        def on_output(out: RequestOutput) -> None:
+            if params.details and out.new_token_ids:
+                batch.append(self._batch_size())
+                queue.append(round(out.queue_time_ms or 0.0, 3))
+
         aliases = (rid,) if rid else ()
-        async with EngineStream(self._engine, greq, request.disconnected, aliases=aliases) as s:
-            async for out in s:
-                texts.append(out.new_text)
-                if params.details and out.new_token_ids:
-                    batch.append(self._batch_size())
-                    queue.append(round(out.queue_time_ms or 0.0, 3))
-            last = s.last
-            self._check_final(last)
-            assert last is not None
-            result = self._envelope(rid or greq.request_id, "".join(texts))
+        async with collect(self._engine, greq, request, aliases=aliases,
+                           on_output=on_output) as got:
+            last = got.last
+            result = self._envelope(rid or greq.request_id, got.text)
             if params.details:
                 result["details"] = {
                     "finish_reason": mindie_finish_reason(last.finish_reason),
@@ -306,49 +283,36 @@ class TritonApi:
         first = True
         last_time = request.arrival_time or time.monotonic()
         aliases = (rid,) if rid != greq.request_id else ()
-        # admission first (a full queue is a 503 answer), then the head
-        async with EngineStream(self._engine, greq, request.disconnected, aliases=aliases) as s:
-            await response.start_stream(200, "text/event-stream")
-            try:
-                async for out in s:
-                    now = time.monotonic()
-                    if out.finished and out.finish_reason in _FAILED:
-                        if out.new_text:
-                            await response.write(_sse(self._envelope(rid, out.new_text)))
-                        reason = out.finish_reason.value if out.finish_reason else "error"
-                        await response.write((out.error or f"Engine request {reason}.").encode())
-                        await response.end(close_connection=True)
-                        return
-                    if not out.finished and not out.new_token_ids and not out.new_text:
-                        continue
-                    event = self._envelope(rid, out.new_text)
-                    if params.details:
-                        ms = (now - last_time) * 1e3
-                        if first:
-                            ms = out.prefill_time_ms if out.prefill_time_ms is not None else ms
-                        elif out.decode_time_ms is not None:
-                            ms = out.decode_time_ms
-                        event["prefill_time"] = round(ms) if first else None
-                        event["decode_time"] = None if first else round(ms)
-                        details: dict[str, Any] = {
-                            "generated_tokens": out.num_output_tokens,
-                            "batch_size": self._batch_size(),
-                            "queue_wait_time": round(out.queue_time_ms or 0.0, 3)}
-                        if out.finished:
-                            details["finish_reason"] = mindie_finish_reason(out.finish_reason)
-                        event["details"] = details
-                    last_time = now
-                    first = False
-                    await response.write(_sse(event))
-            except ClientDisconnected:
-                raise
-            except Exception as exc:  # engine failure after the head (spec §0.4 step 9)
-                logger.exception("engine failed while streaming %s", greq.request_id)
-                await response.write(f"Engine failure: {exc}".encode())
-                await response.end(close_connection=True)
-                return
-            if not s.finished:
-                await response.write(b"Engine stream ended without a final output.")
-                await response.end(close_connection=True)
-                return
-        await response.end()
+
+        def on_output(out: RequestOutput) -> bytes | None:
+            nonlocal first, last_time
+            now = time.monotonic()
+            if not out.finished and not out.new_token_ids and not out.new_text:
+                return None
+            event = self._envelope(rid, out.new_text)
+            if params.details:
+                ms = (now - last_time) * 1e3
+                if first:
+                    ms = out.prefill_time_ms if out.prefill_time_ms is not None else ms
+                elif out.decode_time_ms is not None:
+                    ms = out.decode_time_ms
+                event["prefill_time"] = round(ms) if first else None
+                event["decode_time"] = None if first else round(ms)
+                details: dict[str, Any] = {
+                    "generated_tokens": out.num_output_tokens,
+                    "batch_size": self._batch_size(),
+                    "queue_wait_time": round(out.queue_time_ms or 0.0, 3)}
+                if out.finished:
+                    details["finish_reason"] = mindie_finish_reason(out.finish_reason)
+                event["details"] = details
+            last_time = now
+            first = False
+            return _sse(event)
+
+        def on_failure(out: RequestOutput) -> bytes | None:
+            """Timeout / engine error (spec §0.4 step 9): the text that came with the final
+            output goes out as a normal event before the error text."""
+            return _sse(self._envelope(rid, out.new_text)) if out.new_text else None
+
+        await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         aliases=aliases, log=logger)

@@ -19,20 +19,23 @@ from typing import Any
 import numpy as np
 
 from tokenserve.http.api.fields import (
-    FLT_MAX,
     INT32_MAX,
     MAX_TOKENS_NUM,
+    Bounds,
     check_token_ids,
     get_bool,
-    get_float,
     get_int,
     get_object,
+    parse_sampling,
 )
-from tokenserve.sampling_params import MAX_SEED, SamplingParams
+from tokenserve.sampling_params import SamplingParams
 
 #: spec §6.3 ``id`` (also §2.3 stopInfer).
 ID_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,256}", re.ASCII)
 MAX_TIMEOUT_S = 65535
+#: spec §6.3 / §8: ``top_k`` [0, 2^31-1], ``top_p`` (0, 1] (1.0 is valid here).
+TOP_K = Bounds(0, INT32_MAX)
+TOP_P = Bounds(0.0, 1.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -48,27 +51,11 @@ class TritonParams:
 def parse_parameters(p: dict[str, Any], *, typical_p: bool) -> TritonParams:
     """spec §6.3 ranges (``typical_p`` only on generate; /infer ignores it, §6.4).
     ``do_sample`` [I]: explicit wins, else sample iff temperature/top_k/top_p given."""
-    temperature = get_float(p, "temperature", 0.0, FLT_MAX, lo_open=True)
-    top_k = get_int(p, "top_k", 0, INT32_MAX)
-    top_p = get_float(p, "top_p", 0.0, 1.0, lo_open=True)
-    if typical_p:
-        get_float(p, "typical_p", 0.0, 1.0, lo_open=True)
-    do_sample = get_bool(p, "do_sample")
-    seed = get_int(p, "seed", 0, MAX_SEED)
-    repetition_penalty = get_float(p, "repetition_penalty", 0.0, FLT_MAX, lo_open=True)
-    get_bool(p, "watermark")
-    priority = get_int(p, "priority", 1, 5, default=5)
-    max_new_tokens = get_int(p, "max_new_tokens", 0, INT32_MAX, lo_open=True, default=20)
+    kw, priority = parse_sampling(p, top_k=TOP_K, top_p=TOP_P, typical_p=typical_p,
+                                  priority=True)
     details = get_bool(p, "details", False)
     get_int(p, "batch_size", 0, INT32_MAX, lo_open=True)
     timeout = get_int(p, "timeout", 0, MAX_TIMEOUT_S, lo_open=True)
-    if do_sample is None:
-        do_sample = temperature is not None or top_k is not None or top_p is not None
-    kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
-    for key, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                       ("seed", seed), ("repetition_penalty", repetition_penalty)):
-        if value is not None:
-            kw[key] = value
     return TritonParams(SamplingParams(**kw), priority or 5,
                         float(timeout) if timeout is not None else None, bool(details))
 

@@ -31,12 +31,12 @@ from typing import Any
 import orjson
 
 from tokenserve.http.api.common import (
-    DEFAULT_MAX_JSON_DEPTH,
-    EngineClient,
-    check_json_content_type,
-    check_prompt_fits,
+    FAILED_FINISH,
+    FamilyApi,
+    close_stream,
     encode_text,
-    parse_json_object,
+    failure_text,
+    guard_stream,
 )
 from tokenserve.http.api.engine_stream import NO_FINAL_OUTPUT, FanOut
 from tokenserve.http.api.fields import (
@@ -46,14 +46,15 @@ from tokenserve.http.api.fields import (
     get_float,
     get_int,
     get_str,
+    given,
     parse_stop,
     parse_stop_token_ids,
     parse_text_input,
 )
-from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ MAX_STOP_LEN = 1024
 MAX_STOP_TOTAL = 32768
 MAX_BEST_OF = 128
 MAX_N = 8192
-_FAILED = (FinishReason.TIMEOUT, FinishReason.ERROR)
 
 
 @dataclass(frozen=True)
@@ -148,10 +148,7 @@ def parse_vllm_body(
         kwargs["temperature"] = temperature
     if top_k is not None and top_k != -1:
         kwargs["top_k"] = top_k
-    for key, value in (("top_p", top_p), ("repetition_penalty", repetition_penalty),
-                       ("seed", seed)):
-        if value is not None:
-            kwargs[key] = value
+    kwargs.update(given(top_p=top_p, repetition_penalty=repetition_penalty, seed=seed))
     return VllmBody(text, stream, SamplingParams(**kwargs), count)
 
 
@@ -164,14 +161,8 @@ def _cum_logprob(outs: list[RequestOutput]) -> float | None:
     return total
 
 
-class VllmApi:
+class VllmApi(FamilyApi):
     """Handler of the vLLM family (spec §4.1)."""
-
-    def __init__(
-        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    ) -> None:
-        self._engine = engine
-        self._max_json_depth = max_json_depth
 
     def register(self, router: Router) -> None:
         """Nothing: ``POST /generate`` is registered by the app's dispatcher (spec §3.1)."""
@@ -187,11 +178,7 @@ class VllmApi:
     ) -> None:
         """vLLM ``POST /generate``; ``body`` is the parsed JSON when the dispatcher has it."""
         if body is None:
-            try:
-                check_json_content_type(request.headers)
-                body = parse_json_object(request.body, self._max_json_depth)
-            except ValueError as exc:
-                raise HttpError(422, str(exc)) from None
+            body = self._body(request)
         vb, reqs = await self._build(request, body)
         async with FanOut(self._engine, reqs, request.disconnected) as fan:
             if vb.stream:
@@ -210,10 +197,7 @@ class VllmApi:
             ids = await encode_text(self._engine.tokenizer, vb.text)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        try:
-            check_prompt_fits(len(ids), self._engine)
-        except ValueError as exc:
-            raise HttpError(424, str(exc)) from None
+        self._check_fits(len(ids))
         params = [vb.params]
         if vb.count > 1:  # distinct seeds; logprobs rank the sequences
             params = [dataclasses.replace(vb.params, seed=(vb.params.seed + i) % (MAX_SEED + 1),
@@ -236,8 +220,8 @@ class VllmApi:
                     continue
                 outs[i].append(item)
                 if item.finished:
-                    if item.finish_reason in _FAILED:
-                        raise HttpError(500, item.error or f"Engine request {item.finish_reason.value}.")
+                    if item.finish_reason in FAILED_FINISH:
+                        raise HttpError(500, failure_text(item))
                     done[i] = True
         order = list(range(vb.count))
         scores = [_cum_logprob(o) for o in outs]
@@ -248,39 +232,35 @@ class VllmApi:
 
     async def _stream(self, response: HttpResponse, vb: VllmBody, fan: FanOut) -> None:
         await response.start_stream(200, "text/event-stream")
+        if await guard_stream(response, self._pump(response, vb, fan), logger,
+                              "a vLLM request"):
+            await response.end()
+
+    @staticmethod
+    async def _pump(response: HttpResponse, vb: VllmBody, fan: FanOut) -> bool:
+        """Write each step's new texts; False when it closed the stream on a failed or
+        incomplete sequence (spec §0.4 step 9: the error text is the last chunk)."""
         done = [False] * vb.count
         sent = False
-        try:
-            while not all(done):
-                deltas = [""] * vb.count
-                failed: RequestOutput | None = None
-                incomplete = False
-                for i, item in await fan.batch():
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item is None:
-                        incomplete = incomplete or not done[i]
-                        continue
-                    deltas[i] += item.new_text
-                    if item.finished:
-                        done[i] = True
-                        if item.finish_reason in _FAILED:
-                            failed = failed or item
-                if any(deltas) or (all(done) and not sent):
-                    await response.write(orjson.dumps({"text": deltas}) + b"\0")
-                    sent = True
-                if failed is not None or incomplete:
-                    # spec §0.4 step 9: the error text is the last chunk, then close
-                    reason = failed.finish_reason.value if failed and failed.finish_reason else "error"
-                    message = (failed.error or f"Engine request {reason}.") if failed else NO_FINAL_OUTPUT
-                    await response.write(message.encode())
-                    await response.end(close_connection=True)
-                    return
-        except ClientDisconnected:
-            raise
-        except Exception as exc:
-            logger.exception("engine failed while streaming a vLLM request")
-            await response.write(f"Engine failure: {exc}".encode())
-            await response.end(close_connection=True)
-            return
-        await response.end()
+        while not all(done):
+            deltas = [""] * vb.count
+            failed: RequestOutput | None = None
+            incomplete = False
+            for i, item in await fan.batch():
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    incomplete = incomplete or not done[i]
+                    continue
+                deltas[i] += item.new_text
+                if item.finished:
+                    done[i] = True
+                    if item.finish_reason in FAILED_FINISH:
+                        failed = failed or item
+            if any(deltas) or (all(done) and not sent):
+                await response.write(orjson.dumps({"text": deltas}) + b"\0")
+                sent = True
+            if failed is not None or incomplete:
+                await close_stream(response, failure_text(failed) if failed else NO_FINAL_OUTPUT)
+                return False
+        return True
