@@ -38,6 +38,8 @@ class EngineConfig:
             once (HTTP 503) instead of queueing without bound.
         enable_prefix_caching: share KV blocks of common prompt prefixes.
         enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
+        long_prefill_token_threshold: most prompt tokens one request prefills per step
+            (``longPrefillTokenThreshold``); 0 = a quarter of max_num_batched_tokens.
         served_model_name: the name APIs report (MindIE ``modelName``); None = the
             model's own name.
     """
@@ -58,6 +60,7 @@ class EngineConfig:
     max_queue_size: int = 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:

@@ -162,7 +162,9 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
                                     eng.max_num_batched_tokens),
         max_iter_times=_get(sch, "maxIterTimes", int, w, 1, max_seq_len, eng.max_iter_times),
         enable_prefix_caching=_get(sch, "enablePrefixCache", bool, w,
-                                   default=eng.enable_prefix_caching))
+                                   default=eng.enable_prefix_caching),
+        long_prefill_token_threshold=_get(sch, "longPrefillTokenThreshold", int, w, 1, 8192,
+                                          eng.long_prefill_token_threshold))
     return ServeConfig(engine=eng, server=srv)
 
 

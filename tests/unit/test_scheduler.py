@@ -14,11 +14,13 @@ EOS = 2
 
 
 def make_sched(num_blocks=64, block_size=4, budget=64, max_batch=8, max_seq_len=256,
-               caching=True, max_prefill_batch=50, chunked=True):
+               caching=True, max_prefill_batch=50, chunked=True, long_threshold=None):
     pool = BlockPool(num_blocks, block_size, enable_caching=caching)
     cfg = SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget,
                           max_seq_len=max_seq_len, max_prefill_batch_size=max_prefill_batch,
-                          enable_chunked_prefill=chunked, eos_token_ids=frozenset({EOS}))
+                          enable_chunked_prefill=chunked,
+                          long_prefill_token_threshold=long_threshold or budget,
+                          eos_token_ids=frozenset({EOS}))
     return Scheduler(cfg, pool)
 
 
@@ -296,3 +298,22 @@ def test_without_chunked_prefill_long_prompt_runs_whole():
     seqs, _ = run_step(s)  # the whole prompt in one step; the budget is then spent
     d = {q.request_id: (len(q.token_ids), q.sample) for q in seqs}
     assert d == {"short": (1, True), "long": (20, True)}
+
+
+def test_long_prefill_chunk_cap_lets_short_prompts_in_the_same_step():
+    s = make_sched(budget=16, long_threshold=6)
+    s.add(req("long", n_prompt=30))
+    seqs, _ = run_step(s)
+    assert [(q.request_id, len(q.token_ids)) for q in seqs] == [("long", 6)]
+    s.add(req("short", n_prompt=5))
+    seqs, _ = run_step(s)
+    # the long prompt's next chunk is capped at 6, so the short one is admitted whole
+    assert {q.request_id: (len(q.token_ids), q.sample) for q in seqs} == {
+        "long": (6, False), "short": (5, True)}
+
+
+def test_default_chunk_cap_is_a_quarter_of_the_budget():
+    pool = BlockPool(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_seq_len=256), pool)
+    s.add(req("long", n_prompt=100))
+    assert [len(q.token_ids) for q in s.schedule()] == [10]

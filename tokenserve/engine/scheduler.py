@@ -20,6 +20,7 @@ one token is computed, since the last position's logits are needed to sample.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from tokenserve.engine.block_pool import BlockPool, block_key
@@ -37,6 +38,11 @@ class SchedulerConfig:
         max_seq_len: prompt + output cap per request, tokens (``maxSeqLen``).
         max_prefill_batch_size: most requests prefilling in one step
             (``maxPrefillBatchSize``).
+        long_prefill_token_threshold: with chunked prefill, the most prompt tokens one
+            request may prefill in a step (MindIE ``longPrefillTokenThreshold``, vLLM's
+            ``long_prefill_token_threshold``); 0 = a quarter of the step budget. Capping a
+            long prompt's chunk leaves budget for short prompts arriving behind it, so
+            their TTFT does not wait for the long prefill to finish.
         enable_chunked_prefill: split prompts longer than the step's remaining budget
             across steps; when off, a prompt is prefilled whole in one step (the budget
             then only limits admissions), stalling running decodes for that step.
@@ -49,9 +55,12 @@ class SchedulerConfig:
     max_seq_len: int = 8192
     max_prefill_batch_size: int = 50
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         for name in ("max_batch_size", "max_num_batched_tokens", "max_seq_len",
                      "max_prefill_batch_size"):
             if getattr(self, name) <= 0:
@@ -70,6 +79,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found there
+        # per-request prefill chunk cap (tokens); without chunking, whole prompts
+        self._chunk_cap = sys.maxsize
+        if cfg.enable_chunked_prefill:
+            self._chunk_cap = (cfg.long_prefill_token_threshold
+                               or max(1, cfg.max_num_batched_tokens // 4))
 
     # ------------------------------------------------------------------ queue changes
 
@@ -139,7 +153,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap)
             assert n > 0, "running request with nothing to compute"
             if not self._reserve(req, n, protected=scheduled):
                 continue  # req itself was preempted; running[i] is now the next one
@@ -153,7 +167,8 @@ class Scheduler:
             req = self.waiting[0]
             # without chunking a prompt is prefilled whole, overrunning the budget (a
             # budget below the prompt would otherwise starve it behind running decodes)
-            limit = budget if self.cfg.enable_chunked_prefill else max(budget, req.num_tokens)
+            limit = (min(budget, self._chunk_cap) if self.cfg.enable_chunked_prefill
+                     else max(budget, req.num_tokens))
             if not self._admit(req, limit):
                 break  # no preemption to admit equal-priority work: wait for blocks
             self.waiting.pop(0)
