@@ -1,0 +1,15 @@
+"""``tokenserve bench``: a serving benchmark for tokenserve (and any MindIE-compatible server).
+
+Modules, one job each::
+
+    workload.py     prompts (exact token lengths from the model's tokenizer), output lengths
+    clients.py      one request builder + stream parser per API family, httpx streaming
+    metrics.py      pure arithmetic: per-request records -> TTFT/TPOT/ITL/E2E/goodput summary
+    baseline_hf.py  the same workload through transformers' generate (static batches)
+    serving.py      runner, concurrency sweep, modes, ``main(argv)``
+    server.py       ``tokenserve serve`` as a child process on a free loopback port
+    report.py       table on stdout, JSON file, PNG plots
+
+The package lives at the repository root (it is not installed with ``tokenserve``);
+``tokenserve bench`` puts the checkout on ``sys.path`` to import it.
+"""

@@ -1,0 +1,393 @@
+"""One request builder and one stream parser per API family (spec/interfaces.md), and the
+streaming senders that time each chunk.
+
+=============  =========================================  ==============  =============
+backend        route (streaming)                          prompt sent as  tokens from
+=============  =========================================  ==============  =============
+mindie         POST /infer_token  SSE ``data: {..}``      ``input_id``    ``token.id``
+mindie-text    POST /infer        SSE                     ``inputs`` text ``token.id``
+tgi            POST /generate_stream  SSE                 ``inputs`` text ``token.id``
+vllm           POST /generate ``stream`` NUL-framed JSON  ``prompt`` text re-tokenised
+openai         POST /v1/completions  SSE + ``[DONE]``     token-id list   ``usage``
+openai-chat    POST /v1/chat/completions  SSE + [DONE]    user message    ``usage``
+triton         POST /v2/models/{m}/generate_stream        ``text_input``  ``details``
+               ``data:{..}`` (no space)
+=============  =========================================  ==============  =============
+
+Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai*),
+so those produce exactly ``output_len`` tokens; the others stop at ``max_new_tokens`` or
+EOS, and the record holds what actually came back. A chunk is what one socket read
+returns: its arrival time is a token time when any event in it carries a token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from bench.metrics import RequestRecord
+from bench.workload import BenchRequest
+
+BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "triton")
+
+
+@dataclass
+class Event:
+    """One parsed stream event.
+
+    Attributes:
+        tokens: output tokens it carries; None when the family sends text only.
+        text: the new text it carries.
+        total: the server's count of output tokens so far (``details``/``usage``), if any.
+        prompt_tokens: the server's count of prompt tokens, if it reports one.
+        final: the family's end-of-stream marker (last event, ``[DONE]``).
+    """
+
+    tokens: int | None = None
+    text: str = ""
+    total: int | None = None
+    prompt_tokens: int | None = None
+    final: bool = False
+
+
+class StreamError(ValueError):
+    """The response body is not a well-formed stream of this family."""
+
+
+# --------------------------------------------------------------------------- framing
+
+
+class Framer:
+    """Splits a byte stream into frames: SSE events (``data:`` + JSON, blank-line
+    separated) or NUL-terminated JSON (vLLM). Partial frames wait for more bytes."""
+
+    def __init__(self, sep: bytes, prefix: bytes | None) -> None:
+        self._sep, self._prefix, self._buf = sep, prefix, b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data.replace(b"\r\n", b"\n") if self._prefix else data
+        *frames, self._buf = self._buf.split(self._sep)
+        out = []
+        for f in frames:
+            if self._prefix is not None:
+                f = f.strip(b"\n")
+                if not f:
+                    continue
+                if not f.startswith(self._prefix):
+                    raise StreamError(f"not an SSE data event: {f[:120]!r}")
+                f = f[len(self._prefix):].strip()
+            out.append(f)
+        return out
+
+    def leftover(self) -> bytes:
+        """Bytes after the last complete frame (an error text MindIE writes mid-stream)."""
+        return self._buf.strip()
+
+
+def _count(ids: Any) -> int:
+    """``token.id``: an array (MindIE) or a scalar (upstream TGI)."""
+    if isinstance(ids, list):
+        return len(ids)
+    return 0 if ids is None else 1
+
+
+def _choice(obj: dict[str, Any]) -> dict[str, Any]:
+    choices = obj.get("choices") or []
+    return choices[0] if choices else {}
+
+
+def _usage(obj: dict[str, Any], ev: Event) -> Event:
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        ev.total = usage.get("completion_tokens")
+        ev.prompt_tokens = usage.get("prompt_tokens")
+    return ev
+
+
+# --------------------------------------------------------------------------- event parsers
+
+
+def parse_mindie(obj: dict[str, Any]) -> Event:
+    """§2.1: ``{"token": {"id": [..], "text": ..}}``; the last event has ``generated_text``
+    (its ``token.text`` is null) and ``details`` (``generated_tokens``) when asked."""
+    tok = obj.get("token") or {}
+    details = obj.get("details") or {}
+    return Event(tokens=_count(tok.get("id")), text=tok.get("text") or "",
+                 total=details.get("generated_tokens"), prompt_tokens=details.get("prompt_tokens"),
+                 final="generated_text" in obj and obj["generated_text"] is not None)
+
+
+def parse_vllm(obj: dict[str, Any]) -> Event:
+    """§4.1: ``{"text": ["<delta of sequence 0>"]}`` per step, no end marker."""
+    texts = obj.get("text") or [""]
+    return Event(tokens=None, text=texts[0] or "")
+
+
+def parse_openai(obj: dict[str, Any]) -> Event:
+    """§5.2: ``choices[0].text`` per step; ``usage`` on the finishing chunk (MindIE) or on
+    a trailing ``choices: []`` chunk (``stream_options.include_usage``)."""
+    return _usage(obj, Event(tokens=None, text=_choice(obj).get("text") or ""))
+
+
+def parse_openai_chat(obj: dict[str, Any]) -> Event:
+    """§5.1: ``choices[0].delta.content``; the role chunk carries ``content: ""``."""
+    delta = _choice(obj).get("delta") or {}
+    text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return _usage(obj, Event(tokens=None, text=text))
+
+
+class TritonParser:
+    """§6.3: ``text_output`` = new text; with ``details`` each event carries
+    ``details.generated_tokens`` so far, so a chunk's tokens are the difference."""
+
+    def __init__(self) -> None:
+        self._seen = 0
+
+    def __call__(self, obj: dict[str, Any]) -> Event:
+        details = obj.get("details") or {}
+        total = details.get("generated_tokens")
+        tokens = None
+        if isinstance(total, int):
+            tokens, self._seen = total - self._seen, total
+        return Event(tokens=tokens, text=obj.get("text_output") or "", total=total,
+                     final=details.get("finish_reason") is not None)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How one family sends a :class:`BenchRequest` and reads the stream back.
+
+    ``build(req, model)`` returns ``(path, json body)``; ``new_parser()`` a callable JSON
+    object -> :class:`Event` (stateful per request); ``final_marker``: the family marks
+    its last event, so a stream without it is an error.
+    """
+
+    name: str
+    build: Callable[[BenchRequest, str], tuple[str, dict[str, Any]]]
+    new_parser: Callable[[], Callable[[dict[str, Any]], Event]]
+    framing: tuple[bytes, bytes | None]  # (separator, SSE prefix or None)
+    chunk_count: str | None  # how chunks carry token counts (token_ids, details) or None
+    total_source: str  # what Event.total counts from
+    ignore_eos: bool
+    final_marker: bool
+
+
+_SSE = (b"\n\n", b"data:")
+
+
+def _native(req: BenchRequest, key: str, value: Any) -> dict[str, Any]:
+    return {key: value, "stream": True,
+            "parameters": {"max_new_tokens": req.output_len, "do_sample": False,
+                           "details": True}}
+
+
+def build_mindie(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    return "/infer_token", _native(req, "input_id", list(req.prompt_ids))
+
+
+def build_mindie_text(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    return "/infer", _native(req, "inputs", req.prompt_text)
+
+
+def build_tgi(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    body = _native(req, "inputs", req.prompt_text)
+    del body["stream"]  # /generate_stream always streams (§3.2)
+    return "/generate_stream", body
+
+
+def build_vllm(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    return "/generate", {"prompt": req.prompt_text, "stream": True,
+                         "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True}
+
+
+def _openai_common(req: BenchRequest, model: str) -> dict[str, Any]:
+    return {"model": model, "max_tokens": req.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def build_openai(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    return "/v1/completions", {**_openai_common(req, model), "prompt": list(req.prompt_ids)}
+
+
+def build_openai_chat(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    return "/v1/chat/completions", {**_openai_common(req, model),
+                                    "messages": [{"role": "user", "content": req.prompt_text}]}
+
+
+def build_triton(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    return (f"/v2/models/{model}/generate_stream",
+            {"id": f"bench-{req.index & 0xFFFFFFFF}-{time.monotonic_ns()}",
+             "text_input": req.prompt_text,
+             "parameters": {"max_new_tokens": req.output_len, "do_sample": False,
+                            "details": True}})
+
+
+def _stateless(fn: Callable[[dict[str, Any]], Event]) -> Callable[[], Callable]:
+    return lambda: fn
+
+
+BACKEND_TABLE: dict[str, Backend] = {
+    "mindie": Backend("mindie", build_mindie, _stateless(parse_mindie), _SSE, "token_ids",
+                      "details", False, True),
+    "mindie-text": Backend("mindie-text", build_mindie_text, _stateless(parse_mindie), _SSE,
+                           "token_ids", "details", False, True),
+    "tgi": Backend("tgi", build_tgi, _stateless(parse_mindie), _SSE, "token_ids", "details",
+                   False, True),
+    "vllm": Backend("vllm", build_vllm, _stateless(parse_vllm), (b"\0", None), None,
+                    "retokenized", True, False),
+    "openai": Backend("openai", build_openai, _stateless(parse_openai), _SSE, None, "usage",
+                      True, True),
+    "openai-chat": Backend("openai-chat", build_openai_chat, _stateless(parse_openai_chat),
+                           _SSE, None, "usage", True, True),
+    "triton": Backend("triton", build_triton, TritonParser, _SSE, "details", "details", False,
+                      True),
+}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKEND_TABLE[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; one of {BACKENDS}") from None
+
+
+# --------------------------------------------------------------------------- stream reading
+
+
+class StreamReader:
+    """Turns the chunks of one response into a :class:`RequestRecord` (no I/O: feed it
+    ``(seconds since send, bytes)`` and call :meth:`finish`; unit tests drive it by hand)."""
+
+    def __init__(self, backend: Backend, req: BenchRequest) -> None:
+        self.backend = backend
+        self.rec = RequestRecord(req.index, req.input_len, req.output_len)
+        self._framer = Framer(*backend.framing)
+        self._parse = backend.new_parser()
+        self._last_token_t: float | None = None
+        self._ids = 0
+        self._text: list[str] = []
+        self._total: int | None = None
+        self._final = False
+        self._done_marker = False
+
+    def feed(self, t: float, data: bytes) -> None:
+        carried = False
+        for frame in self._framer.feed(data):
+            if frame == b"[DONE]":
+                self._done_marker = True
+                continue
+            try:
+                obj = orjson.loads(frame)
+            except orjson.JSONDecodeError as exc:
+                raise StreamError(f"bad JSON event {frame[:120]!r}: {exc}") from None
+            if not isinstance(obj, dict):
+                raise StreamError(f"event is not a JSON object: {frame[:120]!r}")
+            ev = self._parse(obj)
+            self._text.append(ev.text)
+            if ev.tokens:
+                self._ids += ev.tokens
+            if ev.total is not None:
+                self._total = ev.total
+            if ev.prompt_tokens is not None:
+                self.rec.input_len = ev.prompt_tokens
+            self._final = self._final or ev.final
+            carried = carried or (bool(ev.tokens) if ev.tokens is not None else bool(ev.text))
+        if carried:
+            if self._last_token_t is None:
+                self.rec.ttft = t
+            else:
+                self.rec.itl.append(t - self._last_token_t)
+            self._last_token_t = t
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def finish(self, t: float, count_text: Callable[[str], int] | None = None) -> RequestRecord:
+        """Close the record at ``t`` (seconds since send): ok unless the stream ended
+        without the family's final event or with trailing garbage (an error text)."""
+        rec = self.rec
+        rec.e2e = t
+        left = self._framer.leftover()
+        if left:
+            rec.error = f"stream ended with {left[:160]!r}"
+        elif self.backend.final_marker and not self._final and not self._done_marker:
+            rec.error = "stream ended without the final event"
+        if self.backend.chunk_count is not None:
+            rec.output_tokens, rec.token_source = self._ids, self.backend.chunk_count
+            if self._ids == 0 and self._total:
+                rec.output_tokens, rec.token_source = self._total, self.backend.total_source
+        elif self._total is not None:
+            rec.output_tokens, rec.token_source = self._total, self.backend.total_source
+        elif count_text is not None:
+            rec.output_tokens, rec.token_source = count_text(self.text), "retokenized"
+        rec.ok = rec.error is None
+        return rec
+
+
+async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
+                    count_text: Callable[[str], int] | None = None) -> RequestRecord:
+    """Send ``req`` over ``http`` (an ``httpx.AsyncClient`` with ``base_url``) and time it."""
+    import httpx
+
+    path, body = backend.build(req, model)
+    reader = StreamReader(backend, req)
+    t0 = time.perf_counter()
+    reader.rec.start = t0
+    try:
+        async with http.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread())[:200]
+                reader.rec.e2e = time.perf_counter() - t0
+                reader.rec.error = f"HTTP {resp.status_code}: {text!r}"
+                return reader.rec
+            async for data in resp.aiter_raw():
+                reader.feed(time.perf_counter() - t0, data)
+    except (httpx.HTTPError, StreamError) as exc:
+        reader.rec.e2e = time.perf_counter() - t0
+        reader.rec.error = f"{type(exc).__name__}: {exc}"[:300]
+        return reader.rec
+    return reader.finish(time.perf_counter() - t0, count_text)
+
+
+async def send_engine(engine: Any, req: BenchRequest, ignore_eos: bool) -> RequestRecord:
+    """Send ``req`` straight to an :class:`~tokenserve.engine.engine.AsyncEngine` (no
+    HTTP), greedy, and time each :class:`RequestOutput` that carries tokens."""
+    import uuid
+
+    from tokenserve.messages import FinishReason, GenerateRequest
+    from tokenserve.sampling_params import SamplingParams
+
+    rec = RequestRecord(req.index, req.input_len, req.output_len, token_source="engine")
+    greq = GenerateRequest(uuid.uuid4().hex, req.prompt_ids,
+                           SamplingParams(max_new_tokens=req.output_len, do_sample=False,
+                                          ignore_eos=ignore_eos),
+                           arrival_time=time.monotonic())
+    t0 = rec.start = time.perf_counter()
+    last: float | None = None
+    out = None
+    try:
+        async for out in engine.generate(greq):
+            t = time.perf_counter() - t0
+            if out.new_token_ids:
+                rec.output_tokens += len(out.new_token_ids)
+                if last is None:
+                    rec.ttft = t
+                else:
+                    rec.itl.append(t - last)
+                last = t
+    except (RuntimeError, ValueError) as exc:
+        rec.error = str(exc)
+    rec.e2e = time.perf_counter() - t0
+    if out is not None and out.finish_reason in (FinishReason.ERROR, FinishReason.TIMEOUT,
+                                                 FinishReason.ABORT):
+        rec.error = out.error or f"finished with {out.finish_reason.value}"
+    rec.ok = rec.error is None and out is not None and out.finished
+    return rec

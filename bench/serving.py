@@ -1,0 +1,420 @@
+"""``tokenserve bench``: run a workload against a server (or the bare engine), sweep
+concurrency levels, optionally run the transformers baseline, and report.
+
+Flow of one invocation::
+
+    workload (sum of --num-prompts, disjoint slices per level: no prefix-cache reuse)
+      |-- ours: --url, or a `tokenserve serve` subprocess on a free loopback port,
+      |         or --engine-only (AsyncEngine in this process)
+      |     for c in --concurrency: warm-up (excluded) -> measured run -> summary
+      |   (server / engine stopped here, so the baseline has the cores to itself)
+      |-- --baseline hf: the same slices, static batches of c, same weights and dtype
+      '-- report: table (stdout), --out JSON, --plot-dir PNGs
+
+Every run is bounded: a fixed number of requests per level and ``--max-duration-s`` per
+level, after which the requests still in flight are cancelled and counted as failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import logging
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.clients import BACKENDS, get_backend, send_engine, send_http
+from bench.metrics import RequestRecord, compare, summarize
+from bench.server import ServerProcess
+from bench.workload import (
+    DATASETS,
+    BenchRequest,
+    WorkloadConfig,
+    build_workload,
+    warmup_workload,
+    word_ids,
+)
+
+log = logging.getLogger("bench")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,16,64, got {text!r}")
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _rate(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenserve bench",
+        description="Serving benchmark: TTFT, TPOT, ITL, E2E, throughput and goodput over "
+                    "any API family, a concurrency sweep, and a transformers baseline.")
+    g = p.add_argument_group("target")
+    g.add_argument("--backend", choices=BACKENDS, default="mindie")
+    g.add_argument("--url", default=None,
+                   help="a running server (http://host:port); default: start `tokenserve "
+                        "serve` on a free loopback port and stop it at the end")
+    g.add_argument("--engine-only", action="store_true",
+                   help="drive AsyncEngine in this process, no HTTP (server overhead = the "
+                        "difference to an HTTP run)")
+    g.add_argument("--model", default=None,
+                   help="model dir or .gguf (tokenizer, started server, baseline); default: "
+                        "SmolLM2-135M-Instruct")
+    g.add_argument("--served-model-name", default=None,
+                   help="`model` for openai*/triton requests (default: from /v1/models, else "
+                        "the model's name)")
+    g.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto")
+    g.add_argument("--server-args", default="",
+                   help="extra flags for the started `tokenserve serve` (one quoted string)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", choices=DATASETS, default="fixed")
+    w.add_argument("--input-len", type=int, default=128)
+    w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--shared-prefix-len", type=int, default=0)
+    w.add_argument("--num-prompts", type=_int_list, default=[64],
+                   help="requests per level: one number, or one per --concurrency level")
+    w.add_argument("--concurrency", type=_int_list, default=[16],
+                   help="most requests in flight; a list (1,16,64) runs a sweep")
+    w.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="Poisson arrivals per second; inf (default) sends at once, bounded "
+                        "by --concurrency")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--warmup", type=int, default=2, help="warm-up requests per level")
+    w.add_argument("--max-duration-s", type=float, default=600.0,
+                   help="cap per level (ours and baseline each); in-flight requests are "
+                        "cancelled and counted as failed")
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--slo-ttft-ms", type=float, default=None)
+    m.add_argument("--slo-tpot-ms", type=float, default=None)
+    m.add_argument("--baseline", choices=["hf"], default=None,
+                   help="hf: the same prompts through transformers generate, static batches")
+    m.add_argument("--out", default=None, help="write the results JSON here")
+    m.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    m.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    m.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if len(args.num_prompts) not in (1, len(args.concurrency)):
+        p.error("--num-prompts takes one number or one per --concurrency level")
+    if args.engine_only and args.url:
+        p.error("--engine-only and --url exclude each other")
+    if args.input_len <= 0 or args.output_len <= 0:
+        p.error("--input-len and --output-len must be > 0")
+    if not 0 <= args.shared_prefix_len < args.input_len:
+        p.error("--shared-prefix-len must be in [0, --input-len)")
+    if args.max_duration_s <= 0:
+        p.error("--max-duration-s must be > 0")
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    records: list[RequestRecord]
+    duration_s: float
+
+
+def _progress(total: int, desc: str, disable: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=disable,
+                leave=True, dynamic_ncols=True)
+
+
+async def run_level(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
+                    reqs: Sequence[BenchRequest], concurrency: int, *,
+                    request_rate: float = math.inf, seed: int = 0,
+                    max_duration_s: float = 600.0,
+                    on_done: Callable[[], None] | None = None) -> LevelResult:
+    """Send ``reqs`` with Poisson arrivals (or all at once) and at most ``concurrency`` in
+    flight; requests not done after ``max_duration_s`` are cancelled and recorded failed.
+
+    The duration is first send -> last completion (or the cap, when it fired).
+    """
+    from bench.workload import arrival_offsets
+
+    sem = asyncio.Semaphore(concurrency)
+    offsets = arrival_offsets(len(reqs), request_rate, seed)
+    t0 = time.perf_counter()
+
+    async def one(req: BenchRequest, offset: float) -> RequestRecord:
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with sem:
+            rec = await send(req)
+        if on_done is not None:
+            on_done()
+        return rec
+
+    tasks = [asyncio.create_task(one(r, o)) for r, o in zip(reqs, offsets)]
+    done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    records = []
+    for req, task in zip(reqs, tasks):
+        if task in done and task.exception() is None:
+            records.append(task.result())
+        else:
+            why = "cancelled at --max-duration-s" if task in pending else repr(task.exception())
+            records.append(RequestRecord(req.index, req.input_len, req.output_len, error=why))
+    ends = [r.start + r.e2e for r in records if r.ok]
+    duration = max_duration_s if pending else (max(ends) - t0 if ends else 0.0)
+    if pending:
+        log.warning("c=%d: %d requests cancelled at --max-duration-s %.0f", concurrency,
+                    len(pending), max_duration_s)
+    return LevelResult(concurrency, records, duration)
+
+
+async def _warm(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
+                reqs: Sequence[BenchRequest]) -> None:
+    recs = await asyncio.gather(*(send(r) for r in reqs))
+    bad = [r.error for r in recs if not r.ok]
+    if bad:
+        raise RuntimeError(f"warm-up request failed: {bad[0]}")
+
+
+async def sweep(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
+                slices: Sequence[Sequence[BenchRequest]], warm: Sequence[BenchRequest],
+                args: argparse.Namespace, label: str) -> list[LevelResult]:
+    out = []
+    for c, reqs in zip(args.concurrency, slices):
+        await _warm(send, warm)
+        bar = _progress(len(reqs), f"{label} c={c}", args.no_progress)
+        try:
+            res = await run_level(send, reqs, c, request_rate=args.request_rate,
+                                  seed=args.seed, max_duration_s=args.max_duration_s,
+                                  on_done=lambda b=bar: b.update(1))
+        finally:
+            bar.close()
+        out.append(res)
+    return out
+
+
+def _served_model_name(url: str, fallback: str) -> str:
+    import httpx
+
+    try:
+        r = httpx.get(url + "/v1/models", timeout=5.0)
+        if r.status_code == 200:
+            return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    return fallback
+
+
+# --------------------------------------------------------------------------- modes
+
+
+async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenizer: Any,
+                   slices: Sequence[Sequence[BenchRequest]],
+                   warm: Sequence[BenchRequest]) -> list[LevelResult]:
+    import httpx
+
+    backend = get_backend(args.backend)
+    count_text = (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    most = max(args.concurrency)
+    limits = httpx.Limits(max_connections=most + 8, max_keepalive_connections=most + 8)
+    timeout = httpx.Timeout(args.max_duration_s, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+        async def send(req: BenchRequest) -> RequestRecord:
+            return await send_http(http, backend, req, model_name, count_text)
+
+        return await sweep(send, slices, warm, args, f"{args.backend}")
+
+
+async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRequest]],
+                     warm: Sequence[BenchRequest]) -> list[LevelResult]:
+    from tokenserve.config import EngineConfig
+    from tokenserve.engine.engine import AsyncEngine
+
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+    engine = await asyncio.to_thread(AsyncEngine.build, cfg)
+    await engine.start()
+    ignore_eos = get_backend(args.backend).ignore_eos  # as the family would send it
+    try:
+        return await sweep(lambda r: send_engine(engine, r, ignore_eos), slices, warm, args,
+                           "engine")
+    finally:
+        await engine.stop()
+
+
+def run_baseline(args: argparse.Namespace, model_dir: Any,
+                 slices: Sequence[Sequence[BenchRequest]],
+                 warm: Sequence[BenchRequest]) -> list[LevelResult]:
+    from bench.baseline_hf import HfBaseline
+
+    hf = HfBaseline(model_dir, args.dtype, args.device)
+    out = []
+    for c, reqs in zip(args.concurrency, slices):
+        hf.warmup(warm)
+        bar = _progress(len(reqs), f"hf c={c}", args.no_progress)
+        try:
+            recs, duration = hf.run(reqs, c, max_duration_s=args.max_duration_s,
+                                    progress=bar.update)
+        finally:
+            bar.close()
+        out.append(LevelResult(c, recs, duration))
+    return out
+
+
+def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | None,
+          model_dir: Any, model_name: str) -> dict[str, Any]:
+    import torch
+
+    import tokenserve
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "tokenserve bench " + shlex.join(argv),
+        "mode": mode, "backend": args.backend if mode == "http" else "engine",
+        "url": url, "model": model_name, "model_dir": str(model_dir), "dtype": args.dtype,
+        "device": args.device, "dataset": args.dataset, "input_len": args.input_len,
+        "output_len": args.output_len, "shared_prefix_len": args.shared_prefix_len,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "seed": args.seed, "warmup": args.warmup, "max_duration_s": args.max_duration_s,
+        "baseline": args.baseline, "cpus": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": tf_version,
+        "tokenserve": getattr(tokenserve, "__version__", None),
+    }
+
+
+def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[LevelResult],
+             base: Sequence[LevelResult] | None) -> dict[str, Any]:
+    """The results document (what ``--out`` writes)."""
+    slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    levels = []
+    for k, res in enumerate(ours):
+        s_ours = summarize(res.records, res.duration_s, **slo)
+        level: dict[str, Any] = {"concurrency": res.concurrency,
+                                 "num_prompts": len(res.records), "ours": s_ours,
+                                 "baseline": None, "ratio": None,
+                                 "records": {"ours": [r.to_json() for r in res.records]}}
+        if base is not None:
+            b = base[k]
+            s_base = summarize(b.records, b.duration_s, **slo)
+            level["baseline"] = s_base
+            level["ratio"] = compare(s_ours, s_base)
+            level["records"]["baseline"] = [r.to_json() for r in b.records]
+        levels.append(level)
+    return {"meta": meta, "levels": levels}
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _check_deps(args: argparse.Namespace) -> None:
+    """Fail before the run, not after it, when an optional dependency is missing."""
+    needed = ["httpx"] if not args.engine_only else []
+    needed += ["transformers"] if args.baseline == "hf" else []
+    needed += ["matplotlib"] if args.plot_dir else []
+    missing = []
+    for name in needed:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(f"tokenserve bench: missing {', '.join(missing)}; install the "
+                         "`bench` extra (pip install -e '.[bench]')")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    _check_deps(args)
+    from bench import report
+    from tokenserve.http.app import run as run_loop
+    from tokenserve.models.loader import ModelConfig, resolve_model
+    from tokenserve.models.tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    tokenizer = Tokenizer(model_dir)
+    local_name = ModelConfig.from_dir(model_dir).name
+    counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 \
+        else args.num_prompts
+    words = word_ids(tokenizer)
+    wl = build_workload(tokenizer, WorkloadConfig(
+        sum(counts), args.input_len, args.output_len, args.dataset, args.shared_prefix_len,
+        args.seed), words=words)
+    slices, start = [], 0
+    for n in counts:  # disjoint prompts per level: no prefix-cache hits across levels
+        slices.append(wl[start:start + n])
+        start += n
+    warm = warmup_workload(tokenizer, args.warmup, words=words, seed=args.seed + 7919)
+
+    server: ServerProcess | None = None
+    url = args.url.rstrip("/") if args.url else None
+    mode = "engine" if args.engine_only else "http"
+    model_name = args.served_model_name or local_name
+    try:
+        if args.engine_only:
+            ours = run_loop(run_engine(args, slices, warm))
+        else:
+            if url is None:
+                server = ServerProcess(args)
+                server.start()
+                url = server.url
+            if args.served_model_name is None:
+                model_name = _served_model_name(url, local_name)
+            ours = run_loop(run_http(args, url, model_name, tokenizer, slices, warm))
+    except RuntimeError as exc:  # server did not start, warm-up failed, engine died
+        print(f"tokenserve bench: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+    base = run_baseline(args, model_dir, slices, warm) if args.baseline == "hf" else None
+
+    results = assemble(args, _meta(args, argv, mode, args.url or url, model_dir, model_name),
+                       ours, base)
+    print(report.format_table(results))
+    if args.out:
+        report.write_json(results, args.out)
+        print(f"wrote {args.out}")
+    if args.plot_dir:
+        for path in report.plot(results, args.plot_dir):
+            print(f"wrote {path}")
+    failed = sum(lv[k]["failed"] for lv in results["levels"] for k in ("ours", "baseline")
+                 if lv[k] is not None)
+    return 1 if failed else 0
