@@ -8,6 +8,7 @@ tested over a real socket in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,3 +110,20 @@ async def wait_for(cond: Any, timeout: float = 2.0) -> None:
             await asyncio.sleep(0.002)
 
     await asyncio.wait_for(loop(), timeout)
+
+
+@contextlib.asynccontextmanager
+async def serve_fake(engine: Any, max_body_bytes: int = 64 * 1024):
+    """Serve ``engine`` through every API family on 127.0.0.1:<ephemeral>; yields
+    ``(server, client)`` with an httpx client bound to it."""
+    import httpx
+
+    from tokenserve.http.app import build_router
+    from tokenserve.http.server import HttpServer
+
+    server = HttpServer(build_router(engine), max_body_bytes=max_body_bytes)
+    await server.start("127.0.0.1", 0)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.ports[0]}",
+                                 timeout=5.0) as client:
+        yield server, client
+    await server.close(timeout=1.0)

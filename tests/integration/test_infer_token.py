@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import orjson
 import pytest
+
+from tests.sse import read_sse
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -19,21 +20,8 @@ async def infer(client, ids, **params):
 
 async def stream_events(client, ids, **params):
     """All SSE events of a streamed /infer_token, parsed, in order."""
-    events = []
-    body = {"input_id": ids, "stream": True, "parameters": params}
-    async with client.stream("POST", "/infer_token", json=body) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        buf = b""
-        async for chunk in r.aiter_bytes():
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                ev.decode("utf-8")  # every event is valid UTF-8 on its own
-                assert ev.startswith(b"data: "), ev
-                events.append(orjson.loads(ev[len(b"data: "):]))
-    assert buf == b""
-    return events
+    return await read_sse(client, "/infer_token",
+                          {"input_id": ids, "stream": True, "parameters": params})
 
 
 async def test_chat_prompt_gives_sensible_english(live, client):

@@ -13,6 +13,8 @@ import orjson
 import pytest
 from huggingface_hub import InferenceClient
 
+from tests.sse import read_sse
+
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CJK_EMOJI = "你好，世界！🌍🚀 我爱北京。😀\n" * 3
@@ -26,19 +28,7 @@ def chat(live, user: str) -> str:
 
 async def tgi_events(client, path: str, body: dict) -> list[dict]:
     """All SSE events of a TGI stream; each event must be valid UTF-8 on its own."""
-    events = []
-    async with client.stream("POST", path, json=body) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        buf = b""
-        async for chunk in r.aiter_bytes():
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                assert ev.startswith(b"data: "), ev
-                events.append(orjson.loads(ev[len(b"data: "):].decode("utf-8")))
-    assert buf == b""
-    return events
+    return await read_sse(client, path, body)
 
 
 async def vllm_chunks(client, body: dict) -> list[dict]:

@@ -11,6 +11,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.sse import read_sse
+
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
@@ -24,18 +26,8 @@ def prompt_text(live, user: str) -> str:
 
 
 async def stream_events(client, model: str, body: dict) -> list[dict]:
-    events = []
-    async with client.stream("POST", f"/v2/models/{model}/generate_stream", json=body) as r:
-        assert r.status_code == 200
-        buf = b""
-        async for chunk in r.aiter_bytes():
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                assert ev.startswith(b"data:{"), ev  # no space after data: (spec §9.4)
-                events.append(orjson.loads(ev[len(b"data:"):]))
-    assert buf == b""
-    return events
+    # no space after "data:" on Triton streams (spec §9.4)
+    return await read_sse(client, f"/v2/models/{model}/generate_stream", body, b"data:")
 
 
 async def scrape(client) -> dict[str, float]:

@@ -16,7 +16,16 @@ import httpx
 import orjson
 import pytest
 
-from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, VOCAB, FakeEngine, token_text, wait_for
+from tests.fakes import (
+    MAX_MODEL_LEN,
+    TIMEOUT_MSG,
+    VOCAB,
+    FakeEngine,
+    serve_fake,
+    token_text,
+    wait_for,
+)
+from tests.sse import sse_events
 from tokenserve.http.api.common import json_depth_exceeds, parse_json
 from tokenserve.http.app import build_router, run
 from tokenserve.http.server import HttpServer
@@ -26,19 +35,8 @@ from tokenserve.messages import FinishReason
 @pytest.fixture
 async def env() -> AsyncIterator[tuple[FakeEngine, HttpServer, httpx.AsyncClient]]:
     engine = FakeEngine()
-    server = HttpServer(build_router(engine), max_body_bytes=64 * 1024)
-    await server.start("127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.ports[0]}"
-    async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+    async with serve_fake(engine) as (server, client):
         yield engine, server, client
-    await server.close(timeout=1.0)
-
-
-def sse_events(raw: bytes) -> list[dict[str, Any]]:
-    assert raw.endswith(b"\n\n"), raw[-100:]
-    parts = raw.split(b"\n\n")[:-1]
-    assert all(p.startswith(b"data: ") for p in parts), raw
-    return [orjson.loads(p[len(b"data: ") :]) for p in parts]
 
 
 def expected_text(prompt: list[int], n: int) -> str:

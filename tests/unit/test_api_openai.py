@@ -17,9 +17,15 @@ import openai
 import orjson
 import pytest
 
-from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, FakeTokenizer, token_text, wait_for
-from tokenserve.http.app import build_router
-from tokenserve.http.server import HttpServer
+from tests.fakes import (
+    MAX_MODEL_LEN,
+    TIMEOUT_MSG,
+    FakeEngine,
+    FakeTokenizer,
+    serve_fake,
+    token_text,
+    wait_for,
+)
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 MODEL = "fake-model"
@@ -81,12 +87,8 @@ class OpenAIFakeEngine(FakeEngine):
 @pytest.fixture
 async def env() -> AsyncIterator[tuple[OpenAIFakeEngine, httpx.AsyncClient]]:
     engine = OpenAIFakeEngine()
-    server = HttpServer(build_router(engine), max_body_bytes=64 * 1024)
-    await server.start("127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.ports[0]}"
-    async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+    async with serve_fake(engine) as (_, client):
         yield engine, client
-    await server.close(timeout=1.0)
 
 
 def chat_body(**kw: Any) -> dict[str, Any]:

@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, token_text, wait_for
-from tokenserve.http.app import build_router
+from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, serve_fake, token_text, wait_for
+from tests.sse import sse_events
 from tokenserve.http.server import HttpServer
 from tokenserve.messages import FinishReason
 
@@ -22,19 +22,8 @@ from tokenserve.messages import FinishReason
 @pytest.fixture
 async def env() -> AsyncIterator[tuple[FakeEngine, HttpServer, httpx.AsyncClient]]:
     engine = FakeEngine()
-    server = HttpServer(build_router(engine), max_body_bytes=64 * 1024)
-    await server.start("127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.ports[0]}"
-    async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+    async with serve_fake(engine) as (server, client):
         yield engine, server, client
-    await server.close(timeout=1.0)
-
-
-def sse_events(raw: bytes) -> list[dict[str, Any]]:
-    assert raw.endswith(b"\n\n"), raw[-100:]
-    parts = raw.split(b"\n\n")[:-1]
-    assert all(p.startswith(b"data: ") for p in parts), raw
-    return [orjson.loads(p[len(b"data: ") :]) for p in parts]
 
 
 def gen(text: str, n: int) -> str:

@@ -12,9 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.fakes import TIMEOUT_MSG, VOCAB, FakeEngine, token_text, wait_for
-from tokenserve.http.app import build_router
-from tokenserve.http.server import HttpServer
+from tests.fakes import TIMEOUT_MSG, VOCAB, FakeEngine, serve_fake, token_text, wait_for
 from tokenserve.messages import FinishReason
 
 M = "fake-model"
@@ -23,12 +21,8 @@ M = "fake-model"
 @pytest.fixture
 async def env() -> AsyncIterator[tuple[FakeEngine, httpx.AsyncClient]]:
     engine = FakeEngine()
-    server = HttpServer(build_router(engine), max_body_bytes=64 * 1024)
-    await server.start("127.0.0.1", 0)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.ports[0]}",
-                                 timeout=5.0) as client:
+    async with serve_fake(engine) as (_, client):
         yield engine, client
-    await server.close(timeout=1.0)
 
 
 def text_of(prompt: list[int], n: int) -> str:

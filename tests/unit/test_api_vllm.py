@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, token_text, wait_for
-from tokenserve.http.app import GENERATE_ROUTING_ERROR, build_router
+from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, serve_fake, token_text, wait_for
+from tokenserve.http.app import GENERATE_ROUTING_ERROR
 from tokenserve.http.server import HttpServer
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
@@ -33,12 +33,8 @@ class LogprobEngine(FakeEngine):
 
 
 async def _env(engine: FakeEngine) -> AsyncIterator[tuple[FakeEngine, HttpServer, httpx.AsyncClient]]:
-    server = HttpServer(build_router(engine), max_body_bytes=64 * 1024)
-    await server.start("127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.ports[0]}"
-    async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+    async with serve_fake(engine) as (server, client):
         yield engine, server, client
-    await server.close(timeout=1.0)
 
 
 @pytest.fixture

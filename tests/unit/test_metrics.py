@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakes import FakeEngine, wait_for
+from tests.fakes import FakeEngine, serve_fake, wait_for
 from tokenserve.engine.engine import EngineStats
 from tokenserve.http.app import build_router
 from tokenserve.http.context import RequestRegistry, ServeContext
@@ -50,12 +50,8 @@ class StatsEngine(FakeEngine):
 @pytest.fixture
 async def env() -> AsyncIterator[tuple[StatsEngine, httpx.AsyncClient]]:
     engine = StatsEngine()
-    server = HttpServer(build_router(engine))
-    await server.start("127.0.0.1", 0)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.ports[0]}",
-                                 timeout=5.0) as client:
+    async with serve_fake(engine, max_body_bytes=40 << 20) as (_, client):
         yield engine, client
-    await server.close(timeout=1.0)
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, Any]:
