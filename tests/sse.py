@@ -15,9 +15,11 @@ def sse_events(raw: bytes, prefix: bytes = b"data: ") -> list[dict[str, Any]]:
     return [orjson.loads(p[len(prefix):]) for p in parts]
 
 
-async def read_sse(client, path: str, body: dict, prefix: bytes = b"data: ") -> list[dict]:
-    """POST ``body`` to a streaming route; every event, parsed, in order. Each event must
-    be valid UTF-8 on its own and the stream must end on an event boundary."""
+async def read_sse(client, path: str, body: dict, prefix: bytes = b"data: ",
+                   sep: bytes = b"\n\n") -> list[dict]:
+    """POST ``body`` to a streaming route; every event, parsed, in order. Events are
+    ``prefix + json`` ended by ``sep`` (vLLM: no prefix, NUL-ended, spec §4.1). Each event
+    must be valid UTF-8 on its own and the stream must end on an event boundary."""
     events = []
     async with client.stream("POST", path, json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -25,8 +27,8 @@ async def read_sse(client, path: str, body: dict, prefix: bytes = b"data: ") -> 
         buf = b""
         async for chunk in r.aiter_bytes():
             buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
+            while sep in buf:
+                ev, buf = buf.split(sep, 1)
                 ev.decode("utf-8")
                 # the JSON starts right after the prefix (Triton: "data:{", spec §9.4)
                 assert ev.startswith(prefix) and ev[len(prefix):][:1] == b"{", ev

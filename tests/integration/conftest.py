@@ -32,6 +32,23 @@ class LiveServer:
                                        add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
 
+    async def disconnect_mid_stream(self, path: str, body: dict, sep: bytes = b"\n\n",
+                                    after: int = 3) -> None:
+        """Stream ``body`` to ``path``, hang up after ``after`` events (``sep``-framed),
+        then assert the engine aborted exactly that request and holds no KV blocks."""
+        aborted_before = self.engine.stats().finished_by_reason.get("abort", 0)
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as c, \
+                c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            got = 0
+            async for chunk in r.aiter_bytes():
+                got += chunk.count(sep)
+                if got >= after:
+                    break
+        # leaving the block closes the connection mid-stream
+        await self.assert_idle_and_leak_free()
+        assert self.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
+
     async def assert_idle_and_leak_free(self) -> None:
         await self.engine.wait_idle(timeout=30)
         st = self.engine.stats()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-import orjson
 import pytest
 from huggingface_hub import InferenceClient
 
@@ -33,18 +31,7 @@ async def tgi_events(client, path: str, body: dict) -> list[dict]:
 
 async def vllm_chunks(client, body: dict) -> list[dict]:
     """All NUL-delimited JSON chunks of a vLLM stream (spec §4.1)."""
-    chunks = []
-    async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        buf = b""
-        async for data in r.aiter_bytes():
-            buf += data
-            while b"\0" in buf:
-                raw, buf = buf.split(b"\0", 1)
-                chunks.append(orjson.loads(raw.decode("utf-8")))
-    assert buf == b""
-    return chunks
+    return await read_sse(client, "/generate", {**body, "stream": True}, prefix=b"", sep=b"\0")
 
 
 async def vllm(client, body: dict) -> list[str]:
@@ -190,17 +177,7 @@ async def test_client_disconnect_mid_stream_frees_kv_blocks(live, family):
     else:
         path, body, sep = "/generate", {"prompt": prompt, "max_tokens": 200, "stream": True}, b"\0"
     await live.assert_idle_and_leak_free()
-    aborted_before = live.engine.stats().finished_by_reason.get("abort", 0)
-    async with httpx.AsyncClient(base_url=live.url, timeout=60) as c, \
-            c.stream("POST", path, json=body) as r:
-        assert r.status_code == 200
-        got = 0
-        async for chunk in r.aiter_bytes():
-            got += chunk.count(sep)
-            if got >= 3:
-                break
-    await live.assert_idle_and_leak_free()
-    assert live.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
+    await live.disconnect_mid_stream(path, body, sep)
 
 
 # --------------------------------------------------------------------------- /info
