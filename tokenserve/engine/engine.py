@@ -93,15 +93,16 @@ class _Outputs:
             self._engine._release_stream(self._rid, finished=True)
         return out
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Release the request (aborting it if unfinished); idempotent."""
         if not self._closed:
             self._closed = True
             self._engine._release_stream(self._rid, finished=self._done)
 
-    def __del__(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._engine._release_stream(self._rid, finished=self._done)
+    async def aclose(self) -> None:
+        self.close()
+
+    __del__ = close
 
 
 class AsyncEngine:
