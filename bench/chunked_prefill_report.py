@@ -1,19 +1,53 @@
-"""Short vs long prompts' TTFT and ITL from `tokenserve bench` JSON files (per-request
-records): ``python bench/chunked_prefill_report.py a.json b.json``. Used for the
-chunked-prefill comparison in bench/README.md."""
+"""Short vs long prompts' TTFT from `tokenserve bench` JSON files (per-request records).
 
-import json, sys, numpy as np
+    python bench/chunked_prefill_report.py [--short-max 256 512] a.json b.json
+
+Prints one markdown table row per file and threshold: TTFT p50/p90/p99 of the requests
+whose prompt has at most ``--short-max`` tokens, TTFT p99 of all requests, ITL p50/p99
+and output throughput. Used for the chunked-prefill comparison in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
 
 
-def stats(path, short_max=128):
-    recs = json.load(open(path))["levels"][0]["records"]["ours"]
-    short = [r["ttft"]*1e3 for r in recs if r["ok"] and r["input_len"] <= short_max]
-    long_ = [r["ttft"]*1e3 for r in recs if r["ok"] and r["input_len"] > short_max]
-    itl = [x*1e3 for r in recs if r["ok"] for x in r["itl"]]
-    return (len(short), np.percentile(short, 50), np.percentile(short, 99), np.percentile(long_, 99),
-            np.percentile(itl, 50), np.percentile(itl, 99), max(r["input_len"] for r in recs))
+def rows(path: str, short_max: list[int]) -> list[str]:
+    doc = json.load(open(path))
+    level = doc["levels"][0]
+    recs = [r for r in level["records"]["ours"] if r["ok"]]
+    summary = level["ours"]
+    args = doc["meta"]["command"]
+    mode = "whole" if "no-enable-chunked-prefill" in args else "chunked"
+    ttft_all = np.array([r["ttft"] * 1e3 for r in recs])
+    itl = np.array([x * 1e3 for r in recs for x in r["itl"]])
+    out = []
+    for m in short_max:
+        short = np.array([r["ttft"] * 1e3 for r in recs if r["input_len"] <= m])
+        p50, p90, p99 = np.percentile(short, [50, 90, 99])
+        out.append(
+            f"| {path.rsplit('/', 1)[-1]} | {mode} | <= {m} (n={len(short)}) | "
+            f"{p50:.0f} / {p90:.0f} / **{p99:.0f}** | {np.percentile(ttft_all, 99):.0f} | "
+            f"{np.percentile(itl, 50):.0f} / {np.percentile(itl, 99):.0f} | "
+            f"{summary['output_throughput']:.1f} | {summary['request_throughput']:.2f} |")
+    return out
 
 
-for p in sys.argv[1:]:
-    n, s50, s99, l99, i50, i99, mx = stats(p)
-    print(f"{p}: short(<=128 tok) n={n} TTFT p50 {s50:.0f} p99 {s99:.0f} ms | long TTFT p99 {l99:.0f} | ITL p50 {i50:.0f} p99 {i99:.0f} ms | max prompt {mx}")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--short-max", type=int, nargs="+", default=[256, 512],
+                    help="prompt length (tokens) up to which a request counts as short")
+    a = ap.parse_args()
+    print("| run | prefill | short prompts | short TTFT p50 / p90 / p99 ms | all TTFT p99 ms "
+          "| ITL p50 / p99 ms | output tok/s | req/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in a.files:
+        print("\n".join(rows(p, a.short_max)))
+
+
+if __name__ == "__main__":
+    main()

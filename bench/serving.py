@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dataset", choices=DATASETS, default="fixed")
     w.add_argument("--input-len", type=int, default=128)
     w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--long-input-len", type=int, default=2048,
+                   help="mixed dataset: mean prompt length of the long requests")
+    w.add_argument("--long-fraction", type=float, default=0.1,
+                   help="mixed dataset: share of long requests (0..1)")
     w.add_argument("--shared-prefix-len", type=int, default=0)
     w.add_argument("--num-prompts", type=_int_list, default=[64],
                    help="requests per level: one number, or one per --concurrency level")
@@ -127,6 +131,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--input-len and --output-len must be > 0")
     if not 0 <= args.shared_prefix_len < args.input_len:
         p.error("--shared-prefix-len must be in [0, --input-len)")
+    if args.long_input_len <= 0 or not 0.0 <= args.long_fraction <= 1.0:
+        p.error("--long-input-len must be > 0 and --long-fraction in [0, 1]")
     if args.max_duration_s <= 0:
         p.error("--max-duration-s must be > 0")
 
@@ -305,6 +311,7 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | N
         "url": url, "model": model_name, "model_dir": str(model_dir), "dtype": args.dtype,
         "device": args.device, "dataset": args.dataset, "input_len": args.input_len,
         "output_len": args.output_len, "shared_prefix_len": args.shared_prefix_len,
+        "long_input_len": args.long_input_len, "long_fraction": args.long_fraction,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "seed": args.seed, "warmup": args.warmup, "max_duration_s": args.max_duration_s,
         "baseline": args.baseline, "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -376,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = word_ids(tokenizer)
     wl = build_workload(tokenizer, WorkloadConfig(
         sum(counts), args.input_len, args.output_len, args.dataset, args.shared_prefix_len,
-        args.seed), words=words)
+        args.seed, args.long_input_len, args.long_fraction), words=words)
     slices, start = [], 0
     for n in counts:  # disjoint prompts per level: no prefix-cache hits across levels
         slices.append(wl[start:start + n])

@@ -14,6 +14,9 @@ Length distributions (``--dataset``):
 - ``uniform``: each length drawn uniformly from ``[len/2, 3*len/2]`` (integers).
 - ``chat``: a long-tailed, chat-like mix: log-normal lengths (sigma 0.8) with means
   ``input_len`` / ``output_len``, clipped to ``[4, 4*len]`` - most requests short, a few long.
+- ``mixed``: two populations, for head-of-line blocking studies (chunked prefill): a
+  fraction ``long_fraction`` of requests has prompts uniform around ``long_input_len``,
+  the rest uniform around ``input_len``; outputs uniform around ``output_len``.
 
 ``shared_prefix_len`` makes the first that many tokens identical across requests (a system
 prompt; exercises the prefix cache); it counts inside each request's input length.
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("fixed", "uniform", "chat")
+DATASETS = ("fixed", "uniform", "chat", "mixed")
 _WORD = re.compile(r"Ġ[a-z]{3,12}")
 #: log-normal spread of the ``chat`` dataset (natural-log standard deviation)
 CHAT_SIGMA = 0.8
@@ -67,12 +70,16 @@ class WorkloadConfig:
     dataset: str = "fixed"
     shared_prefix_len: int = 0
     seed: int = 0
+    long_input_len: int = 2048
+    long_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
         if self.num_prompts <= 0 or self.input_len <= 0 or self.output_len <= 0:
             raise ValueError("num_prompts, input_len and output_len must be > 0")
+        if self.long_input_len <= 0 or not 0.0 <= self.long_fraction <= 1.0:
+            raise ValueError("long_input_len must be > 0 and long_fraction in [0, 1]")
         if not 0 <= self.shared_prefix_len < self.input_len:
             raise ValueError(f"shared_prefix_len must be in [0, input_len), got "
                              f"{self.shared_prefix_len} with input_len {self.input_len}")
@@ -115,8 +122,15 @@ def build_workload(tokenizer: Any, cfg: WorkloadConfig, *, words: Sequence[int] 
     """
     words = list(words) if words is not None else word_ids(tokenizer)
     rng = np.random.default_rng(cfg.seed)
-    in_lens = sample_lengths(rng, cfg.num_prompts, cfg.input_len, cfg.dataset)
-    out_lens = sample_lengths(rng, cfg.num_prompts, cfg.output_len, cfg.dataset)
+    if cfg.dataset == "mixed":
+        in_lens = sample_lengths(rng, cfg.num_prompts, cfg.input_len, "uniform")
+        long_ = sample_lengths(rng, cfg.num_prompts, cfg.long_input_len, "uniform")
+        is_long = rng.random(cfg.num_prompts) < cfg.long_fraction
+        in_lens = [b if pick else a for a, b, pick in zip(in_lens, long_, is_long)]
+        out_lens = sample_lengths(rng, cfg.num_prompts, cfg.output_len, "uniform")
+    else:
+        in_lens = sample_lengths(rng, cfg.num_prompts, cfg.input_len, cfg.dataset)
+        out_lens = sample_lengths(rng, cfg.num_prompts, cfg.output_len, cfg.dataset)
     prefix = [words[i] for i in rng.integers(0, len(words), size=cfg.shared_prefix_len)]
     out = []
     for k, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):

@@ -73,9 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=None, help="split long prompts across steps (default on)")
     s.add_argument("--long-prefill-token-threshold", type=_positive_int, default=None,
-                   help="most prompt tokens one request prefills per step "
-                        "(longPrefillTokenThreshold; default: a quarter of "
+                   help="a prefill with more tokens than this left is long: it gets "
+                        "at least this many per step, shorter prompts may start ahead "
+                        "of it (longPrefillTokenThreshold; default: a quarter of "
                         "--max-num-batched-tokens)")
+    s.add_argument("--max-long-partial-prefills", type=_positive_int, default=None,
+                   help="long prefills in progress at once (maxLongPartialPrefills; "
+                        "default 1)")
     s.add_argument("--log-level", default="INFO")
     return p
 
@@ -85,7 +89,7 @@ _ENGINE_FLAGS = ("model", "served_model_name", "dtype", "device", "max_batch_siz
                  "max_num_batched_tokens", "max_prefill_batch_size", "kv_cache_bytes",
                  "block_size", "max_seq_len", "max_input_len", "max_iter_times",
                  "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
-                 "long_prefill_token_threshold")
+                 "long_prefill_token_threshold", "max_long_partial_prefills")
 #: serve flags that override ServerOptions fields of the same name
 _SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port")
 

@@ -38,8 +38,12 @@ class EngineConfig:
             once (HTTP 503) instead of queueing without bound.
         enable_prefix_caching: share KV blocks of common prompt prefixes.
         enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
-        long_prefill_token_threshold: most prompt tokens one request prefills per step
-            (``longPrefillTokenThreshold``); 0 = a quarter of max_num_batched_tokens.
+        long_prefill_token_threshold: a prefill with more tokens than this left is long
+            (``longPrefillTokenThreshold``): it is guaranteed this many per step, and
+            shorter prompts may start ahead of it; 0 = a quarter of
+            max_num_batched_tokens. See ``engine/scheduler.py``.
+        max_long_partial_prefills: most long prefills (same or higher priority) in
+            progress at once (``maxLongPartialPrefills``).
         served_model_name: the name APIs report (MindIE ``modelName``); None = the
             model's own name.
     """
@@ -61,6 +65,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -70,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
         for name in ("block_size", "kv_cache_bytes", "max_batch_size",
                      "max_num_batched_tokens", "max_iter_times", "max_prefill_batch_size",
-                     "max_queue_size"):
+                     "max_queue_size", "max_long_partial_prefills"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_seq_len", "max_input_len"):

@@ -164,7 +164,11 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
         enable_prefix_caching=_get(sch, "enablePrefixCache", bool, w,
                                    default=eng.enable_prefix_caching),
         long_prefill_token_threshold=_get(sch, "longPrefillTokenThreshold", int, w, 1, 8192,
-                                          eng.long_prefill_token_threshold))
+                                          eng.long_prefill_token_threshold),
+        max_long_partial_prefills=_get(
+            sch, "maxLongPartialPrefills", int, w, 1,
+            _get(sch, "maxNumPartialPrefills", int, w, 1, 64, 64),
+            eng.max_long_partial_prefills))
     return ServeConfig(engine=eng, server=srv)
 
 

@@ -45,8 +45,8 @@ def test_logits_match_transformers(models, prompt):
     ids = tok.encode(prompt, add_special_tokens=False)
     n = len(ids)
     kv = ours.allocate_kv_cache(num_blocks=(n + 15) // 16, block_size=16)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode_slots=None,
-                             decode_mask=None, prefills=[PrefillChunk(0, n, n, None)])
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode_groups=[],
+                             prefills=[PrefillChunk(0, n, n, None)])
     hidden = ours.forward(torch.tensor(ids), torch.arange(n), kv, meta)
     got = ours.compute_logits(hidden)
     with torch.no_grad():

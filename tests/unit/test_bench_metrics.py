@@ -276,6 +276,20 @@ def test_length_distributions():
     assert np.median(chat) < np.mean(chat)  # long tail to the right
 
 
+def test_mixed_workload_has_two_populations():
+    tok = WordTokenizer()
+    cfg = WorkloadConfig(400, input_len=20, output_len=6, dataset="mixed", long_input_len=200,
+                         long_fraction=0.25, seed=1)
+    lens = [r.input_len for r in build_workload(tok, cfg)]
+    short = [n for n in lens if n <= 30]
+    long_ = [n for n in lens if n >= 100]
+    assert len(short) + len(long_) == 400  # nothing in between
+    assert min(short) >= 10 and max(long_) <= 300
+    assert 0.18 < len(long_) / 400 < 0.32
+    with pytest.raises(ValueError, match="long_fraction"):
+        WorkloadConfig(4, dataset="mixed", long_fraction=1.5)
+
+
 def test_arrivals():
     assert arrival_offsets(4, math.inf, 0) == [0.0] * 4
     t = arrival_offsets(2000, 50.0, 0)

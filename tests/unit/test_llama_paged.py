@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tokenserve.engine.model_runner import ModelRunner  # noqa: E402
+from tokenserve.models.attention import group_by_length  # noqa: E402
 from tokenserve.messages import ScheduledSeq, StepPlan  # noqa: E402
 from tokenserve.models.llama import LlamaForCausalLM  # noqa: E402
 from tokenserve.models.loader import ModelConfig, load_weights  # noqa: E402
@@ -103,3 +104,39 @@ def test_batched_decode_of_different_lengths(tiny):
                              zip(range(3), full, tables)]))
     for i, f in enumerate(full):
         torch.testing.assert_close(cap.rows[1][i], hf_logits(hf, f)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_decodes_of_very_different_lengths_in_any_order(tiny):
+    """Decodes come in any order; the runner groups them by context length (a long one
+    is split from short ones); each request's greedy token equals transformers'."""
+    hf, ours = tiny
+    runner = ModelRunner(ours, num_blocks=64, block_size=BLOCK)
+    g = torch.Generator().manual_seed(5)
+    lens = (40, 3, 4, 18, 3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lens]
+    tables, nxt = [], 0
+    for n in lens:
+        k = n // BLOCK + 1
+        tables.append(list(range(nxt, nxt + k)))
+        nxt += k
+    runner.step(StepPlan(0, [seq(f"r{i}", p, 0, len(p) - 1, t, sample=False)
+                             for i, (p, t) in enumerate(zip(prompts, tables)) if len(p) > 1]))
+    greedy = SamplingParams(do_sample=False)
+    res = runner.step(StepPlan(1, [
+        ScheduledSeq(f"r{i}", p[-1:], len(p) - 1, t, True, greedy, None, p)
+        for i, (p, t) in enumerate(zip(prompts, tables))]))
+    assert res.sampled == {f"r{i}": int(hf_logits(hf, p)[-1].argmax())
+                           for i, p in enumerate(prompts)}
+
+
+def test_group_by_length_bounds_padding():
+    assert group_by_length([]) == []
+    assert group_by_length([7, 7, 7]) == [(0, 3)]
+    assert group_by_length([100] * 15 + [3000]) == [(0, 15), (15, 16)]
+    groups = group_by_length([2, 3, 5, 9, 17, 33, 65])
+    for a, b in groups:  # padding to the group's longest stays within 1.5x of real
+        lens = [2, 3, 5, 9, 17, 33, 65][a:b]
+        assert max(lens) * len(lens) <= 1.5 * sum(lens)
+    assert [x for a, b in groups for x in range(a, b)] == list(range(7))
+    with pytest.raises(ValueError):
+        group_by_length([5, 3])

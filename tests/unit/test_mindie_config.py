@@ -52,6 +52,7 @@ def test_sample_config_maps_onto_engine_and_server():
     ("BackendConfig__ScheduleConfig__maxPrefillBatchSize", 500, "maxPrefillBatchSize"),
     ("BackendConfig__ScheduleConfig__maxIterTimes", 9999, "maxIterTimes"),
     ("BackendConfig__ScheduleConfig__enablePrefixCache", 1, "enablePrefixCache"),
+    ("BackendConfig__ScheduleConfig__maxLongPartialPrefills", 65, "maxLongPartialPrefills"),
     ("BackendConfig__ModelDeployConfig__maxSeqLen", -5, "maxSeqLen"),
     ("BackendConfig__ModelDeployConfig__ModelConfig__0__modelName", "bad name!", "modelName"),
     ("BackendConfig__ModelDeployConfig__ModelConfig__0__npuMemSize", 0, "npuMemSize"),
@@ -59,6 +60,16 @@ def test_sample_config_maps_onto_engine_and_server():
 def test_bad_values_are_startup_errors_naming_the_key(tmp_path, path, value, needle):
     with pytest.raises(ValueError, match=needle):
         load_mindie_config(write(tmp_path, edited(**{path: value})))
+
+
+def test_partial_prefill_keys(tmp_path):
+    doc = edited(BackendConfig__ScheduleConfig__longPrefillTokenThreshold=512,
+                 BackendConfig__ScheduleConfig__maxLongPartialPrefills=2)
+    e = load_mindie_config(write(tmp_path, doc)).engine
+    assert (e.long_prefill_token_threshold, e.max_long_partial_prefills) == (512, 2)
+    doc["BackendConfig"]["ScheduleConfig"]["maxNumPartialPrefills"] = 1  # long <= num
+    with pytest.raises(ValueError, match="maxLongPartialPrefills"):
+        load_mindie_config(write(tmp_path, doc))
 
 
 def test_unknown_keys_ignored_and_not_json_rejected(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tokenserve.engine.block_pool import BlockPool, NoFreeBlocksError
@@ -300,20 +302,78 @@ def test_without_chunked_prefill_long_prompt_runs_whole():
     assert d == {"short": (1, True), "long": (20, True)}
 
 
-def test_long_prefill_chunk_cap_lets_short_prompts_in_the_same_step():
+def plan(seqs):
+    return {q.request_id: (len(q.token_ids), q.sample) for q in seqs}
+
+
+def test_long_prefill_takes_the_whole_budget_when_alone():
     s = make_sched(budget=16, long_threshold=6)
     s.add(req("long", n_prompt=30))
-    seqs, _ = run_step(s)
-    assert [(q.request_id, len(q.token_ids)) for q in seqs] == [("long", 6)]
+    assert plan(run_step(s)[0]) == {"long": (16, False)}
+
+
+def test_short_prompt_runs_beside_a_long_prefill():
+    s = make_sched(budget=16, long_threshold=6)
+    s.add(req("long", n_prompt=40))
+    run_step(s)
     s.add(req("short", n_prompt=5))
-    seqs, _ = run_step(s)
-    # the long prompt's next chunk is capped at 6, so the short one is admitted whole
-    assert {q.request_id: (len(q.token_ids), q.sample) for q in seqs} == {
-        "long": (6, False), "short": (5, True)}
+    # the long prefill keeps its guaranteed 6 and the short one runs whole; the long one
+    # gets no more while a short prefill is in the step, so that step stays short
+    assert plan(run_step(s)[0]) == {"long": (6, False), "short": (5, True)}
+    # the short one now decodes: the long one takes the rest of the budget again
+    assert plan(run_step(s)[0]) == {"long": (15, False), "short": (1, True)}
 
 
-def test_default_chunk_cap_is_a_quarter_of_the_budget():
+def test_long_prefill_progresses_at_least_the_threshold_under_a_flood_of_short_ones():
+    s = make_sched(num_blocks=256, budget=16, long_threshold=6, max_batch=64)
+    s.add(req("long", n_prompt=60))
+    run_step(s)
+    done = 16
+    for k in range(3):
+        for m in range(4):
+            s.add(req(f"s{k}{m}", n_prompt=6, max_new=1))
+        p = plan(run_step(s)[0])
+        assert p["long"][0] >= 6 and sum(n for n, _ in p.values()) == 16
+        done += p["long"][0]
+    assert s.requests["long"].num_computed == done
+
+
+def test_long_prompt_waits_for_a_long_slot_and_shorter_ones_pass_it():
+    s = make_sched(budget=16, long_threshold=6)
+    for r in (req("a", n_prompt=40), req("b", n_prompt=40), req("c", n_prompt=5)):
+        s.add(r)
+    # a starts (one long slot), b waits for the slot, c passes b
+    assert plan(run_step(s)[0]) == {"a": (6, False), "c": (5, True)}
+    assert [r.request_id for r in s.waiting] == ["b"]
+    while "b" not in (p := plan(run_step(s)[0])):
+        assert p["a"][1] is False  # a is still prefilling
+    # b starts in the step in which a's prefill completes (a's slot is free again)
+    assert p["a"][1] is True and p["b"] == (6, False)
+
+
+def test_more_long_slots_admit_both_long_prompts():
+    s = make_sched(budget=16, long_threshold=6)
+    s.cfg = replace(s.cfg, max_long_partial_prefills=2)
+    s.add(req("a", n_prompt=40))
+    s.add(req("b", n_prompt=40))
+    assert plan(run_step(s)[0]) == {"a": (10, False), "b": (6, False)}
+
+
+def test_lower_priority_long_prefill_does_not_hold_the_slot_from_a_higher_one():
+    s = make_sched(budget=16, long_threshold=6)
+    s.add(req("bulk", n_prompt=40, priority=5))
+    run_step(s)
+    s.add(req("urgent", n_prompt=40, priority=1))
+    s.add(req("bulk2", n_prompt=40, priority=5))
+    # urgent starts beside bulk (bulk2 waits for a slot); leftovers go to urgent first
+    assert plan(run_step(s)[0]) == {"bulk": (6, False), "urgent": (10, False)}
+
+
+def test_default_long_threshold_is_a_quarter_of_the_budget():
     pool = BlockPool(64, 4)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_seq_len=256), pool)
     s.add(req("long", n_prompt=100))
-    assert [len(q.token_ids) for q in s.schedule()] == [10]
+    run_step(s)
+    s.add(req("long2", n_prompt=11))  # 11 > 40 / 4: long, waits for the slot
+    s.add(req("short", n_prompt=10))
+    assert plan(s.schedule()) == {"long": (10, False), "short": (10, True)}

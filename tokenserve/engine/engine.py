@@ -126,7 +126,8 @@ class AsyncEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_batched_tokens, self.max_model_len,
                             cfg.max_prefill_batch_size, cfg.enable_chunked_prefill,
-                            cfg.long_prefill_token_threshold, eos_token_ids=eos), self.pool)
+                            cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills,
+                            eos_token_ids=eos), self.pool)
         self.executor = ExecutorActor(runner)
         self._streams: dict[str, RequestStream] = {}
         self.actor = SchedulerActor(

@@ -12,7 +12,13 @@ import torch
 
 from tokenserve.engine.sampler import sample
 from tokenserve.messages import ScheduledSeq, StepPlan, StepResult, TokenLogprob
-from tokenserve.models.attention import AttentionMetadata, PrefillChunk
+from tokenserve.models.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    group_by_length,
+    prefix_causal_mask,
+)
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.ops.reference import context_slots, pad_block_tables, slot_mapping
 
@@ -36,7 +42,8 @@ class ModelRunner:
     def step(self, plan: StepPlan) -> StepResult:
         """Forward + sample for every seq in ``plan``. Raises whatever the model raises."""
         t0 = time.perf_counter()
-        decodes = [s for s in plan.seqs if is_decode(s)]
+        # decodes sorted by context length, so that length groups are contiguous rows
+        decodes = sorted((s for s in plan.seqs if is_decode(s)), key=lambda s: s.num_computed)
         prefills = [s for s in plan.seqs if not is_decode(s)]
         order = decodes + prefills
         input_ids, positions, seq_index, sample_rows = [], [], [], []
@@ -52,20 +59,24 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping(bt, pos_t, torch.tensor(seq_index, device=dev),
                                       self.block_size),
-            num_decode=len(decodes), decode_slots=None, decode_mask=None, prefills=[])
-        if decodes:
-            ctx = torch.tensor([s.num_computed + 1 for s in decodes], device=dev)
-            slots, mask = context_slots(bt[: len(decodes)], ctx, self.block_size)
-            meta.decode_slots, meta.decode_mask = slots, mask[:, None, None, :]
+            num_decode=len(decodes), decode_groups=[], prefills=[])
+        ctx_lens = [s.num_computed + 1 for s in decodes]
+        for a, b in group_by_length(ctx_lens):
+            slots, real = context_slots(bt[a:b], torch.tensor(ctx_lens[a:b], device=dev),
+                                        self.block_size)
+            mask = torch.zeros(real.shape, dtype=self.model.dtype, device=dev)
+            mask.masked_fill_(~real, float("-inf"))  # additive: built once, not per layer
+            meta.decode_groups.append(DecodeGroup(a, b, slots, mask[:, None, None, :]))
         start = len(decodes)
         for j, s in enumerate(prefills):
             q_len, ctx_len = len(s.token_ids), s.num_computed + len(s.token_ids)
-            ctx_slots = None
+            ctx_slots = mask = None
             if s.num_computed > 0:
                 row = bt[len(decodes) + j: len(decodes) + j + 1]
                 ctx_slots = context_slots(row, torch.tensor([ctx_len], device=dev),
                                           self.block_size)[0][0]
-            meta.prefills.append(PrefillChunk(start, q_len, ctx_len, ctx_slots))
+                mask = prefix_causal_mask(q_len, ctx_len, self.model.dtype, dev)
+            meta.prefills.append(PrefillChunk(start, q_len, ctx_len, ctx_slots, mask))
             start += q_len
         hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                     pos_t, self.kv_caches, meta)

@@ -7,6 +7,22 @@ then waiting ones in (priority, arrival) order. A prompt longer than what is lef
 the budget is prefilled in chunks across steps, so decodes keep flowing (after vLLM
 v1's scheduler and Sarathi-Serve, Agrawal et al. 2024).
 
+Long prompts must not hold short ones back (head-of-line blocking). A prefill is
+*long* while more than ``long_prefill_token_threshold`` of its tokens are still to be
+computed (MindIE ``longPrefillTokenThreshold``, vLLM's partial-prefill scheduler):
+
+- a long prefill is first given only the threshold (its guaranteed progress per step);
+  decodes and short prefills of the same or higher priority then take their share. If
+  the step holds no short prefill, the long prefill also gets whatever budget is left
+  (few, budget-sized chunks: on a CPU every chunk re-streams the weights); if it does, the
+  long one stays at the threshold, so the short prompt's step, hence its TTFT, stays
+  short;
+- at most ``max_long_partial_prefills`` long prefills of the same or higher priority
+  are in progress at once (MindIE ``maxLongPartialPrefills``); a long waiting request
+  beyond that is passed over, so shorter ones queued behind it start at once instead
+  of after the long one's whole prefill. It keeps its place and starts as soon as a
+  slot frees, so it cannot starve.
+
 When KV blocks run out, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed and it rejoins the waiting queue with
 its generated tokens, to be prefilled again later (Kwon et al. 2023, §4.5). A waiting
@@ -20,7 +36,9 @@ one token is computed, since the last position's logits are needed to sample.
 
 from __future__ import annotations
 
+import collections
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tokenserve.engine.block_pool import BlockPool, block_key
@@ -38,11 +56,13 @@ class SchedulerConfig:
         max_seq_len: prompt + output cap per request, tokens (``maxSeqLen``).
         max_prefill_batch_size: most requests prefilling in one step
             (``maxPrefillBatchSize``).
-        long_prefill_token_threshold: with chunked prefill, the most prompt tokens one
-            request may prefill in a step (MindIE ``longPrefillTokenThreshold``, vLLM's
-            ``long_prefill_token_threshold``); 0 = a quarter of the step budget. Capping a
-            long prompt's chunk leaves budget for short prompts arriving behind it, so
-            their TTFT does not wait for the long prefill to finish.
+        long_prefill_token_threshold: with chunked prefill, a prefill with more tokens
+            than this still to compute is *long* (MindIE ``longPrefillTokenThreshold``,
+            vLLM's ``long_prefill_token_threshold``); it is also the least a long prefill
+            computes per step. 0 = a quarter of the step budget.
+        max_long_partial_prefills: most long prefills of the same or higher priority in
+            progress at once (MindIE ``maxLongPartialPrefills``); shorter prompts queued
+            behind a long one that must wait are admitted ahead of it.
         enable_chunked_prefill: split prompts longer than the step's remaining budget
             across steps; when off, a prompt is prefilled whole in one step (the budget
             then only limits admissions), stalling running decodes for that step.
@@ -56,13 +76,14 @@ class SchedulerConfig:
     max_prefill_batch_size: int = 50
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
     eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         for name in ("max_batch_size", "max_num_batched_tokens", "max_seq_len",
-                     "max_prefill_batch_size"):
+                     "max_prefill_batch_size", "max_long_partial_prefills"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -79,11 +100,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found there
-        # per-request prefill chunk cap (tokens); without chunking, whole prompts
-        self._chunk_cap = sys.maxsize
+        # a prefill with more tokens than this left is long; without chunking, none is
+        self._long_threshold = sys.maxsize
         if cfg.enable_chunked_prefill:
-            self._chunk_cap = (cfg.long_prefill_token_threshold
-                               or max(1, cfg.max_num_batched_tokens // 4))
+            self._long_threshold = (cfg.long_prefill_token_threshold
+                                    or max(1, cfg.max_num_batched_tokens // 4))
 
     # ------------------------------------------------------------------ queue changes
 
@@ -146,39 +167,41 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work and reserve KV blocks for it."""
         self._preempt_for_priority()
-        budget = self.cfg.max_num_batched_tokens
-        out: list[ScheduledSeq] = []
-        scheduled: set[str] = set()
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens
+        plan: dict[str, int] = {}  # request_id -> tokens this step, in scheduling order
+        reqs: list[Request] = []
+        longs: list[Request] = []  # long prefills, given their guaranteed share so far
         prefills = 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap)
+            n = self._share(req, budget)
             assert n > 0, "running request with nothing to compute"
-            if not self._reserve(req, n, protected=scheduled):
+            if not self._reserve(req, n, protected=plan.keys()):
                 continue  # req itself was preempted; running[i] is now the next one
-            out.append(self._seq(req, n))
-            scheduled.add(req.request_id)
+            plan[req.request_id] = n
+            reqs.append(req)
+            if self._is_long(req):
+                longs.append(req)
             prefills += n > 1
             budget -= n
             i += 1
-        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size
-               and prefills < self.cfg.max_prefill_batch_size):
-            req = self.waiting[0]
-            # without chunking a prompt is prefilled whole, overrunning the budget (a
-            # budget below the prompt would otherwise starve it behind running decodes)
-            limit = (min(budget, self._chunk_cap) if self.cfg.enable_chunked_prefill
-                     else max(budget, req.num_tokens))
-            if not self._admit(req, limit):
-                break  # no preemption to admit equal-priority work: wait for blocks
-            self.waiting.pop(0)
-            n = min(req.num_tokens - req.num_computed, limit)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.append(self._seq(req, n))
-            prefills += 1
-            budget -= n
-        return out
+        while budget > 0:
+            admitted, budget, prefills = self._admit_waiting(plan, reqs, longs, budget, prefills)
+            if any(r not in longs and _is_prefill(r) for r in reqs):
+                break  # keep a short prefill's step (its TTFT) short: no bonus for longs
+            grown = 0
+            for req in sorted(longs, key=Request.sort_key):  # the rest of the budget
+                if budget <= 0:
+                    break
+                extra = self._grow(req, plan[req.request_id], budget)
+                plan[req.request_id] += extra
+                budget -= extra
+                grown += extra
+            if not (admitted or grown):
+                break  # else a long prefill may have finished: its slot is free again
+        return [self._seq(r, plan[r.request_id]) for r in reqs]
 
     def update(self, seqs: list[ScheduledSeq], sampled: dict[str, int],
                now: float) -> list[tuple[Request, list[int]]]:
@@ -214,6 +237,69 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _admit_waiting(self, plan: dict[str, int], reqs: list[Request],
+                       longs: list[Request], budget: int, prefills: int
+                       ) -> tuple[int, int, int]:
+        """Admit waiting requests in queue order into this step's plan (in place).
+
+        Returns (number admitted, budget left, prefills in the step).
+        """
+        cfg = self.cfg
+        # priority -> long prefills that stay unfinished after this step's plan
+        busy = collections.Counter(
+            r.priority for r in self.running
+            if self._is_long(r) and plan.get(r.request_id, 0) < r.num_tokens - r.num_computed)
+        admitted = j = 0
+        while (j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_batch_size
+               and prefills < cfg.max_prefill_batch_size):
+            req = self.waiting[j]
+            if self._is_long(req) and sum(n for p, n in busy.items() if p <= req.priority) \
+                    >= cfg.max_long_partial_prefills:
+                j += 1  # shorter prompts behind it may start; it keeps its place
+                continue
+            # without chunking a prompt is prefilled whole, overrunning the budget (a
+            # budget below the prompt would otherwise starve it behind running decodes)
+            limit = (self._share(req, budget) if cfg.enable_chunked_prefill
+                     else max(budget, req.num_tokens))
+            if not self._admit(req, limit):
+                break  # no preemption to admit equal-priority work: wait for blocks
+            self.waiting.pop(j)
+            n = min(req.num_tokens - req.num_computed, limit)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan[req.request_id] = n
+            reqs.append(req)
+            if self._is_long(req):
+                longs.append(req)
+                if n < req.num_tokens - req.num_computed:
+                    busy[req.priority] += 1
+            admitted += 1
+            prefills += 1
+            budget -= n
+        return admitted, budget, prefills
+
+    def _is_long(self, req: Request) -> bool:
+        return req.num_tokens - req.num_computed > self._long_threshold
+
+    def _share(self, req: Request, budget: int) -> int:
+        """Tokens ``req`` is first given this step: the rest of its prompt (or its one
+        decode token), but only the guaranteed threshold for a long prefill."""
+        n = min(req.num_tokens - req.num_computed, budget)
+        return min(n, self._long_threshold) if self._is_long(req) else n
+
+    def _grow(self, req: Request, planned: int, budget: int) -> int:
+        """Extend a long prefill planned for ``planned`` tokens by up to ``budget`` more,
+        as far as free blocks allow (no preemption for this bonus). Returns the extra."""
+        bs = self.pool.block_size
+        room = (len(req.block_table) + self.pool.num_free) * bs - req.num_computed
+        total = min(req.num_tokens - req.num_computed, planned + budget, room)
+        if total <= planned:
+            return 0
+        need = self.pool.blocks_for(req.num_computed + total) - len(req.block_table)
+        if need > 0:
+            req.block_table += self.pool.allocate(need)
+        return total - planned
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed
@@ -280,7 +366,7 @@ class Scheduler:
                 return
             self._preempt(victim)
 
-    def _reserve(self, req: Request, n: int, protected: set[str]) -> bool:
+    def _reserve(self, req: Request, n: int, protected: Collection[str]) -> bool:
         """Make sure ``req`` has blocks for ``n`` more tokens, preempting if needed.
 
         Returns False if ``req`` itself had to be preempted.
@@ -326,3 +412,8 @@ class Scheduler:
                 or self.pool.blocks_for(req.num_tokens + 1) > self.pool.num_blocks):
             return FinishReason.LENGTH
         return None
+
+
+def _is_prefill(req: Request) -> bool:
+    """Whether ``req``'s work this step is (the end of) a prefill, not a decode."""
+    return req.first_token_time is None or req.num_tokens - req.num_computed > 1

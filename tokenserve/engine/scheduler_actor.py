@@ -119,6 +119,13 @@ class SchedulerActor:
                 for s in seqs:
                     self._finish(s.request_id, FinishReason.ERROR, result.error)
                 continue
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step %d: %.1f ms, %d decodes, prefill chunks %s, %d waiting",
+                          plan.step_id, result.forward_ms,
+                          sum(1 for s in seqs if len(s.token_ids) == 1 and s.num_computed),
+                          [len(s.token_ids) for s in seqs
+                           if len(s.token_ids) > 1 or not s.num_computed],
+                          len(self.scheduler.waiting))
             now = time.monotonic()
             for req, toks in self.scheduler.update(seqs, result.sampled, now):
                 self._emit(req, toks, now, result.logprobs.get(req.request_id))

@@ -16,9 +16,10 @@ then each prefill chunk in turn::
     tokens  [ d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 ... ]
               decode (q_len 1)    prefill 0     prefill 1
 
-Decode requests are attended in one batched call over their gathered, padded
-contexts; each prefill chunk gets its own call with a causal mask shifted by the
-number of tokens already in the cache (chunked prefill / prefix cache).
+Decode requests are attended in batched calls over their gathered, padded contexts,
+grouped by context length so padding stays bounded; each prefill chunk gets its own
+call with a causal mask shifted by the number of tokens already in the cache (chunked
+prefill / prefix cache).
 """
 
 from __future__ import annotations
@@ -39,12 +40,54 @@ class PrefillChunk:
         ctx_len: tokens attended to (cached prefix + this chunk), >= q_len.
         ctx_slots: [ctx_len] int64 cache slots of all context tokens; None when
             ``ctx_len == q_len`` (no cached prefix: attend to the fresh K/V directly).
+        attn_mask: [q_len, ctx_len] additive mask in the model dtype (0 where query
+            ``i`` may attend, -inf elsewhere), built once per step by
+            :func:`prefix_causal_mask` and shared by every layer; None with no prefix.
     """
 
     start: int
     q_len: int
     ctx_len: int
     ctx_slots: torch.Tensor | None
+    attn_mask: torch.Tensor | None = None
+
+
+def prefix_causal_mask(q_len: int, ctx_len: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """Causal mask for ``q_len`` queries that follow ``ctx_len - q_len`` cached tokens.
+
+    Query ``i`` sits at absolute position ``ctx_len - q_len + i`` and sees keys
+    ``0 .. ctx_len - q_len + i`` (causality aligned to the lower right).
+
+    Returns:
+        [q_len, ctx_len] tensor of ``dtype``: 0 where allowed, -inf where masked (an
+        additive mask: SDPA would otherwise convert a bool mask in every layer).
+    """
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    kpos = torch.arange(ctx_len, device=device)
+    mask = torch.zeros(q_len, ctx_len, dtype=dtype, device=device)
+    return mask.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests attended in one batched call over padded, gathered contexts.
+
+    The runner sorts decodes by context length and splits them where padding to the
+    group's longest context would waste too much (one 3000-token context must not make
+    fifteen 100-token ones gather 3000 slots each).
+
+    Attributes:
+        start, end: the group's rows ``[start, end)`` of the step's token axis.
+        slots: [n, L] int64 context slots per request, padded with slot 0.
+        mask: [n, 1, 1, L] additive mask in the model dtype: 0 where a padded context
+            entry is real, -inf on padding (a bool mask, True = real, is also accepted).
+    """
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass
@@ -54,16 +97,37 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: [T] int64, cache slot for each token computed this step.
         num_decode: D, number of decode tokens at the front of the token axis.
-        decode_slots: [D, L] int64 context slots per decode request, padded with 0.
-        decode_mask: [D, 1, 1, L] bool, True where a padded context entry is real.
+        decode_groups: groups covering rows ``[0, D)`` (see :class:`DecodeGroup`).
         prefills: the prefill chunks, in token-axis order after the decode tokens.
     """
 
     slot_mapping: torch.Tensor
     num_decode: int
-    decode_slots: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+
+
+def group_by_length(ctx_lens: list[int], max_waste: float = 0.5) -> list[tuple[int, int]]:
+    """Split decodes, sorted by context length (ascending), into ``[start, end)`` groups.
+
+    A group grows while padding every member to its longest context keeps the padded
+    slots within ``1 + max_waste`` times the real ones; each extra group costs one more
+    attention call per layer, each padded slot a gathered K/V row.
+
+    Raises:
+        ValueError: ``ctx_lens`` not sorted ascending.
+    """
+    if any(a > b for a, b in zip(ctx_lens, ctx_lens[1:])):
+        raise ValueError("ctx_lens must be sorted ascending")
+    groups, start, real = [], 0, 0
+    for i, n in enumerate(ctx_lens):
+        if i > start and n * (i - start + 1) > (1 + max_waste) * (real + n):
+            groups.append((start, i))
+            start, real = i, 0
+        real += n
+    if ctx_lens:
+        groups.append((start, len(ctx_lens)))
+    return groups
 
 
 def write_kv(
@@ -103,15 +167,17 @@ def paged_attention(
     out = torch.empty_like(q)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    nd = meta.num_decode
-    if nd:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        kc = flat_k[meta.decode_slots].transpose(1, 2)  # [D, Hkv, L, Dh]
-        vc = flat_v[meta.decode_slots].transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [D, H, 1, Dh]
+    for g in meta.decode_groups:
+        # index_select on the flat slot list copies whole [Hkv, Dh] rows (4x faster
+        # on CPU than advanced indexing with the 2-D slot tensor)
+        idx = g.slots.view(-1)
+        shape = (*g.slots.shape, *flat_k.shape[1:])
+        kc = flat_k.index_select(0, idx).view(shape).transpose(1, 2)  # [n, Hkv, L, Dh]
+        vc = flat_v.index_select(0, idx).view(shape).transpose(1, 2)
+        qd = q[g.start:g.end].unsqueeze(2)  # [n, H, 1, Dh]
         o = F.scaled_dot_product_attention(
-            qd, kc, vc, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+            qd, kc, vc, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.start:g.end] = o.squeeze(2)
     for pf in meta.prefills:
         s, e = pf.start, pf.start + pf.q_len
         qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
@@ -121,12 +187,11 @@ def paged_attention(
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kp = flat_k[pf.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, Dh]
-            vp = flat_v[pf.ctx_slots].transpose(0, 1).unsqueeze(0)
-            # query i sits at absolute position ctx_len - q_len + i
-            qpos = torch.arange(pf.ctx_len - pf.q_len, pf.ctx_len, device=q.device)
-            kpos = torch.arange(pf.ctx_len, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]
+            kp = flat_k.index_select(0, pf.ctx_slots).transpose(0, 1).unsqueeze(0)
+            vp = flat_v.index_select(0, pf.ctx_slots).transpose(0, 1).unsqueeze(0)
+            mask = pf.attn_mask
+            if mask is None:
+                mask = prefix_causal_mask(pf.q_len, pf.ctx_len, q.dtype, q.device)
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o.squeeze(0).transpose(0, 1)
