@@ -16,7 +16,8 @@ import numpy as np
 
 
 def rows(path: str, short_max: list[int]) -> list[str]:
-    doc = json.load(open(path))
+    with open(path) as f:
+        doc = json.load(f)
     level = doc["levels"][0]
     recs = [r for r in level["records"]["ours"] if r["ok"]]
     summary = level["ours"]

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
-
 from dataclasses import replace
 
 from tokenserve.config import DTYPES, select_device

@@ -97,7 +97,7 @@ def select_device(name: str) -> torch.device:
     """
     if name == "auto":
         try:
-            import torch_npu  # noqa: F401  (optional extra: registers the "npu" device)
+            import torch_npu
 
             return torch.device("npu")
         except ImportError:

@@ -12,13 +12,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenserve.engine.model_runner import ModelRunner  # noqa: E402
-from tokenserve.messages import ScheduledSeq, StepPlan  # noqa: E402
-from tokenserve.models.attention import AttentionMetadata, PrefillChunk  # noqa: E402
-from tokenserve.models.llama import LlamaForCausalLM  # noqa: E402
-from tokenserve.models.loader import ModelConfig, load_weights, resolve_model  # noqa: E402
-from tokenserve.models.tokenizer import Tokenizer  # noqa: E402
-from tokenserve.sampling_params import SamplingParams  # noqa: E402
+from tokenserve.engine.model_runner import ModelRunner
+from tokenserve.messages import ScheduledSeq, StepPlan
+from tokenserve.models.attention import AttentionMetadata, PrefillChunk
+from tokenserve.models.llama import LlamaForCausalLM
+from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+from tokenserve.models.tokenizer import Tokenizer
+from tokenserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

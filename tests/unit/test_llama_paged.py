@@ -11,12 +11,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenserve.engine.model_runner import ModelRunner  # noqa: E402
-from tokenserve.models.attention import group_by_length  # noqa: E402
-from tokenserve.messages import ScheduledSeq, StepPlan  # noqa: E402
-from tokenserve.models.llama import LlamaForCausalLM  # noqa: E402
-from tokenserve.models.loader import ModelConfig, load_weights  # noqa: E402
-from tokenserve.sampling_params import SamplingParams  # noqa: E402
+from tokenserve.engine.model_runner import ModelRunner
+from tokenserve.messages import ScheduledSeq, StepPlan
+from tokenserve.models.attention import group_by_length
+from tokenserve.models.llama import LlamaForCausalLM
+from tokenserve.models.loader import ModelConfig, load_weights
+from tokenserve.sampling_params import SamplingParams
 
 BLOCK = 4
 

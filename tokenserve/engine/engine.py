@@ -72,12 +72,12 @@ class _Outputs:
     KV blocks. ``aclose()`` (or garbage collection) on an unfinished request aborts it.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, stream: RequestStream) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: RequestStream) -> None:
         self._engine, self._rid, self._stream = engine, request_id, stream
         self._done = False
         self._closed = False
 
-    def __aiter__(self) -> "_Outputs":
+    def __aiter__(self) -> _Outputs:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -140,7 +140,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def build(cls, cfg: EngineConfig) -> "AsyncEngine":
+    def build(cls, cfg: EngineConfig) -> AsyncEngine:
         """Load the model and size the KV cache (blocking; seconds).
 
         Raises:

@@ -28,7 +28,7 @@ class ExecutorActor:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._thread, self.runner.step, plan)
-        except Exception as exc:  # noqa: BLE001 - reported to every request of the step
+        except Exception as exc:
             log.exception("step %d failed", plan.step_id)
             return StepResult(plan.step_id, {}, 0.0, error=f"{type(exc).__name__}: {exc}")
 

@@ -41,8 +41,15 @@ log = logging.getLogger("tokenserve.engine")
 class _Tracked:
     """Actor-side bookkeeping of one live request."""
 
-    __slots__ = ("stream", "detok", "stop", "last_emit", "seed", "emitted_first",
-                 "queue_time_ms")
+    __slots__ = (
+        "detok",
+        "emitted_first",
+        "last_emit",
+        "queue_time_ms",
+        "seed",
+        "stop",
+        "stream",
+    )
 
     def __init__(self, stream: RequestStream, detok: IncrementalDetokenizer,
                  stop: StopStringMatcher | None, now: float, seed: int) -> None:

@@ -24,6 +24,7 @@ prefill / prefix cache).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,7 @@ def group_by_length(ctx_lens: list[int], max_waste: float = 0.5) -> list[tuple[i
     Raises:
         ValueError: ``ctx_lens`` not sorted ascending.
     """
-    if any(a > b for a, b in zip(ctx_lens, ctx_lens[1:])):
+    if any(a > b for a, b in itertools.pairwise(ctx_lens)):
         raise ValueError("ctx_lens must be sorted ascending")
     groups, start, real = [], 0, 0
     for i, n in enumerate(ctx_lens):

@@ -89,7 +89,7 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor],
-                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
+                        dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
         """Fuse HF-named weights into this model's layout.
 
         Raises:
