@@ -377,3 +377,50 @@ def test_default_long_threshold_is_a_quarter_of_the_budget():
     s.add(req("long2", n_prompt=11))  # 11 > 40 / 4: long, waits for the slot
     s.add(req("short", n_prompt=10))
     assert plan(s.schedule()) == {"long": (10, False), "short": (10, True)}
+
+
+def test_no_priority_preemption_for_a_request_the_long_slot_holds_back():
+    s = make_sched(num_blocks=256, budget=16, long_threshold=6, max_batch=2, caching=False)
+    s.add(req("bulk", n_prompt=100, priority=5))
+    for _ in range(4):
+        run_step(s)
+    s.add(req("h1", n_prompt=100, priority=1))
+    run_step(s)  # h1 starts beside bulk (two seats)
+    s.add(req("h2", n_prompt=100, priority=1))  # long, and h1 holds the long slot
+    seqs, _ = run_step(s)
+    # h2 could not start anyway, so bulk keeps its seat and its 64 computed tokens
+    assert "h2" not in plan(seqs) and s.requests["bulk"].num_preemptions == 0
+    assert s.num_preemptions == 0
+
+
+def test_no_preempt_and_readmit_cycle_while_a_long_request_waits_for_its_slot():
+    s = make_sched(num_blocks=256, budget=32, long_threshold=10, max_batch=2, caching=False)
+    s.add(req("low", n_prompt=2, max_new=6, priority=5))
+    run_step(s)
+    s.add(req("h1", n_prompt=200, priority=1))
+    s.add(req("h2", n_prompt=200, priority=1))
+    while s.requests["h1"].first_token_time is None:
+        run_step(s)
+    assert s.num_preemptions <= 1  # low yields its seat at most once (to h1)
+
+
+def test_prompt_mostly_in_the_prefix_cache_counts_as_short():
+    s = make_sched(num_blocks=256, budget=16, long_threshold=6)
+    p = list(range(5000, 5040))
+    s.add(req("warm", prompt=p, max_new=1))
+    while s.has_work():
+        run_step(s)
+    s.add(req("long", n_prompt=200))
+    run_step(s)
+    s.add(req("cached", prompt=p[:36] + [1, 2, 3, 4], max_new=1))  # 4 left to compute
+    got = plan(run_step(s)[0])
+    assert got["cached"] == (4, True) and got["long"] == (6, False)
+
+
+def test_lower_priority_short_prompts_do_not_throttle_a_higher_priority_long_prefill():
+    s = make_sched(num_blocks=512, budget=16, long_threshold=6, max_batch=64)
+    s.add(req("urgent", n_prompt=120, priority=1))
+    run_step(s)
+    for k in range(4):
+        s.add(req(f"bulk{k}", n_prompt=3, max_new=1, priority=5))
+        assert plan(run_step(s)[0])["urgent"] == (16 - 3, False)

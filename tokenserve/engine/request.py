@@ -65,6 +65,9 @@ class Request:
     #: prompt tokens found in the prefix cache at first admission (usage.cached_tokens)
     num_cached_tokens: int = 0
     first_scheduled: bool = False
+    #: memo of the prefix-cache keys of the prompt's full blocks: (num_tokens, keys);
+    #: a waiting request's tokens do not change, so they are hashed once, not per step
+    prefix_keys: tuple[int, list] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

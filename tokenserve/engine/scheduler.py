@@ -12,11 +12,11 @@ Long prompts must not hold short ones back (head-of-line blocking). A prefill is
 computed (MindIE ``longPrefillTokenThreshold``, vLLM's partial-prefill scheduler):
 
 - a long prefill is first given only the threshold (its guaranteed progress per step);
-  decodes and short prefills of the same or higher priority then take their share. If
-  the step holds no short prefill, the long prefill also gets whatever budget is left
+  decodes and short prefills then take their share. If the step holds no short prefill
+  of the same or higher priority, the long prefill also gets whatever budget is left
   (few, budget-sized chunks: on a CPU every chunk re-streams the weights); if it does, the
   long one stays at the threshold, so the short prompt's step, hence its TTFT, stays
-  short;
+  short. Short or long is judged on the tokens left to compute after the prefix cache;
 - at most ``max_long_partial_prefills`` long prefills of the same or higher priority
   are in progress at once (MindIE ``maxLongPartialPrefills``); a long waiting request
   beyond that is passed over, so shorter ones queued behind it start at once instead
@@ -27,7 +27,8 @@ When KV blocks run out, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed and it rejoins the waiting queue with
 its generated tokens, to be prefilled again later (Kwon et al. 2023, §4.5). A waiting
 request of strictly higher priority than a running one also preempts it when the batch
-or the KV cache is full, so urgent work never waits behind a long queue of bulk work.
+or the KV cache is full, so urgent work never waits behind a long queue of bulk work
+(but not for a request the long-prefill slots hold back: it could not start anyway).
 
 Admission looks the prompt up in the prefix cache first (see ``block_pool.py``): the
 cached blocks are shared, and only the rest is computed. The hit is capped so at least
@@ -187,20 +188,31 @@ class Scheduler:
             prefills += n > 1
             budget -= n
             i += 1
-        while budget > 0:
-            admitted, budget, prefills = self._admit_waiting(plan, reqs, longs, budget, prefills)
-            if any(r not in longs and _is_prefill(r) for r in reqs):
-                break  # keep a short prefill's step (its TTFT) short: no bonus for longs
-            grown = 0
-            for req in sorted(longs, key=Request.sort_key):  # the rest of the budget
+        admitted, budget, prefills = self._admit_waiting(plan, reqs, longs, budget, prefills)
+        while budget > 0 and longs:
+            # the leftover budget goes to long prefills, unless a short prefill of the same
+            # or higher priority is in the step (its step, hence its TTFT, stays short)
+            ids = {r.request_id for r in longs}
+            short_prio = min((r.priority for r in reqs
+                              if r.request_id not in ids and _is_prefill(r)),
+                             default=sys.maxsize)
+            finished = 0
+            for req in sorted(longs, key=Request.sort_key):
                 if budget <= 0:
                     break
+                if req.priority >= short_prio:
+                    continue
                 extra = self._grow(req, plan[req.request_id], budget)
                 plan[req.request_id] += extra
                 budget -= extra
-                grown += extra
-            if not (admitted or grown):
-                break  # else a long prefill may have finished: its slot is free again
+                finished += extra > 0 and plan[req.request_id] == req.num_tokens - req.num_computed
+            if not finished:
+                break
+            # a long prefill completes in this step: its slot is free for the next one
+            admitted, budget, prefills = self._admit_waiting(
+                plan, reqs, longs, budget, prefills, longs_only=True)
+            if not admitted:
+                break
         return [self._seq(r, plan[r.request_id]) for r in reqs]
 
     def update(self, seqs: list[ScheduledSeq], sampled: dict[str, int],
@@ -239,24 +251,29 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
 
     def _admit_waiting(self, plan: dict[str, int], reqs: list[Request],
-                       longs: list[Request], budget: int, prefills: int
-                       ) -> tuple[int, int, int]:
+                       longs: list[Request], budget: int, prefills: int,
+                       longs_only: bool = False) -> tuple[int, int, int]:
         """Admit waiting requests in queue order into this step's plan (in place).
+
+        With ``longs_only`` (after a long prefill completed mid-step), only long ones
+        are considered: short ones have had their turn with more budget.
 
         Returns (number admitted, budget left, prefills in the step).
         """
         cfg = self.cfg
-        # priority -> long prefills that stay unfinished after this step's plan
-        busy = collections.Counter(
-            r.priority for r in self.running
-            if self._is_long(r) and plan.get(r.request_id, 0) < r.num_tokens - r.num_computed)
+        busy = self._busy_long_prefills(plan)
         admitted = j = 0
         while (j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_batch_size
                and prefills < cfg.max_prefill_batch_size):
             req = self.waiting[j]
-            if self._is_long(req) and sum(n for p, n in busy.items() if p <= req.priority) \
-                    >= cfg.max_long_partial_prefills:
+            long_ = self._is_long(req)
+            if long_ and not self._slot_free(busy, req):
+                if longs_only:
+                    break  # the queue is in priority order: later long ones are held too
                 j += 1  # shorter prompts behind it may start; it keeps its place
+                continue
+            if longs_only and not long_:
+                j += 1
                 continue
             # without chunking a prompt is prefilled whole, overrunning the budget (a
             # budget below the prompt would otherwise starve it behind running decodes)
@@ -279,14 +296,50 @@ class Scheduler:
             budget -= n
         return admitted, budget, prefills
 
+    def _busy_long_prefills(self, plan: dict[str, int]) -> collections.Counter[int]:
+        """priority -> running long prefills that stay unfinished after ``plan``."""
+        return collections.Counter(
+            r.priority for r in self.running
+            if self._is_long(r) and plan.get(r.request_id, 0) < r.num_tokens - r.num_computed)
+
+    def _slot_free(self, busy: collections.Counter[int], req: Request) -> bool:
+        """Whether the long request ``req`` may start beside the ``busy`` ones: fewer than
+        ``max_long_partial_prefills`` of the same or higher priority."""
+        held = sum(n for prio, n in busy.items() if prio <= req.priority)
+        return held < self.cfg.max_long_partial_prefills
+
+    def _to_compute(self, req: Request) -> int:
+        """Tokens ``req`` still has to compute; for a waiting request, net of what the
+        prefix cache holds (as :meth:`_admit` will find it)."""
+        if req.status is RequestStatus.RUNNING:
+            return req.num_tokens - req.num_computed
+        if self._long_threshold == sys.maxsize:
+            return req.num_tokens  # nothing is long: no need to look
+        return req.num_tokens - len(self.pool.lookup(self._prefix_keys(req))) * self.pool.block_size
+
     def _is_long(self, req: Request) -> bool:
-        return req.num_tokens - req.num_computed > self._long_threshold
+        if req.num_tokens - req.num_computed <= self._long_threshold:
+            return False  # short even with no prefix-cache hit: skip the lookup
+        return self._to_compute(req) > self._long_threshold
 
     def _share(self, req: Request, budget: int) -> int:
         """Tokens ``req`` is first given this step: the rest of its prompt (or its one
         decode token), but only the guaranteed threshold for a long prefill."""
         n = min(req.num_tokens - req.num_computed, budget)
         return min(n, self._long_threshold) if self._is_long(req) else n
+
+    def _prefix_keys(self, req: Request) -> list:
+        """Prefix-cache keys of ``req``'s full blocks, at most ``(num_tokens - 1) //
+        block_size`` of them (at least one token must be computed); memoized."""
+        if req.prefix_keys is None or req.prefix_keys[0] != req.num_tokens:
+            bs = self.pool.block_size
+            keys, prev = [], None
+            for i in range((req.num_tokens - 1) // bs):
+                key = block_key(prev, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+                keys.append(key)
+                prev = hash(key)
+            req.prefix_keys = (req.num_tokens, keys)
+        return req.prefix_keys[1]
 
     def _grow(self, req: Request, planned: int, budget: int) -> int:
         """Extend a long prefill planned for ``planned`` tokens by up to ``budget`` more,
@@ -321,12 +374,7 @@ class Scheduler:
         Returns False (and changes nothing) when the blocks are not there.
         """
         bs = self.pool.block_size
-        # at least one token must be computed: look up at most (num_tokens - 1) // bs
-        keys, prev = [], None
-        for i in range((req.num_tokens - 1) // bs):
-            key = block_key(prev, tuple(req.token_ids[i * bs:(i + 1) * bs]))
-            keys.append(key)
-            prev = hash(key)
+        keys = self._prefix_keys(req)
         hits = self.pool.lookup(keys)
         self.pool.acquire(hits)
         n = min(req.num_tokens - len(hits) * bs, budget)
@@ -354,14 +402,21 @@ class Scheduler:
             req.block_hashes.append(self.pool.register(req.block_table[i], key))
 
     def _preempt_for_priority(self) -> None:
-        """Preempt running work of strictly lower priority than the waiting head while
-        the batch or the KV cache leaves the head no room."""
-        while self.waiting and self.running:
-            head = self.waiting[0]
+        """Preempt running work of strictly lower priority than the first waiting request
+        that could start now (one held back by the long-prefill slots cannot) while the
+        batch or the KV cache leaves it no room for its first chunk."""
+        if not (self.waiting and self.running):
+            return
+        busy = self._busy_long_prefills({})
+        head = next((r for r in self.waiting
+                     if not self._is_long(r) or self._slot_free(busy, r)), None)
+        if head is None:
+            return
+        need = self.pool.blocks_for(min(self._to_compute(head), self._long_threshold) + 1)
+        while self.running:
             victim = max(self.running, key=Request.sort_key)
             if victim.priority <= head.priority:
                 return
-            need = self.pool.blocks_for(head.num_tokens + 1)
             if len(self.running) < self.cfg.max_batch_size and need <= self.pool.num_free:
                 return
             self._preempt(victim)
