@@ -3,7 +3,9 @@
 - a KV pool too small for the load forces preemption by recompute, and the greedy
   outputs still equal those of the session's large-pool engine;
 - a priority-1 request sent behind 30 priority-5 requests jumps the queue;
-- a shared system prompt is served from the prefix cache.
+- a shared system prompt is served from the prefix cache;
+- a short prompt sent while a long one is being prefilled in chunks finishes first, and
+  the long one's greedy output equals that of a whole (unchunked) prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ async def tiny_engine():
     cfg = EngineConfig(dtype="float32", device="cpu", block_size=16,
                        kv_cache_bytes=10 * per_block, max_batch_size=4,
                        max_num_batched_tokens=256)
+    engine = await asyncio.to_thread(AsyncEngine.build, cfg)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def small_budget_engine():
+    # 128 tokens per step: a long prompt is prefilled in chunks; prompts with more than
+    # 32 tokens left are long (a quarter of the budget)
+    cfg = EngineConfig(dtype="float32", device="cpu", block_size=16,
+                       kv_cache_bytes=64 << 20, max_num_batched_tokens=128)
     engine = await asyncio.to_thread(AsyncEngine.build, cfg)
     await engine.start()
     yield engine
@@ -102,3 +116,30 @@ async def test_shared_system_prompt_hits_prefix_cache(live):
     after = live.engine.stats()
     assert after.prefix_hit_tokens - before.prefix_hit_tokens >= outs2[-1].num_cached_tokens
     assert 0 < after.prefix_cache_hit_rate <= 1
+
+
+async def test_short_prompt_passes_a_long_prefill(live, small_budget_engine):
+    eng = small_budget_engine
+    text = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(90))
+    long_ids = eng.tokenizer.encode(text, add_special_tokens=False)
+    short_ids = eng.tokenizer.encode("Say hi.", add_special_tokens=False)
+    assert len(long_ids) > 8 * 128 and len(short_ids) < 32
+    done: list[str] = []
+
+    async def run(name, ids):
+        toks = await generate(eng, ids, max_new_tokens=4, ignore_eos=True)
+        done.append(name)
+        return toks
+
+    long_task = asyncio.create_task(run("long", long_ids))
+    while eng.stats().num_running == 0:  # the long prefill has started
+        await asyncio.sleep(0.01)
+    short_toks = await run("short", short_ids)
+    long_toks = await long_task
+    assert done == ["short", "long"]
+    # chunked and interleaved with the short prompt, the long prompt's greedy output
+    # equals the session engine's, which prefills it whole (budget 8192)
+    assert long_toks == await generate(live.engine, long_ids, max_new_tokens=4, ignore_eos=True)
+    assert short_toks == await generate(live.engine, short_ids, max_new_tokens=4, ignore_eos=True)
+    await eng.wait_idle()
+    assert eng.stats().num_free_blocks == eng.stats().num_blocks
