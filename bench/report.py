@@ -61,10 +61,14 @@ def format_table(results: dict[str, Any]) -> str:
         if k == 0:
             lines.append("-" * len(lines[-1]))
     slo = results["levels"][0]["ours"]["slo"] if results["levels"] else {}
-    lines.append(f"goodput = req/s meeting SLO ttft<={slo.get('ttft_ms')} ms, "
-                 f"tpot<={slo.get('tpot_ms')} ms ('-' without an SLO); ours/hf: throughput "
-                 "> 1 and latency < 1 favour ours; tokens counted from responses "
-                 f"({', '.join(sorted({s for lv in results['levels'] for s in lv['ours']['token_sources']}))})")
+    limits = [f"{k[:-3]}<={v} ms" for k, v in slo.items() if v is not None]
+    notes = [f"goodput = req/s meeting SLO {', '.join(limits)}" if limits
+             else "goodput: '-' (no --slo-ttft-ms/--slo-tpot-ms)"]
+    if any(lv["baseline"] is not None for lv in results["levels"]):
+        notes.append("ours/hf: throughput > 1 and latency < 1 favour ours")
+    sources = sorted({s for lv in results["levels"] for s in lv["ours"]["token_sources"]})
+    notes.append(f"tokens counted from responses ({', '.join(sources)})")
+    lines.append("; ".join(notes))
     for lv in results["levels"]:
         for name in ("ours", "baseline"):
             s = lv[name]
