@@ -9,7 +9,8 @@ requests (lengths, priorities, arrival steps, shared prompt prefixes). Every ste
   chunk continues exactly where its computed prefix ends;
 - the block pool's invariants hold.
 
-At the end every request has finished with exactly ``max_new_tokens`` tokens (no
+Some requests are aborted at a random step (waiting, prefilling or decoding). At the
+end every other request has finished with exactly ``max_new_tokens`` tokens (no
 starvation, whatever the priorities and lengths) and every block is free.
 """
 
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from tokenserve.engine.block_pool import BlockPool
 from tokenserve.engine.request import Request
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
+from tokenserve.messages import FinishReason
 from tokenserve.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake model samples (never an EOS: lengths are exact)
@@ -33,6 +35,7 @@ REQUEST = st.tuples(
     st.integers(1, 5),  # priority
     st.integers(0, 12),  # arrival step
     st.integers(0, 2),  # prompt family: equal families share a prefix
+    st.one_of(st.none(), st.integers(0, 30)),  # step at which the client aborts, if any
 )
 
 
@@ -64,9 +67,10 @@ def test_random_workloads_respect_the_budget_finish_and_free_every_block(
     pending = sorted(enumerate(specs), key=lambda e: e[1][3])
     want: dict[str, int] = {}
     done: dict[str, int] = {}
+    aborts: list[tuple[int, str]] = []
     for step in range(3000):
         while pending and pending[0][1][3] <= step:
-            i, (n_prompt, max_new, priority, _, family) = pending.pop(0)
+            i, (n_prompt, max_new, priority, _, family, abort_at) = pending.pop(0)
             # the request must fit an otherwise empty KV cache
             n_prompt = min(n_prompt, num_blocks * block_size - max_new - 1)
             prompt = [1000 * family + k for k in range(n_prompt // 2)]
@@ -76,6 +80,11 @@ def test_random_workloads_respect_the_budget_finish_and_free_every_block(
                           params=SamplingParams(max_new_tokens=max_new, ignore_eos=True),
                           priority=priority, arrival_time=0.0, arrival_seq=next(seq)))
             want[rid] = max_new
+            if abort_at is not None:
+                aborts.append((abort_at, rid))
+        for rid in [r for when, r in aborts if when == step]:
+            if s.finish(rid, FinishReason.ABORT) is not None:
+                del want[rid]
         if not pending and not s.has_work():
             break
         seqs = s.schedule()
