@@ -168,6 +168,11 @@ class ScheduledSeq:
     # generated tokens only)
     num_prompt_tokens: int = 0
 
+    @property
+    def is_decode(self) -> bool:
+        """A decode computes exactly one token on top of a non-empty cache."""
+        return len(self.token_ids) == 1 and self.num_computed > 0
+
 
 @dataclass
 class StepPlan:

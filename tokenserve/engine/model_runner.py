@@ -16,6 +16,7 @@ from tokenserve.models.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillChunk,
+    additive_mask,
     group_by_length,
     prefix_causal_mask,
 )
@@ -43,8 +44,8 @@ class ModelRunner:
         """Forward + sample for every seq in ``plan``. Raises whatever the model raises."""
         t0 = time.perf_counter()
         # decodes sorted by context length, so that length groups are contiguous rows
-        decodes = sorted((s for s in plan.seqs if is_decode(s)), key=lambda s: s.num_computed)
-        prefills = [s for s in plan.seqs if not is_decode(s)]
+        decodes = sorted((s for s in plan.seqs if s.is_decode), key=lambda s: s.num_computed)
+        prefills = [s for s in plan.seqs if not s.is_decode]
         order = decodes + prefills
         input_ids, positions, seq_index, sample_rows = [], [], [], []
         for i, s in enumerate(order):
@@ -64,9 +65,8 @@ class ModelRunner:
         for a, b in group_by_length(ctx_lens):
             slots, real = context_slots(bt[a:b], torch.tensor(ctx_lens[a:b], device=dev),
                                         self.block_size)
-            mask = torch.zeros(real.shape, dtype=self.model.dtype, device=dev)
-            mask.masked_fill_(~real, float("-inf"))  # additive: built once, not per layer
-            meta.decode_groups.append(DecodeGroup(a, b, slots, mask[:, None, None, :]))
+            mask = additive_mask(real, self.model.dtype)[:, None, None, :]
+            meta.decode_groups.append(DecodeGroup(a, b, slots, mask))
         start = len(decodes)
         for j, s in enumerate(prefills):
             q_len, ctx_len = len(s.token_ids), s.num_computed + len(s.token_ids)
@@ -94,11 +94,6 @@ class ModelRunner:
                 logprobs = token_logprobs(logits, toks, want, to_sample)
         return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
                           logprobs=logprobs)
-
-
-def is_decode(seq: ScheduledSeq) -> bool:
-    """A decode computes exactly one token on top of a non-empty cache."""
-    return len(seq.token_ids) == 1 and seq.num_computed > 0
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],

@@ -177,13 +177,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._share(req, budget)
+            long_ = self._is_long(req)
+            n = self._share(req, budget, long_)
             assert n > 0, "running request with nothing to compute"
             if not self._reserve(req, n, protected=plan.keys()):
                 continue  # req itself was preempted; running[i] is now the next one
             plan[req.request_id] = n
             reqs.append(req)
-            if self._is_long(req):
+            if long_:
                 longs.append(req)
             prefills += n > 1
             budget -= n
@@ -277,7 +278,7 @@ class Scheduler:
                 continue
             # without chunking a prompt is prefilled whole, overrunning the budget (a
             # budget below the prompt would otherwise starve it behind running decodes)
-            limit = (self._share(req, budget) if cfg.enable_chunked_prefill
+            limit = (self._share(req, budget, long_) if cfg.enable_chunked_prefill
                      else max(budget, req.num_tokens))
             if not self._admit(req, limit):
                 break  # no preemption to admit equal-priority work: wait for blocks
@@ -287,7 +288,7 @@ class Scheduler:
             self.running.append(req)
             plan[req.request_id] = n
             reqs.append(req)
-            if self._is_long(req):
+            if long_:  # judged after the prefix cache, as _admit found it
                 longs.append(req)
                 if n < req.num_tokens - req.num_computed:
                     busy[req.priority] += 1
@@ -322,11 +323,12 @@ class Scheduler:
             return False  # short even with no prefix-cache hit: skip the lookup
         return self._to_compute(req) > self._long_threshold
 
-    def _share(self, req: Request, budget: int) -> int:
-        """Tokens ``req`` is first given this step: the rest of its prompt (or its one
-        decode token), but only the guaranteed threshold for a long prefill."""
+    def _share(self, req: Request, budget: int, long_: bool) -> int:
+        """Tokens ``req`` (``long_``: :meth:`_is_long`) is first given this step: the rest
+        of its prompt (or its one decode token), but only the guaranteed threshold for a
+        long prefill."""
         n = min(req.num_tokens - req.num_computed, budget)
-        return min(n, self._long_threshold) if self._is_long(req) else n
+        return min(n, self._long_threshold) if long_ else n
 
     def _prefix_keys(self, req: Request) -> list:
         """Prefix-cache keys of ``req``'s full blocks, at most ``(num_tokens - 1) //

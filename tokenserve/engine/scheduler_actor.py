@@ -129,9 +129,8 @@ class SchedulerActor:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("step %d: %.1f ms, %d decodes, prefill chunks %s, %d waiting",
                           plan.step_id, result.forward_ms,
-                          sum(1 for s in seqs if len(s.token_ids) == 1 and s.num_computed),
-                          [len(s.token_ids) for s in seqs
-                           if len(s.token_ids) > 1 or not s.num_computed],
+                          sum(s.is_decode for s in seqs),
+                          [len(s.token_ids) for s in seqs if not s.is_decode],
                           len(self.scheduler.waiting))
             now = time.monotonic()
             for req, toks in self.scheduler.update(seqs, result.sampled, now):

@@ -53,6 +53,18 @@ class PrefillChunk:
     attn_mask: torch.Tensor | None = None
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as an additive one in ``dtype``: 0 where allowed,
+    -inf elsewhere. Built once per step: SDPA would otherwise convert a bool mask in
+    every layer.
+
+    Returns:
+        a tensor of ``allowed``'s shape and device.
+    """
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
 def prefix_causal_mask(q_len: int, ctx_len: int, dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor:
     """Causal mask for ``q_len`` queries that follow ``ctx_len - q_len`` cached tokens.
@@ -61,13 +73,11 @@ def prefix_causal_mask(q_len: int, ctx_len: int, dtype: torch.dtype,
     ``0 .. ctx_len - q_len + i`` (causality aligned to the lower right).
 
     Returns:
-        [q_len, ctx_len] tensor of ``dtype``: 0 where allowed, -inf where masked (an
-        additive mask: SDPA would otherwise convert a bool mask in every layer).
+        [q_len, ctx_len] :func:`additive_mask` of ``dtype``.
     """
     qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)
     kpos = torch.arange(ctx_len, device=device)
-    mask = torch.zeros(q_len, ctx_len, dtype=dtype, device=device)
-    return mask.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+    return additive_mask(kpos[None, :] <= qpos[:, None], dtype)
 
 
 @dataclass
