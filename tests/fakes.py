@@ -57,6 +57,14 @@ class FakeEngine:
     closed_early: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
 
+    async def wait_aborted_early(self, timeout: float = 1.0) -> str:
+        """Wait until the latest request is aborted with its stream closed before the end
+        (a client disconnect); it must never complete. Returns its request_id."""
+        rid = self.requests[-1].request_id
+        await wait_for(lambda: rid in self.aborted and rid in self.closed_early, timeout)
+        assert rid not in self.completed
+        return rid
+
     def is_healthy(self) -> bool:
         return self.healthy
 

@@ -439,9 +439,7 @@ async def test_disconnect_mid_stream_aborts(env) -> None:
         async for line in r.aiter_lines():
             if line.startswith("data: "):
                 break  # got one event; leave (closes the connection)
-    rid = engine.requests[-1].request_id
-    await wait_for(lambda: rid in engine.aborted and rid in engine.closed_early, 1.0)
-    assert rid not in engine.completed
+    await engine.wait_aborted_early()
 
 
 async def test_disconnect_mid_non_stream_aborts(env) -> None:
@@ -457,9 +455,7 @@ async def test_disconnect_mid_non_stream_aborts(env) -> None:
     await wait_for(lambda: engine.requests)
     await asyncio.sleep(0.03)
     writer.close()
-    rid = engine.requests[-1].request_id
-    await wait_for(lambda: rid in engine.aborted and rid in engine.closed_early, 1.0)
-    assert rid not in engine.completed
+    await engine.wait_aborted_early()
 
 
 async def test_generator_that_never_returns_does_not_hang(env) -> None:

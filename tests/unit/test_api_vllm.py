@@ -367,5 +367,4 @@ async def test_disconnect_mid_non_stream_aborts(env) -> None:
     await writer.drain()
     await wait_for(lambda: engine.requests)
     writer.close()
-    rid = engine.requests[-1].request_id
-    await wait_for(lambda: rid in engine.aborted and rid in engine.closed_early, 1.0)
+    await engine.wait_aborted_early()
