@@ -21,13 +21,12 @@ server on the device (OpenAI, TGI stream, MindIE, a 4xx, /metrics), then step ti
 the mixed-workload chunked-prefill bench on a random model of SmolLM2-135M's shape.
 Results: $OUT/devcheck.json (or /tmp/devcheck-out).
 """
-# one-shot tool: its closures run inside their loop, its files live as long as it does
-# ruff: noqa: B023, SIM115, S110, PLW1510
+# one-shot tool: its closures run inside their loop
+# ruff: noqa: B023, PLW1510
 import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -182,39 +181,18 @@ def engine():
     return f"{same}/{len(prompts)} greedy outputs equal, no leaked blocks"
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def start_server(model, dtype, extra=()):
-    port = free_port()
-    logf = open(f"/tmp/serve-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenserve.cli", "serve", "--model", model,
-                             "--device", DEV, "--dtype", dtype, "--port", str(port), *extra],
-                            stdout=logf, stderr=subprocess.STDOUT)
-    import httpx
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, port
-        except Exception:  # noqa: BLE001
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(open(f"/tmp/serve-{port}.log").read()[-3000:])
-
-
 @section("http_on_device")
 def http():
+    import argparse
+
     import httpx
-    proc, port = start_server(TINY, "float32")
-    u = f"http://127.0.0.1:{port}"
+
+    from bench.server import ServerProcess
+
+    server = ServerProcess(argparse.Namespace(dtype="float32", device=DEV, model=TINY,
+                                              server_args=""))
+    server.start()
+    u = server.url
     try:
         out = {}
         r = httpx.post(f"{u}/v1/completions", json={"model": "tiny", "prompt": "Hello there",
@@ -238,8 +216,7 @@ def http():
         out["metrics"] = (m.status_code, "request_success_total" in m.text or len(m.text))
         return out
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 @section("make_random_smollm_shape")
