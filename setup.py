@@ -1,27 +1,47 @@
-"""Builds csrc/ into the optional extension ``tokenserve._C`` (pybind11).
+"""Builds csrc/ into the optional extension ``tokenserve._C`` (torch C++ extension, pybind11).
 
-The engine runs without it (pure-torch references in ``tokenserve/ops``); a failed
-build is reported and skipped so the pure-Python package still installs.
+Kernels pick their code path (AVX2+FMA, AVX-512, portable) at run time by CPU feature
+(csrc/cpu_features.h), so one build serves every x86-64 machine. Threads come from
+ATen's ``at::parallel_for`` (torch's own OpenMP pool and thread count), so no second
+OpenMP runtime is linked. The engine runs without the extension (pure-torch references
+in ``tokenserve/ops``); a failed build is reported and skipped so the package still
+installs. Build with ``pip install --no-build-isolation -e .`` (it needs the installed
+torch's headers).
 """
 
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 sources = sorted(str(p) for p in Path("csrc").glob("*.cpp"))
 
-
-class OptionalBuildExt(build_ext):
-    def run(self):
-        try:
-            super().run()
-        except Exception as exc:  # noqa: BLE001 - a missing compiler must not block install
-            print(f"warning: tokenserve._C not built ({exc}); using the torch reference ops")
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:  # torch not installed yet: install the pure-Python package
+    BuildExtension, CppExtension = None, None
 
 
-ext_modules = [
-    Pybind11Extension("tokenserve._C", sources, cxx_std=17, extra_compile_args=["-O3"]),
-] if sources else []
+def _ext_modules():
+    if CppExtension is None or not sources:
+        return []
+    return [CppExtension(
+        "tokenserve._C", sources,
+        extra_compile_args=["-O3", "-std=c++20", "-fno-math-errno", "-Wno-unused-function"],
+    )]
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})
+
+def _cmdclass():
+    if BuildExtension is None:
+        return {}
+
+    class OptionalBuildExt(BuildExtension):
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 - a missing compiler must not block install
+                print(f"warning: tokenserve._C not built ({exc}); using the torch reference ops")
+
+    return {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
+
+
+setup(ext_modules=_ext_modules(), cmdclass=_cmdclass())

@@ -1,0 +1,54 @@
+"""Kernels: the C++ extension ``tokenserve._C`` when it is built, else pure-torch references.
+
+:func:`load_kernels` imports the extension once per call site that asks (cheap after the
+first import) and says why it is absent. Set ``TOKENSERVE_DISABLE_C=1`` to run on the
+references alone (what the "with and without ``_C``" tests compare), or
+``TOKENSERVE_KERNELS_SO=path`` to load a development build of some kernels
+(``tools/dev_kernels.py``) in its place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("tokenserve.ops")
+
+
+def load_kernels() -> ModuleType | None:
+    """``tokenserve._C``, or None when it is disabled (``TOKENSERVE_DISABLE_C=1``), not
+    built, or built against another ABI.
+
+    Returns:
+        the extension module (its ``cpu_features()`` says which code paths run), or None.
+    """
+    if os.environ.get("TOKENSERVE_DISABLE_C", "") not in ("", "0"):
+        return None
+    import torch  # noqa: F401 - loads libc10/libtorch, which the extension links to
+
+    try:
+        if dev := os.environ.get("TOKENSERVE_KERNELS_SO"):  # a tools/dev_kernels.py build
+            name = Path(dev).name.split(".")[0]
+            spec = importlib.util.spec_from_file_location(name, dev)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module("tokenserve._C")
+    except ImportError:
+        return None
+    return mod if getattr(mod, "ABI_VERSION", None) == 2 else None
+
+
+def describe_kernels() -> str:
+    """One line for the start-up log: which kernels run and on which CPU paths."""
+    mod = load_kernels()
+    if mod is None:
+        why = ("disabled by TOKENSERVE_DISABLE_C" if os.environ.get("TOKENSERVE_DISABLE_C")
+               else "tokenserve._C not built")
+        return f"kernels: pure-torch references ({why})"
+    feats = [k for k, on in mod.cpu_features().items() if on]
+    return f"kernels: tokenserve._C (CPU paths: {', '.join(feats) or 'portable'})"

@@ -1,0 +1,29 @@
+// Each kernel file registers its Python bindings here, so csrc/*.cpp files are
+// independent: module.cpp calls every registered function once at import.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace tokenserve {
+
+using RegisterFn = void (*)(pybind11::module_&);
+
+// The list of registration functions (a function-local static: no init-order issues).
+inline std::vector<RegisterFn>& registry() {
+  static std::vector<RegisterFn> fns;
+  return fns;
+}
+
+struct Registrar {
+  explicit Registrar(RegisterFn fn) { registry().push_back(fn); }
+};
+
+}  // namespace tokenserve
+
+// Use once per .cpp file at namespace scope: TOKENSERVE_REGISTER(attention) { m.def(...); }
+#define TOKENSERVE_REGISTER(name)                                              \
+  static void tokenserve_register_##name(pybind11::module_& m);                \
+  static ::tokenserve::Registrar tokenserve_registrar_##name(                  \
+      &tokenserve_register_##name);                                            \
+  static void tokenserve_register_##name(pybind11::module_& m)
