@@ -1,4 +1,5 @@
-"""``tokenserve`` command line: ``serve`` (and, in later issues, ``coordinator``, ``bench``)."""
+"""``tokenserve`` command line: ``serve`` (a model over MindIE-compatible HTTP APIs) and
+``bench`` (the serving benchmark of a repository checkout)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import logging
 import sys
 from dataclasses import replace
 
-from tokenserve.config import DTYPES, select_device
+from tokenserve.config import DTYPES, check_model_path, select_device
+from tokenserve.http.tls import CERT_REQS, TlsSettings
 from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
 
 
@@ -78,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-long-partial-prefills", type=_positive_int, default=None,
                    help="long prefills in progress at once (maxLongPartialPrefills; "
                         "default 1)")
+    s.add_argument("--max-connections", type=_positive_int, default=None,
+                   help="open connections per business listener; one more gets 503 "
+                        "(maxLinkNum; default 1000; management/metrics listeners: a "
+                        "tenth of it, at least 100)")
+    s.add_argument("--timeout-graceful-shutdown", type=float, default=None, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before "
+                        "they end with an error (default 25; a second signal stops now)")
+    s.add_argument("--ssl-certfile", default=None,
+                   help="serve HTTPS with this certificate (PEM) on every plane")
+    s.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None,
+                   help="CA file (PEM) to verify client certificates; a separate "
+                        "management listener then requires one (mutual TLS)")
+    s.add_argument("--ssl-cert-reqs", type=int, choices=sorted(CERT_REQS), default=None,
+                   help="client certificate on the business and metrics planes: 0 not "
+                        "asked, 1 optional, 2 required (default 0)")
     s.add_argument("--log-level", default="INFO")
     return p
 
@@ -89,7 +107,8 @@ _ENGINE_FLAGS = ("model", "served_model_name", "dtype", "device", "max_batch_siz
                  "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "max_long_partial_prefills")
 #: serve flags that override ServerOptions fields of the same name
-_SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port")
+_SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port",
+                 "max_connections")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -101,11 +120,40 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         FileNotFoundError: ``--config`` names a missing file.
     """
     path = args.config or config_path_from_env()
-    accelerator = select_device(args.device or "auto").type != "cpu"
-    cfg = load_mindie_config(path, accelerator=accelerator) if path else ServeConfig()
+    cfg = ServeConfig()
+    if path:
+        accelerator = select_device(args.device or "auto").type != "cpu"
+        cfg = load_mindie_config(path, accelerator=accelerator)
     eng = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     srv = {k: getattr(args, k) for k in _SERVER_FLAGS if getattr(args, k) is not None}
-    return ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv))
+    if args.timeout_graceful_shutdown is not None:
+        if args.timeout_graceful_shutdown < 0:
+            raise ValueError("--timeout-graceful-shutdown must be >= 0 seconds")
+        srv["drain_timeout_s"] = args.timeout_graceful_shutdown
+    srv.update(_tls_flags(args))
+    out = ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv))
+    check_model_path(out.engine.model)
+    return out
+
+
+def _tls_flags(args: argparse.Namespace) -> dict[str, TlsSettings]:
+    """uvicorn's ``--ssl-*`` flags as every plane's TLS settings (replacing the config's):
+    the business and metrics planes ask for client certificates as ``--ssl-cert-reqs``
+    says; [I] the management plane requires one whenever ``--ssl-ca-certs`` is given
+    (mutual TLS: it carries the routes that change the server)."""
+    cert, key, ca, reqs = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
+                           args.ssl_cert_reqs)
+    if cert is None and key is None:
+        if ca is not None or reqs is not None:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and "
+                             "--ssl-keyfile")
+        return {}
+    if cert is None or key is None:
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    cas = (ca,) if ca else ()
+    public = TlsSettings(cert, key, ca_files=cas, cert_reqs=reqs or 0)
+    return {"business_tls": public, "metrics_tls": public,
+            "management_tls": replace(public, cert_reqs=2) if cas else public}
 
 
 def _bench(argv: list[str]) -> int:
@@ -139,14 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             cfg = serve_config(args)
+            from tokenserve.http.app import run_server
+
+            run_server(cfg)
         except (ValueError, FileNotFoundError) as exc:
+            # start-up errors (bad flags or config, a port in use, a model that cannot
+            # load): one line, exit status 2, no traceback
             print(f"tokenserve serve: {exc}", file=sys.stderr)
             return 2
-        from tokenserve.http.app import run_server
-
-        try:
-            run_server(cfg)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # a signal before the handlers were installed
             pass
         return 0
     return 2

@@ -4,7 +4,15 @@ Schema and ranges: ``shared/spec/config.md`` (ServerConfig §1, BackendConfig §
 ModelDeployConfig §3, ModelConfig §4, ScheduleConfig §5). Unknown keys are ignored, as
 MindIE does; a known key with a wrong type or an out-of-range value is a start-up
 error naming the key (ValueError). Keys MindIE requires but that have no meaning for
-this server (TLS material, NPU ids, backend names, ...) are accepted and ignored.
+this server (NPU ids, backend names, ...) are accepted and ignored.
+
+HTTPS (config.md §1 ``httpsEnabled``, spec interfaces.md §0.2): each plane's certificate,
+key, CA files and CRL files (``tlsCert`` ..., ``managementTls*``, ``metricsTls*``) become
+a :class:`~tokenserve.http.tls.TlsSettings` that requires client certificates (mutual TLS,
+as MindIE does). [I] Relative paths are relative to the config file's directory (MindIE:
+its install directory); a plane with none of its own keys uses the business plane's
+material; the CRL and key-password files are used only when their keys are given.
+``allowAllZeroIpListening`` false refuses ``0.0.0.0`` / ``::`` addresses.
 
 KV cache size [I]: ``npuMemSize`` GB on an accelerator, ``cpuMemSize`` GB on the CPU
 (MindIE's ``cpuMemSize`` is swap space; on a CPU-only server the host memory *is* the
@@ -21,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenserve.config import EngineConfig
+from tokenserve.http.listeners import ALL_INTERFACES
+from tokenserve.http.tls import TlsSettings
 
 GB = 1 << 30
 
@@ -36,6 +46,11 @@ class ServerOptions:
     metrics_port: int | None = None  # None: same as management port
     max_body_bytes: int = 40 << 20
     max_json_depth: int = 10
+    max_connections: int = 1000  # config.md maxLinkNum, per business listener
+    business_tls: TlsSettings | None = None
+    management_tls: TlsSettings | None = None
+    metrics_tls: TlsSettings | None = None
+    drain_timeout_s: float = 25.0  # [I] under Kubernetes' 30 s grace period
 
 
 @dataclass(frozen=True)
@@ -103,17 +118,24 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
 
     sc = _section(doc, "ServerConfig", "")
     w = "ServerConfig"
+    tls = {"business_tls": srv.business_tls, "management_tls": srv.management_tls,
+           "metrics_tls": srv.metrics_tls}
     if _get(sc, "httpsEnabled", bool, w, default=False):
-        raise ValueError("config ServerConfig.httpsEnabled: TLS is not supported by this "
-                         "server; set it to false (terminate TLS in front of it)")
+        tls = _tls_settings(sc, p.parent)
     host = _get(sc, "ipAddress", str, w, default=srv.host)
     port = _get(sc, "port", int, w, 1024, 65535, srv.port)
     mgmt_host = _get(sc, "managementIpAddress", str, w, default=srv.management_host)
+    if not _get(sc, "allowAllZeroIpListening", bool, w, default=False):
+        for key, value in (("ipAddress", host), ("managementIpAddress", mgmt_host)):
+            if value in ALL_INTERFACES:
+                raise ValueError(f"config {w}.{key}: {value} listens on every interface; "
+                                 "set allowAllZeroIpListening to true to allow it")
     mgmt_port = _get(sc, "managementPort", int, w, 1024, 65535, srv.management_port)
     metrics_port = _get(sc, "metricsPort", int, w, 1024, 65535, srv.metrics_port)
     srv = replace(
         srv, host=host, port=port, management_host=mgmt_host, management_port=mgmt_port,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, **tls,
+        max_connections=_get(sc, "maxLinkNum", int, w, 1, 4096, srv.max_connections),
         max_body_bytes=_get(sc, "maxRequestLength", int, w, 1, 100,
                             srv.max_body_bytes >> 20) << 20,
         max_json_depth=_get(sc, "maxJsonDepth", int, w, 10, 100, srv.max_json_depth))
@@ -140,6 +162,9 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
             raise ValueError(f"config {w2}.modelName: {name!r} must match "
                              "^[A-Za-z0-9_.-]{1,256}$ and start/end alphanumeric")
         model = _get(mc, "modelWeightPath", str, w2, default=model)
+        if model is not None and not model.strip():
+            raise ValueError(f"config {w2}.modelWeightPath: must name a model directory, "
+                             "got an empty string")
         npu_gb = _get(mc, "npuMemSize", int, w2, -1, 2**31 - 1, -1)
         cpu_gb = _get(mc, "cpuMemSize", int, w2, 0, None, 0)
         if npu_gb == 0:
@@ -174,3 +199,67 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
 
 def _valid_model_name(name: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,254}[A-Za-z0-9])?", name))
+
+
+#: config.md §1 TLS keys per plane: (CA files, certificate, key, key password, CRL
+#: directory, CRL files) and the defaults of the certificate, key and CA files.
+_TLS_KEYS = {
+    "business_tls": (("tlsCaFile", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrlPath",
+                      "tlsCrlFiles"),
+                     (["ca.pem"], "security/certs/server.pem",
+                      "security/keys/server.key.pem")),
+    "management_tls": (("managementTlsCaFile", "managementTlsCert", "managementTlsPk",
+                        "managementTlsPkPwd", "managementTlsCrlPath",
+                        "managementTlsCrlFiles"), None),
+    "metrics_tls": (("metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk",
+                     "metricsTlsPkPwd", "metricsTlsCrlPath", "metricsTlsCrlFiles"), None),
+}
+
+
+def _str_list(obj: dict, key: str, where: str, default: list[str]) -> list[str]:
+    v = obj.get(key, default)
+    if not isinstance(v, list) or not 0 < len(v) <= 3 or not all(
+            isinstance(x, str) and x for x in v):
+        raise ValueError(f"config {where}.{key}: expected a list of 1 to 3 file names")
+    return v
+
+
+def _tls_settings(sc: dict, base: Path) -> dict[str, TlsSettings]:
+    """Each plane's :class:`TlsSettings` from ``ServerConfig`` (``httpsEnabled``):
+    mutual TLS with the plane's CA files (spec §0.2)."""
+    w = "ServerConfig"
+
+    def path(p: str, key: str) -> str:
+        full = base / p
+        if not full.is_file():
+            raise ValueError(f"config {w}.{key}: {full} does not exist (httpsEnabled is "
+                             "true; relative paths are relative to the config file)")
+        return str(full)
+
+    ca_dir = _get(sc, "tlsCaPath", str, w, default="security/ca/")
+    out: dict[str, TlsSettings] = {}
+    for field_name, ((ca, cert, pk, pwd, crl_dir, crls), defaults) in _TLS_KEYS.items():
+        keys = (ca, cert, pk, pwd, crl_dir, crls)
+        if defaults is None and not any(k in sc for k in keys):
+            out[field_name] = out["business_tls"]  # [I] no keys of its own
+            continue
+        dflt = defaults or (None, None, None)
+        for k, d in ((cert, dflt[1]), (pk, dflt[2])):
+            if k not in sc and d is None:
+                raise ValueError(f"config {w}.{k}: required when httpsEnabled is true")
+        ca_files = _str_list(sc, ca, w, dflt[0]) if ca in sc or dflt[0] else None
+        if ca_files is None:
+            raise ValueError(f"config {w}.{ca}: required when httpsEnabled is true")
+        crl_files: list[str] = []
+        if crls in sc:
+            crl_base = _get(sc, crl_dir, str, w, default="security/certs/")
+            crl_files = [str(Path(crl_base) / f) for f in _str_list(sc, crls, w, [])]
+        password = _get(sc, pwd, str, w, default=None)
+        out[field_name] = TlsSettings(
+            certfile=path(_get(sc, cert, str, w, default=dflt[1]), cert),
+            keyfile=path(_get(sc, pk, str, w, default=dflt[2]), pk),
+            password_file=path(password, pwd) if password else None,
+            ca_files=tuple(path(str(Path(ca_dir) / f), ca) for f in ca_files),
+            crl_files=tuple(path(f, crls) for f in crl_files),
+            cert_reqs=2)
+    return out

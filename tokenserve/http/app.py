@@ -11,6 +11,7 @@
                    metadata (§6)
     shared         POST /generate dispatch (§3.1), GET /health (§3.6),
                    GET /metrics, /metrics-json (§7.6-7.7)
+    management     GET /health/timed[-N], /v1/config (§7.1, §7.3)
 
 ``POST /generate`` belongs to two families: :func:`make_generate_dispatcher` parses the
 body once and hands it to vLLM when ``prompt`` is non-null, else to TGI when ``inputs`` is,
@@ -19,19 +20,30 @@ in a :class:`ContextEngine` carrying the server's :class:`ServeContext` (stopInf
 registry, metrics).
 
 :func:`serve` splits the routes over the listening planes (business, management, metrics;
-spec §0.1, :mod:`tokenserve.http.planes`), one :class:`HttpServer` per distinct address,
-until cancelled or ``stop`` is set. :func:`run` runs a coroutine on uvloop when it is
-installed (call it from the CLI: the engine's actors must be created inside the loop that
-serves them); :func:`serve_engine` / :func:`run_server` build the engine from a
-``ServeConfig`` and serve it (``tokenserve serve``).
+spec §0.1, :mod:`tokenserve.http.planes`), one :class:`HttpServer` per distinct address
+(sockets bound by :mod:`tokenserve.http.listeners`, with TLS where configured), until
+cancelled or ``stop`` is set, then drains (:mod:`tokenserve.http.drain`). :func:`run` runs
+a coroutine on uvloop when it is installed (call it from the CLI: the engine's actors must
+be created inside the loop that serves them); :func:`serve_engine` / :func:`run_server`
+bind the listeners, then build the engine from a ``ServeConfig`` and serve it until
+SIGTERM or SIGINT (``tokenserve serve``)::
+
+    bind every listener (a port in use / bad TLS file: ValueError, nothing loaded yet)
+    load the model, start the engine
+    serve ... signal 1: drain (up to drain_timeout_s) ... signal 2: close now
+    stop the engine; return (exit status 0)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sys
-from collections.abc import Coroutine
+import functools
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import orjson
@@ -50,7 +62,12 @@ from tokenserve.http.api.triton import TritonApi
 from tokenserve.http.api.vllm import VllmApi
 from tokenserve.http.context import ContextEngine, ServeContext, unwrap_engine
 from tokenserve.http.cycle import HttpRequest, HttpResponse
+from tokenserve.http import management
+from tokenserve.http.drain import drain
 from tokenserve.http.errors import HttpError
+from tokenserve.http.limits import HttpLimits
+from tokenserve.http.listeners import BoundListener, bind_listeners, close_listeners
+from tokenserve.http.management import ServedConfig
 from tokenserve.http.metrics import ServerMetrics
 from tokenserve.http.planes import Plane, plane_handler, plane_layout
 from tokenserve.http.router import Handler, Router
@@ -118,11 +135,14 @@ def build_router(
     *,
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
     context: ServeContext | None = None,
+    served_config: ServedConfig | None = None,
 ) -> Router:
     """A router with every family's routes, the shared ``POST /generate`` (spec §3.1),
     ``GET /health`` (spec §3.6; [I] also on the business port, spec §0.1), the native
     extras (``/v1/tokenizer``, ``stopInfer``, spec §2.2-2.3) and ``GET /metrics`` /
-    ``/metrics-json`` (spec §7.6-7.7) — every plane's routes; ``serve`` splits them.
+    ``/metrics-json`` (spec §7.6-7.7), ``/health/timed[-N]`` and ``/v1/config`` (spec §7.1,
+    §7.3; ``served_config`` is what the latter reports) — every plane's routes; ``serve``
+    splits them.
 
     ``context`` (default: a new one with fresh metrics) is the server's shared state; the
     families get the engine wrapped in a :class:`ContextEngine` carrying it, so every
@@ -144,6 +164,7 @@ def build_router(
         api.register(router)
     router.post("/generate", make_generate_dispatcher(vllm, tgi, max_json_depth=max_json_depth))
     router.get("/health", make_health_handler(engine))
+    management.register(router, engine, served_config)
     MindIEExtraApi(engine, max_json_depth=max_json_depth, context=context).register(router)
     if context.metrics is not None:
         context.metrics.register(router)
@@ -159,44 +180,58 @@ async def serve(
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     stop: asyncio.Event | None = None,
+    now: asyncio.Event | None = None,
     started: asyncio.Future[HttpServer] | None = None,
     shutdown_timeout_s: float = 10.0,
     management_host: str | None = None,
     management_port: int | None = None,
     metrics_port: int | None = None,
     listeners: asyncio.Future[dict[Plane, HttpServer]] | None = None,
+    bound: list[BoundListener] | None = None,
+    limits: HttpLimits | None = None,
+    served_config: ServedConfig | None = None,
 ) -> None:
-    """Serve ``engine`` until cancelled or ``stop`` is set, then close gracefully
-    (in-flight requests get ``shutdown_timeout_s`` to finish).
+    """Serve ``engine`` until cancelled or ``stop`` is set, then drain
+    (:func:`tokenserve.http.drain.drain`: in-flight requests get ``shutdown_timeout_s``
+    seconds to finish, then end with an error; ``now`` set stops at once).
 
     Planes (spec §0.1): business on ``host:port``; management on
     ``management_host:management_port``; metrics (``/metrics``) on
     ``management_host:metrics_port``. Not given, a plane shares the listener of the one
     it falls back to (management -> business, metrics -> management), so by default one
-    port serves every route; planes at the same address share one listener.
+    port serves every route; planes at the same address share one listener. ``bound``
+    (from :func:`tokenserve.http.listeners.bind_listeners`, TLS included) replaces the
+    addresses. ``limits`` (default: ``max_body_bytes``, ``keep_alive_s``) applies to
+    every listener, each with its own connection cap; whole responses carry
+    ``Connection: close`` (spec §0.2).
 
     ``started`` (optional) receives the business plane's :class:`HttpServer` (with
     ``port=0``: read ``server.ports``); ``listeners`` receives every plane's server.
     """
     context = ServeContext(metrics=ServerMetrics(unwrap_engine(engine)))
-    router = build_router(engine, max_json_depth=max_json_depth, context=context)
+    router = build_router(engine, max_json_depth=max_json_depth, context=context,
+                          served_config=served_config)
+    base = limits or HttpLimits(max_body_bytes=max_body_bytes, keep_alive_s=keep_alive_s)
+    base = replace(base, close_whole_responses=True)
+    if bound is None:
+        bound = bind_listeners(plane_layout(host, port, management_host, management_port,
+                                            metrics_port), max_connections=base.max_connections)
     by_plane: dict[Plane, HttpServer] = {}
     servers: list[HttpServer] = []
     try:
-        for spec in plane_layout(host, port, management_host, management_port, metrics_port):
-            server = HttpServer(
-                plane_handler(router, spec.planes),
-                max_body_bytes=max_body_bytes,
-                keep_alive_s=keep_alive_s,
-            )
-            await server.start(spec.host, spec.port)
+        for b in bound:
+            spec = b.spec
+            server = HttpServer(plane_handler(router, spec.planes),
+                                limits=replace(base, max_connections=b.max_connections))
+            await server.start(sock=b.sock, ssl=b.ssl)
             servers.append(server)
             by_plane.update(dict.fromkeys(spec.planes, server))
+            mtls = " (mutual TLS)" if b.tls is not None and b.tls.mutual else ""
             logger.info(
-                "serving %s (%s) on %s",
+                "serving %s (%s) on %s%s",
                 engine.model_name,
                 "+".join(sorted(p.value for p in spec.planes)),
-                ", ".join(f"{spec.host}:{p}" for p in server.ports),
+                ", ".join(f"{b.scheme}://{spec.host}:{p}" for p in server.ports), mtls,
             )
             if Plane.MANAGEMENT in spec.planes and context.metrics is not None:
                 context.metrics.instance = f"{spec.host}:{server.ports[0]}"
@@ -209,9 +244,8 @@ async def serve(
         else:
             await stop.wait()
     finally:
-        await asyncio.shield(
-            asyncio.gather(*(s.close(shutdown_timeout_s) for s in servers))
-        )
+        close_listeners(bound[len(servers):])  # bound but never served (a start failed)
+        await asyncio.shield(drain(servers, context.registry, shutdown_timeout_s, now))
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
@@ -233,30 +267,90 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         loop.close()
 
 
-async def serve_engine(cfg: ServeConfig) -> None:
-    """Build the engine from ``cfg.engine`` (model load in a worker thread), start its
-    actors and serve it on ``cfg.server``'s planes until cancelled (see :func:`serve`);
-    the engine is stopped on the way out."""
+class _Signals:
+    """SIGTERM and SIGINT on the running loop (systemd, Docker and Kubernetes send
+    SIGTERM; a terminal SIGINT): the first sets ``stop`` (drain), the second ``now``
+    (close at once). A second signal before the model has loaded exits at once."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.now = asyncio.Event()
+        self.serving = False
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        name = signal.Signals(sig).name
+        if not self.stop.is_set():
+            logger.warning("%s received: stopping%s", name,
+                           "" if self.serving else " once the model has loaded "
+                           "(signal again to stop now)")
+            self.stop.set()
+        elif not self.serving:
+            logger.warning("%s received again: stopping now", name)
+            os._exit(0)  # the model load runs in a thread that cannot be interrupted
+        else:
+            logger.warning("%s received again: stopping now", name)
+            self.now.set()
+
+    def close(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.remove_signal_handler(sig)
+
+
+async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None) -> None:
+    """Bind ``cfg.server``'s listeners (errors before anything loads), build the engine
+    from ``cfg.engine`` (model load in a worker thread), start its actors and serve it
+    until SIGTERM / SIGINT (see :class:`_Signals` and :func:`serve`); the engine is
+    stopped on the way out. ``build`` (tests: a scripted engine with ``start`` and
+    ``stop``) replaces ``AsyncEngine.build(cfg.engine)``.
+
+    Raises:
+        ValueError: a listener cannot be bound or its TLS material is bad (nothing has
+            been loaded then), or the model cannot be loaded.
+    """
+    srv = cfg.server
+    layout = plane_layout(srv.host, srv.port, srv.management_host, srv.management_port,
+                          srv.metrics_port)
+    tls = {Plane.BUSINESS: srv.business_tls, Plane.MANAGEMENT: srv.management_tls,
+           Plane.METRICS: srv.metrics_tls}
+    bound = bind_listeners(layout, tls, srv.max_connections)
+    from tokenserve.config import select_device  # torch: after the cheap checks
     from tokenserve.engine.engine import AsyncEngine
 
-    engine = await asyncio.to_thread(AsyncEngine.build, cfg.engine)
-    await engine.start()
-    srv = cfg.server
+    signals = _Signals()
     try:
-        await serve(
-            engine,
-            srv.host,
-            srv.port,
-            max_body_bytes=srv.max_body_bytes,
-            max_json_depth=srv.max_json_depth,
-            management_host=srv.management_host,
-            management_port=srv.management_port,
-            metrics_port=srv.metrics_port,
-        )
+        try:
+            engine = await asyncio.to_thread(
+                build or functools.partial(AsyncEngine.build, cfg.engine))
+        except BaseException:
+            close_listeners(bound)
+            raise
+        await engine.start()
+        e = cfg.engine
+        served = ServedConfig.build(
+            engine.model_name, engine.max_model_len, e.kv_cache_bytes,
+            select_device(e.device).type != "cpu", e.max_iter_times, e.block_size)
+        signals.serving = True
+        try:
+            await serve(
+                engine,
+                max_json_depth=srv.max_json_depth,
+                limits=HttpLimits(max_body_bytes=srv.max_body_bytes),
+                stop=signals.stop,
+                now=signals.now,
+                shutdown_timeout_s=srv.drain_timeout_s,
+                bound=bound,
+                served_config=served,
+            )
+        finally:
+            await engine.stop()
     finally:
-        await engine.stop()
+        signals.close()
 
 
 def run_server(cfg: ServeConfig) -> None:
-    """Blocking entry point for ``tokenserve serve`` (uvloop when installed)."""
+    """Blocking entry point for ``tokenserve serve`` (uvloop when installed); returns
+    after a graceful stop."""
     run(serve_engine(cfg))

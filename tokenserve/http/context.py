@@ -30,7 +30,7 @@ class Stoppable(Protocol):
     @property
     def request_id(self) -> str: ...
 
-    async def stop(self) -> bool: ...
+    async def stop(self, error: str | None = None) -> bool: ...
 
 
 class RequestRegistry:
@@ -66,6 +66,10 @@ class RequestRegistry:
     def find(self, rid: str) -> list[Stoppable]:
         """The live requests registered under ``rid`` (empty when none)."""
         return list(self._by_id.get(rid, ()))
+
+    def live(self) -> list[Stoppable]:
+        """Every distinct live request (the server's drain ends them all)."""
+        return list({id(s): s for streams in self._by_id.values() for s in streams}.values())
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._by_id

@@ -6,7 +6,8 @@ side of the answer, written as h11 events through the connection
 :class:`ClientDisconnected` is what its writes raise once the client is gone (spec §0.4
 step 10: the families turn it into an engine abort). Every response carries
 ``RequestUUID: <uuid4>`` (spec §0.2) and, while the server shuts down,
-``Connection: close``.
+``Connection: close``; so does every whole (non-streamed) response when the connection's
+``close_whole_responses`` is set (spec §0.2: MindIE closes after each one).
 
 ``tokenserve.http.server`` re-exports the three names, the import path they had before.
 """
@@ -31,6 +32,8 @@ class Connection(Protocol):
 
     #: a graceful shutdown is in progress (responses then carry ``Connection: close``).
     shutting_down: bool
+    #: spec §0.2: whole responses carry ``Connection: close`` and end the connection.
+    close_whole_responses: bool
 
     async def drain(self) -> None:
         """Wait until the transport accepts writes; raise :class:`ClientDisconnected`
@@ -101,7 +104,8 @@ class HttpResponse:
         """Send a complete response with a Content-Length."""
         if self.started:
             raise RuntimeError("response already started")
-        hdrs = self._headers(content_type, headers)
+        close = getattr(self._protocol, "close_whole_responses", False)
+        hdrs = self._headers(content_type, headers, close)
         hdrs.append((b"content-length", str(len(body)).encode()))
         await self._protocol.drain()
         self.started = True
@@ -112,6 +116,7 @@ class HttpResponse:
         events.append(h11.EndOfMessage())
         self._protocol.send_events(events)
         self.finished = True
+        self.close_connection = self.close_connection or close
 
     async def send_json(
         self, status: int, obj: Any, headers: Mapping[str, str] | None = None
@@ -173,7 +178,7 @@ class HttpResponse:
     # ------------------------------------------------------------------ helpers
 
     def _headers(
-        self, content_type: str, extra: Mapping[str, str] | None
+        self, content_type: str, extra: Mapping[str, str] | None, close: bool = False
     ) -> list[tuple[bytes, bytes]]:
         hdrs = [
             (b"content-type", content_type.encode("latin-1")),
@@ -181,7 +186,7 @@ class HttpResponse:
         ]
         if extra:
             hdrs.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
-        if self._protocol.shutting_down:
+        if close or self._protocol.shutting_down:
             hdrs.append((b"connection", b"close"))
         return hdrs
 

@@ -19,11 +19,19 @@ Shape (after uvicorn's h11 protocol, written for our needs)::
 - Disconnect: ``connection_lost`` sets ``request.disconnected`` immediately; later writes
   raise :class:`ClientDisconnected` (the server swallows it). Family handlers turn the
   event into an engine abort (spec §0.4 step 10).
-- Limits (spec §0.2): bodies over ``max_body_bytes`` get 413
+- Limits (spec §0.2; :mod:`tokenserve.http.limits` has the time limits drawn out):
+  bodies over ``max_body_bytes`` get 413
   ``{"message":"Request body too large. Maximum allowed size is <N>MB."}`` — checked
   against Content-Length before any body byte is read, and counted for chunked bodies.
-  Header blocks over ``max_header_bytes`` get 431, a malformed request 400; all three
-  close the connection.
+  A head over ``max_header_bytes`` gets 431 however its bytes arrive, a malformed
+  request 400, ``Content-Length`` with ``Transfer-Encoding`` 400 (RFC 9112 §6.1), an
+  HTTP version other than 1.0/1.1 505, a head or body that is too slow 408; all of them
+  close the connection. Past ``max_connections`` open connections a new one is answered
+  503 and closed at once. With ``close_whole_responses`` (spec §0.2) every non-streamed
+  response carries ``Connection: close``.
+- Graceful stop: :meth:`HttpServer.stop_accepting`, then :meth:`HttpProtocol.shutdown`
+  (idle connections close, busy ones after their response); what is still running when
+  the drain time ends is ended by the caller (``tokenserve.http.drain``).
 - Every response carries ``RequestUUID: <uuid4>`` (spec §0.2). An uncaught handler
   exception answers 500 with the MindIE wrapper (``Server internal error``) and is logged;
   after a stream has started it closes the connection instead (the body is incomplete).
@@ -36,7 +44,6 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -55,30 +62,24 @@ from tokenserve.http.errors import (
     body_too_large_message,
     error_body,
 )
+from tokenserve.http.limits import (  # re-exported: their import path before limits.py
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    HeadMeter,
+    HttpLimits,
+    conflicting_framing,
+    raw_error_response,
+    version_supported,
+)
 
 logger = logging.getLogger(__name__)
-
-#: spec §0.2 / config.md ``maxRequestLength`` default (40 MiB).
-DEFAULT_MAX_BODY_BYTES = 40 * 2**20
-#: [I] largest request line + header block we buffer (h11 ``max_incomplete_event_size``).
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024
-#: [I] idle keep-alive connections are closed after this many seconds.
-DEFAULT_KEEP_ALIVE_S = 180.0
 #: After an error response that leaves the request unread (413, 400) we half-close and
 #: discard what the client still sends for this long, so it reads our answer instead of
 #: a connection reset.
 _LINGER_S = 2.0
 
 Handler = Callable[["HttpRequest", "HttpResponse"], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """Per-connection limits (spec §0.2, config.md ``maxRequestLength``)."""
-
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -102,6 +103,8 @@ class HttpProtocol(asyncio.Protocol):
         self._closed = False
         self._discarding = False  # an error response was sent; drop further input
         self.shutting_down = False
+        #: spec §0.2: whole (non-streamed) responses carry ``Connection: close``
+        self.close_whole_responses = self._limits.close_whole_responses
         # flow control: reading is paused while any reason is present
         self._read_pause: set[str] = set()
         self._writable = asyncio.Event()
@@ -112,11 +115,13 @@ class HttpProtocol(asyncio.Protocol):
         self._arrival = 0.0
         self._body: list[bytes] = []
         self._body_len = 0
+        self._meter = HeadMeter()
         # the request being handled
         self._request: HttpRequest | None = None
         self._response: HttpResponse | None = None
         self.task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""  # "idle" | "head" | "body" | "linger"
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -126,24 +131,54 @@ class HttpProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             self._client = (str(peer[0]), int(peer[1]))
+        cap = self._limits.max_connections
+        if self._connections is not None and cap is not None and len(self._connections) >= cap:
+            # over maxLinkNum (spec §0.2 [I]): answer 503 and close at once, unread
+            self._closed = True
+            self._transport.write(raw_error_response(
+                503, "Service Unavailable",
+                f"Too many connections: the limit is {cap} (maxLinkNum)."))
+            self._transport.close()
+            return
         if self._connections is not None:
             self._connections.add(self)
-        self._arm_timer(self._limits.keep_alive_s)
+        # the first request's head deadline runs from the connection's start
+        self._arm_timer(self._limits.head_timeout_s, "head")
 
     def data_received(self, data: bytes) -> None:
         if self._discarding or self._closed:
             return
-        self._cancel_timer()
         self._conn.receive_data(data)
         if self._response is not None:
             # pipelined bytes while a request is handled: keep them in h11's buffer and
             # stop reading until the current response is done.
             self._pause_reading("pipeline")
             return
+        if self._head is None:  # bytes of a head: its deadline runs from the first one
+            if self._timer_kind != "head":
+                self._arm_timer(self._limits.head_timeout_s, "head")
+            if not self._check_head_size(data):
+                return
         self._handle_events()
-        if self._response is None and not self._discarding:
-            # idle or a request arriving slowly: the same timer bounds both
-            self._arm_timer(self._limits.keep_alive_s)
+        self._arm_receive_timer()
+
+    def _check_head_size(self, data: bytes | bytearray) -> bool:
+        """431 for a head over ``max_header_bytes``, however its bytes are split."""
+        size = self._meter.feed(data)
+        limit = self._limits.max_header_bytes
+        if (size if size is not None else self._meter.seen) > limit:
+            self._reject(431, error_body(431, "Request header too large."))
+            return False
+        return True
+
+    def _arm_receive_timer(self) -> None:
+        """After input while no handler runs: a body gets its rate deadline; a head keeps
+        the deadline set by its first byte."""
+        if self._response is not None or self._discarding or self._closed:
+            return
+        if self._head is not None:
+            deadline = self._limits.body_deadline(self._arrival, self._body_len)
+            self._arm_timer(deadline - time.monotonic(), "body")
 
     def eof_received(self) -> bool | None:
         # The client will send nothing more: treat it as a disconnect (the transport
@@ -204,19 +239,28 @@ class HttpProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ timers
 
-    def _arm_timer(self, delay: float) -> None:
+    def _arm_timer(self, delay: float, kind: str) -> None:
         self._cancel_timer()
-        if delay > 0 and not self._closed:
-            self._timer = self._loop.call_later(delay, self._on_idle_timeout)
+        if not self._closed:
+            self._timer = self._loop.call_later(max(delay, 0.0), self._on_timeout)
+            self._timer_kind = kind
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._timer_kind = ""
 
-    def _on_idle_timeout(self) -> None:
-        self._timer = None
-        if self._response is None and self._transport is not None:
+    def _on_timeout(self) -> None:
+        kind, self._timer, self._timer_kind = self._timer_kind, None, ""
+        if self._response is not None or self._transport is None or self._closed:
+            return
+        if kind == "head" and self._meter.seen == 0 and self._meter.size is None:
+            self._transport.close()  # not one byte of a request: nothing to answer
+        elif kind in ("head", "body") and not self._discarding:
+            what = "request head" if kind == "head" else "request body"
+            self._reject(408, error_body(408, f"The {what} was not received in time."))
+        else:  # idle keep-alive, or the linger after an error answer
             self._transport.close()
 
     # ------------------------------------------------------------------ request parsing
@@ -261,10 +305,20 @@ class HttpProtocol(asyncio.Protocol):
         self._head_headers = headers
         self._body = []
         self._body_len = 0
+        if not version_supported(event.http_version):
+            self._reject(505, error_body(
+                505, f"HTTP/{event.http_version.decode('latin-1')} is not supported; "
+                "use HTTP/1.1."))
+            return
+        if conflicting_framing(headers):
+            self._reject(400, error_body(
+                400, "Content-Length and Transfer-Encoding must not both be sent."))
+            return
         length = headers.get("content-length")
         if length is not None and int(length.split(",")[0]) > self._limits.max_body_bytes:
             self._reject_too_large()
             return
+        self._arm_receive_timer()
         if self._conn.they_are_waiting_for_100_continue:
             self.send_events([h11.InformationalResponse(status_code=100, headers=[])])
 
@@ -279,6 +333,7 @@ class HttpProtocol(asyncio.Protocol):
         head = self._head
         assert head is not None
         self._head = None
+        self._cancel_timer()  # no timer while the handler runs
         path, query = _split_target(head.target.decode("latin-1"))
         body = b"".join(self._body)
         self._body = []
@@ -361,10 +416,17 @@ class HttpProtocol(asyncio.Protocol):
             self._transport.close()
             return
         conn.start_next_cycle()
+        self._meter.reset()
         self._resume_reading("pipeline")
-        self._handle_events()  # a pipelined request may already be buffered
-        if self._response is None and not self._discarding:
-            self._arm_timer(self._limits.keep_alive_s)
+        buffered = conn.trailing_data[0]
+        if buffered:  # a pipelined request is already buffered (reading was paused)
+            self._arm_timer(self._limits.head_timeout_s, "head")
+            if not self._check_head_size(buffered):
+                return
+            self._handle_events()
+            self._arm_receive_timer()
+        else:
+            self._arm_timer(self._limits.keep_alive_s, "idle")
 
     # ------------------------------------------------------------------ errors / closing
 
@@ -386,9 +448,13 @@ class HttpProtocol(asyncio.Protocol):
         ]
         try:
             self.send_events([response_head(status, hdrs), h11.Data(data=body), h11.EndOfMessage()])
-        except h11.LocalProtocolError:  # h11 cannot frame a response now: just close
-            self._transport.close()
-            return
+        except h11.LocalProtocolError:
+            # no request parsed yet (a head refused before h11 saw its end): the bytes
+            # are framed by hand, the same response h11 would have written
+            head = response_head(status, hdrs)
+            self._transport.write(
+                b"HTTP/1.1 %d %s\r\n" % (status, head.reason)
+                + b"".join(k + b": " + v + b"\r\n" for k, v in hdrs) + b"\r\n" + body)
         self._linger_close()
 
     def _linger_close(self) -> None:
@@ -401,7 +467,7 @@ class HttpProtocol(asyncio.Protocol):
             self._resume_reading(reason)
         if self._transport.can_write_eof():
             self._transport.write_eof()
-            self._arm_timer(_LINGER_S)  # _on_idle_timeout closes
+            self._arm_timer(_LINGER_S, "linger")  # _on_timeout closes
         else:
             self._transport.close()
 
@@ -440,6 +506,7 @@ class HttpServer:
         max_body_bytes: body limit (spec §0.2; default 40 MiB).
         max_header_bytes: request line + headers limit (431 above it).
         keep_alive_s: idle keep-alive connections close after this many seconds.
+        limits: every limit at once (:class:`HttpLimits`); overrides the three above.
     """
 
     def __init__(
@@ -449,20 +516,24 @@ class HttpServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        limits: HttpLimits | None = None,
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
         self._handler = handler
-        self.limits = HttpLimits(max_body_bytes, max_header_bytes, keep_alive_s)
+        self.limits = limits or HttpLimits(max_body_bytes, max_header_bytes, keep_alive_s)
         self._servers: list[asyncio.base_events.Server] = []
         self._connections: set[HttpProtocol] = set()
 
     def _make_protocol(self) -> HttpProtocol:
         return HttpProtocol(self._handler, self.limits, self._connections)
 
-    async def start(self, host: str, port: int, **kwargs: Any) -> asyncio.base_events.Server:
+    async def start(
+        self, host: str | None = None, port: int | None = None, **kwargs: Any
+    ) -> asyncio.base_events.Server:
         """Start listening (``port=0`` picks a free port; see ``server.sockets``).
-        Extra keyword arguments go to ``loop.create_server`` (ssl, backlog, ...)."""
+        Extra keyword arguments go to ``loop.create_server``: ``sock=`` (a socket bound
+        beforehand, instead of host and port), ``ssl=`` (an ``ssl.SSLContext``), ..."""
         loop = asyncio.get_running_loop()
         server = await loop.create_server(self._make_protocol, host, port, **kwargs)
         self._servers.append(server)
@@ -478,21 +549,38 @@ class HttpServer:
         """Open client connections."""
         return len(self._connections)
 
-    async def close(self, timeout: float = 10.0) -> None:
-        """Graceful shutdown: stop accepting, let in-flight requests finish for up to
-        ``timeout`` seconds, then close what is left (handlers see a disconnect)."""
+    def active_tasks(self) -> list[asyncio.Task[None]]:
+        """The request handlers running now (one per busy connection)."""
+        return [p.task for p in self._connections if p.task is not None]
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets; idle connections close now, busy ones after
+        their response (which then carries ``Connection: close``)."""
         for server in self._servers:
             server.close()
         for proto in list(self._connections):
             proto.shutdown()
-        tasks = [p.task for p in self._connections if p.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+
+    def force_close(self) -> None:
+        """Close every connection now; running handlers see a disconnect."""
         for proto in list(self._connections):
             proto.force_close()
-        tasks = [p.task for p in self._connections if p.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
+
+    async def wait_closed(self) -> None:
+        """Wait for the listening sockets to close (after :meth:`stop_accepting`)."""
         for server in self._servers:
             await server.wait_closed()
         self._servers.clear()
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Graceful shutdown: stop accepting, let in-flight requests finish for up to
+        ``timeout`` seconds, then close what is left (handlers see a disconnect)."""
+        self.stop_accepting()
+        tasks = self.active_tasks()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        self.force_close()
+        tasks = self.active_tasks()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+        await self.wait_closed()

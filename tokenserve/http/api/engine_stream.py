@@ -79,6 +79,7 @@ class EngineStream:
         self._exhausted = False
         self._waiting = False  # the owner is awaiting the engine inside __anext__
         self._stop_requested = False
+        self._stop_error: str | None = None
         self._stop_cancels = 0  # our stop() cancellations not yet consumed
         self._num_tokens = 0
         self.finished = False
@@ -158,14 +159,16 @@ class EngineStream:
         return out
 
     def _stopped_output(self) -> RequestOutput:
-        """The final output of a request ended by :meth:`stop`."""
+        """The final output of a request ended by :meth:`stop` (``ERROR`` with the
+        error given to it, else ``ABORT``)."""
         req = self._request
         out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=(),
             new_text="",
             finished=True,
-            finish_reason=FinishReason.ABORT,
+            finish_reason=FinishReason.ERROR if self._stop_error else FinishReason.ABORT,
+            error=self._stop_error,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=self._num_tokens,
             seed=req.params.seed,
@@ -175,12 +178,16 @@ class EngineStream:
         self.stopped = True
         return out
 
-    async def stop(self) -> bool:
+    async def stop(self, error: str | None = None) -> bool:
         """Stop the request (spec §2.3 stopInfer): abort it in the engine and end the
-        iteration with a final ``ABORT`` output. False when it had already finished."""
+        iteration with a final ``ABORT`` output. With ``error`` (the server's drain time
+        ended) the final output is an ``ERROR`` carrying it instead, so the family answers
+        it as it answers an engine failure (spec §0.4 step 9). False when it had already
+        finished."""
         if self.finished or not self._active or self._stop_requested:
             return False
         self._stop_requested = True
+        self._stop_error = error
         if self._waiting and self._owner is not None:
             self._stop_cancels += 1
             self._owner.cancel()

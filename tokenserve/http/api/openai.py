@@ -240,9 +240,11 @@ class OpenAIApi(FamilyApi):
         await self._run(request, response, plan)
 
     def _check_model(self, model: str, message: str) -> None:
-        """spec §5.1: ``model`` must name the served model, or [I] its path."""
+        """spec §5.1: ``model`` must name the served model, or [I] its path; the error
+        keeps MindIE's message and [I] names the ids ``GET /v1/models`` lists."""
         if model not in (self._engine.model_name, self._root):
-            raise ValueError(message.format(m=model[:256]))
+            raise ValueError(f"{message.format(m=model[:256])} Available models: "
+                             f"{self._engine.model_name}.")
 
     async def _encode_chat(self, text: str) -> list[int]:
         """A rendered chat prompt already holds its special tokens: encode it without
