@@ -41,14 +41,3 @@ def load_kernels() -> ModuleType | None:
     except ImportError:
         return None
     return mod if getattr(mod, "ABI_VERSION", None) == 2 else None
-
-
-def describe_kernels() -> str:
-    """One line for the start-up log: which kernels run and on which CPU paths."""
-    mod = load_kernels()
-    if mod is None:
-        why = ("disabled by TOKENSERVE_DISABLE_C" if os.environ.get("TOKENSERVE_DISABLE_C")
-               else "tokenserve._C not built")
-        return f"kernels: pure-torch references ({why})"
-    feats = [k for k, on in mod.cpu_features().items() if on]
-    return f"kernels: tokenserve._C (CPU paths: {', '.join(feats) or 'portable'})"

@@ -57,3 +57,45 @@ def context_slots(block_tables: torch.Tensor, ctx_lens: torch.Tensor,
     slots = blk * block_size + pos % block_size
     mask = pos[None, :] < ctx_lens[:, None]
     return torch.where(mask, slots, torch.zeros_like(slots)), mask
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal paged attention over a ``[num_blocks, Hkv, block_size, D]`` cache (the oracle
+    of the ``paged_attention`` kernel in ``csrc/attention.cpp``).
+
+    Sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s+1])``; with
+    ``q_len`` those rows and ``ctx = context_lens[s]`` (>= q_len, all already in the cache)
+    its query ``j`` sits at position ``ctx - q_len + j`` and attends keys ``0 .. that``.
+    Token at position ``p`` lives in block ``block_tables[s, p // block_size]``, row
+    ``p % block_size``. GQA: query head ``h`` uses kv head ``h // (H // Hkv)``.
+
+    Args:
+        q: [T, H, D] bf16 or fp32 (any strides).
+        k_cache, v_cache: [num_blocks, Hkv, block_size, D], q's dtype.
+        block_tables: [S, max_blocks] integer.
+        query_start_loc: [S + 1] integer, non-decreasing.
+        context_lens: [S] integer.
+        scale: softmax scale (usually ``D ** -0.5``).
+
+    Returns:
+        [T, H, D] in q's dtype (fp32 math, one rounding); rows of no sequence are 0.
+    """
+    T, H, D = q.shape
+    Hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros((T, H, D), dtype=torch.float32)
+    qsl = [int(x) for x in query_start_loc]
+    for s in range(block_tables.shape[0]):
+        q0, q1, ctx = qsl[s], qsl[s + 1], int(context_lens[s])
+        if q1 == q0:
+            continue
+        pos = torch.arange(ctx)
+        blk = block_tables[s].long()[pos // bs]
+        k = k_cache[blk, :, pos % bs].float().repeat_interleave(H // Hkv, dim=1)  # [ctx, H, D]
+        v = v_cache[blk, :, pos % bs].float().repeat_interleave(H // Hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        qpos = torch.arange(ctx - (q1 - q0), ctx)
+        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out.to(q.dtype)

@@ -1,0 +1,568 @@
+// CPU paged attention that reads K/V in place through the block table (no gather, no
+// padding), for decode rows and prefill chunks behind a cached prefix alike.
+//
+// KV cache layout, one tensor per layer for K and one for V:
+//
+//   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (contiguous)
+//
+// Token at position p of sequence s lives in block block_tables[s][p / block_size], row
+// p % block_size; one (block, kv head) is a contiguous [block_size, head_dim] tile.
+//
+// Sequence s owns query rows [qsl[s], qsl[s+1]) of the step's token axis; with
+// q_len = qsl[s+1] - qsl[s] and ctx = context_lens[s] (>= q_len, all of it in the cache),
+// its query j sits at absolute position p = ctx - q_len + j and attends keys 0..p:
+//
+//   keys     0 1 2 3 4 5 6 7            (ctx = 8, q_len = 3: cached prefix 0..4)
+//   query 0  x x x x x x . .            p = 5
+//   query 1  x x x x x x x .            p = 6
+//   query 2  x x x x x x x x            p = 7
+//
+// Work item = (sequence, kv head, tile of up to TQ query rows); a tile holds the G = H/Hkv
+// query heads of the group for each of its rows (M = rows * G query vectors), so each K/V
+// block is read once per tile. Keys are visited block by block in ascending order with an
+// fp32 online softmax (running max / sum, fp32 accumulators), one rounding at the end.
+//
+// Batch invariance: every query vector's arithmetic depends only on its own q, its own key
+// range 0..p, block_size and head_dim: scores are per-(row, key) dot products with a fixed
+// reduction order; the softmax update of a block uses only the row's own valid keys; the
+// P.V accumulation is a per-element chain over the row's own keys in ascending order
+// (rows of a group are never padded with masked keys). No row's key range is split across
+// threads. Hence the same query gives the same bits as a decode, inside a whole prefill, or
+// inside a chunk after a cached prefix, whatever the tile position, batch, or thread count.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_features.h"
+#include "registry.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TS_ATTN_X86 1
+#define TS_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace tokenserve {
+namespace {
+
+constexpr int kRowGroup = 3;      // query vectors per micro-kernel call
+constexpr int kTileVectors = 48;  // target query vectors (rows * G) per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// The per-block operations of one code path. Rows are query vectors of the tile's fp32
+// copy of q (row stride ldq); K/V rows are bf16 (kv_bf16) or fp32 with row stride ld.
+struct Ops {
+  // S[r * lds + j] = scale * dot(Q[r], K[j]) for r < rows (1..kRowGroup), j < nk (the
+  // vector path also writes j < round_up(nk, 4), from key nk - 1: ignored by callers).
+  void (*qk)(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16, int nk,
+             int Dp, float scale, float* S, int lds);
+  // Online-softmax update of one row from its n valid scores S[0..n): turns S into
+  // P = exp(S - m_new), updates *m, *l, and rescales acc[0..Dp) by exp(m_old - m_new).
+  void (*softmax)(float* S, int n, float* m, float* l, float* acc, int Dp);
+  // acc[r * ldacc + d] += P[r * ldp + k] * V[k][d] for r < rows, k in [k0, k1) ascending.
+  void (*pv)(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16, int k0,
+             int k1, int Dp, float* acc, int ldacc);
+  // dst[j * Dp + d] = fp32 src[j * D + d] for j < n, d < D; 0 for D <= d < Dp.
+  void (*stage)(const void* src, bool bf16, int n, int D, int Dp, float* dst);
+  bool vector;  // Dp = round_up(D, 8) with K/V staged to padded fp32 when D % 8 != 0
+};
+
+// ---------------------------------------------------------------- portable path
+
+inline float load_kv(const void* p, int64_t i, bool bf16) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+void qk_scalar(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16, int nk,
+               int Dp, float scale, float* S, int lds) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < nk; ++j) {
+      float acc = 0.f;
+      for (int d = 0; d < Dp; ++d) acc += Q[r * ldq + d] * load_kv(K, int64_t(j) * ldk + d, kv_bf16);
+      S[r * lds + j] = acc * scale;
+    }
+}
+
+void softmax_scalar(float* S, int n, float* m, float* l, float* acc, int Dp) {
+  float mb = kNegInf;
+  for (int j = 0; j < n; ++j) mb = std::max(mb, S[j]);
+  const float m_old = *m, m_new = std::max(m_old, mb);
+  const float alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) {
+    S[j] = std::exp(S[j] - m_new);
+    sum += S[j];
+  }
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (alpha != 1.f)
+    for (int d = 0; d < Dp; ++d) acc[d] *= alpha;
+}
+
+void pv_scalar(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16, int k0,
+               int k1, int Dp, float* acc, int ldacc) {
+  for (int r = 0; r < rows; ++r)
+    for (int k = k0; k < k1; ++k) {
+      const float p = P[r * ldp + k];
+      for (int d = 0; d < Dp; ++d) acc[r * ldacc + d] += p * load_kv(V, int64_t(k) * ldv + d, kv_bf16);
+    }
+}
+
+void stage_scalar(const void* src, bool bf16, int n, int D, int Dp, float* dst) {
+  for (int j = 0; j < n; ++j)
+    for (int d = 0; d < Dp; ++d) dst[j * Dp + d] = d < D ? load_kv(src, int64_t(j) * D + d, bf16) : 0.f;
+}
+
+constexpr Ops kScalarOps{qk_scalar, softmax_scalar, pv_scalar, stage_scalar, false};
+
+// ---------------------------------------------------------------- AVX2 + FMA path
+#ifdef TS_ATTN_X86
+
+TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TS_AVX2 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> fp32 (exact: shift left 16)
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Sum of 8 lanes in the fixed order ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)).
+TS_AVX2 inline float hsum8(__m256 v) {
+  __m256 h = _mm256_hadd_ps(v, v);
+  h = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+TS_AVX2 inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+// exp(x) for x <= 0 (Cephes expf polynomial, ~1 ulp); x < -88 gives 0, NaN stays NaN.
+TS_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-88.f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^fx; fx = -127 (x ~ -88) gives exponent field 0, i.e. 0.0
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+TS_AVX2 inline __m256 tail_mask(int valid) {  // lanes < valid set
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), idx));
+}
+
+// Scores of R rows against keys j..j+3 at a time. Each (row, key) is its own 8-lane FMA
+// chain over head_dim chunks, reduced by the same hadd tree whatever its neighbours.
+template <int R, typename KT>
+TS_AVX2 void qk_avx2_kernel(const float* Q, int ldq, const KT* K, int ldk, int nk, int Dp,
+                            float scale, float* S, int lds) {
+  const int nc = Dp / 8;
+  const __m128 vs = _mm_set1_ps(scale);
+  for (int j = 0; j < nk; j += 4) {
+    const KT* kp[4];
+    for (int u = 0; u < 4; ++u) kp[u] = K + int64_t(std::min(j + u, nk - 1)) * ldk;
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) a[r][u] = _mm256_setzero_ps();
+    for (int c = 0; c < nc; ++c) {  // 12 accumulators + 3 q + 1 k: fits 16 ymm registers
+      __m256 qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(Q + r * ldq + c * 8);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 kv = load8(kp[u] + c * 8);
+        for (int r = 0; r < R; ++r) a[r][u] = _mm256_fmadd_ps(qv[r], kv, a[r][u]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      // lane u of the result: ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)) of a[r][u]
+      __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(S + r * lds + j, _mm_mul_ps(s, vs));
+    }
+  }
+}
+
+TS_AVX2 void qk_avx2(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16,
+                     int nk, int Dp, float scale, float* S, int lds) {
+#define TS_QK(R)                                                                                 \
+  (kv_bf16 ? qk_avx2_kernel<R>(Q, ldq, static_cast<const uint16_t*>(K), ldk, nk, Dp, scale, S, lds) \
+           : qk_avx2_kernel<R>(Q, ldq, static_cast<const float*>(K), ldk, nk, Dp, scale, S, lds))
+  switch (rows) {
+    case 1: TS_QK(1); break;
+    case 2: TS_QK(2); break;
+    default: TS_QK(3); break;
+  }
+#undef TS_QK
+}
+
+TS_AVX2 void softmax_avx2(float* S, int n, float* m, float* l, float* acc, int Dp) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 vmax = ninf;
+  for (int j = 0; j < n; j += 8) {
+    __m256 x = _mm256_loadu_ps(S + j);
+    if (n - j < 8) x = _mm256_blendv_ps(ninf, x, tail_mask(n - j));
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  const float m_old = *m, m_new = std::max(m_old, hmax8(vmax));
+  const float alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j), vm));
+    if (n - j < 8) e = _mm256_and_ps(e, tail_mask(n - j));
+    _mm256_storeu_ps(S + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  *l = *l * alpha + hsum8(vsum);
+  *m = m_new;
+  if (alpha != 1.f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int d = 0; d < Dp; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), va));
+  }
+}
+
+// acc rows (R <= 3 of them, NV <= 2 vectors of 8 dims) += P[r][k] * V[k] for k in
+// [k0, k1), ascending. Named accumulators: GCC kept an array of them on the stack.
+template <int R, int NV, typename VT>
+TS_AVX2 void pv_avx2_kernel(const float* P, int ldp, const VT* V, int ldv, int k0, int k1,
+                            float* acc, int ldacc) {
+  static_assert(R >= 1 && R <= 3 && NV >= 1 && NV <= 2);
+  float* a0p = acc;
+  float* a1p = acc + (R > 1 ? ldacc : 0);
+  float* a2p = acc + (R > 2 ? 2 * ldacc : 0);
+  __m256 a00 = _mm256_loadu_ps(a0p), a01 = NV > 1 ? _mm256_loadu_ps(a0p + 8) : a00;
+  __m256 a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  if constexpr (R > 1) { a10 = _mm256_loadu_ps(a1p); if constexpr (NV > 1) a11 = _mm256_loadu_ps(a1p + 8); }
+  if constexpr (R > 2) { a20 = _mm256_loadu_ps(a2p); if constexpr (NV > 1) a21 = _mm256_loadu_ps(a2p + 8); }
+  const float* p0 = P;
+  const float* p1 = P + (R > 1 ? ldp : 0);
+  const float* p2 = P + (R > 2 ? 2 * ldp : 0);
+  for (int k = k0; k < k1; ++k) {
+    const VT* vk = V + int64_t(k) * ldv;
+    const __m256 v0 = load8(vk);
+    const __m256 b0 = _mm256_broadcast_ss(p0 + k);
+    a00 = _mm256_fmadd_ps(b0, v0, a00);
+    __m256 b1, b2;
+    if constexpr (R > 1) { b1 = _mm256_broadcast_ss(p1 + k); a10 = _mm256_fmadd_ps(b1, v0, a10); }
+    if constexpr (R > 2) { b2 = _mm256_broadcast_ss(p2 + k); a20 = _mm256_fmadd_ps(b2, v0, a20); }
+    if constexpr (NV > 1) {
+      const __m256 v1 = load8(vk + 8);
+      a01 = _mm256_fmadd_ps(b0, v1, a01);
+      if constexpr (R > 1) a11 = _mm256_fmadd_ps(b1, v1, a11);
+      if constexpr (R > 2) a21 = _mm256_fmadd_ps(b2, v1, a21);
+    }
+  }
+  _mm256_storeu_ps(a0p, a00);
+  if constexpr (NV > 1) _mm256_storeu_ps(a0p + 8, a01);
+  if constexpr (R > 1) { _mm256_storeu_ps(a1p, a10); if constexpr (NV > 1) _mm256_storeu_ps(a1p + 8, a11); }
+  if constexpr (R > 2) { _mm256_storeu_ps(a2p, a20); if constexpr (NV > 1) _mm256_storeu_ps(a2p + 8, a21); }
+}
+
+template <int R, typename VT>
+TS_AVX2 void pv_avx2_rows(const float* P, int ldp, const VT* V, int ldv, int k0, int k1, int Dp,
+                          float* acc, int ldacc) {
+  for (int d0 = 0; d0 < Dp; d0 += 16) {
+    if (Dp - d0 >= 16)
+      pv_avx2_kernel<R, 2>(P, ldp, V + d0, ldv, k0, k1, acc + d0, ldacc);
+    else
+      pv_avx2_kernel<R, 1>(P, ldp, V + d0, ldv, k0, k1, acc + d0, ldacc);
+  }
+}
+
+TS_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16,
+                     int k0, int k1, int Dp, float* acc, int ldacc) {
+#define TS_PV(R)                                                                                      \
+  (kv_bf16 ? pv_avx2_rows<R>(P, ldp, static_cast<const uint16_t*>(V), ldv, k0, k1, Dp, acc, ldacc) \
+           : pv_avx2_rows<R>(P, ldp, static_cast<const float*>(V), ldv, k0, k1, Dp, acc, ldacc))
+  switch (rows) {
+    case 1: TS_PV(1); break;
+    case 2: TS_PV(2); break;
+    default: TS_PV(3); break;
+  }
+#undef TS_PV
+}
+
+TS_AVX2 void stage_avx2(const void* src, bool bf16, int n, int D, int Dp, float* dst) {
+  if (!bf16 || D % 8 != 0) return stage_scalar(src, bf16, n, D, Dp, dst);
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  for (int64_t i = 0, e = int64_t(n) * D; i < e; i += 8) _mm256_storeu_ps(dst + i, load8(s + i));
+}
+
+constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, true};
+
+#endif  // TS_ATTN_X86
+
+// ---------------------------------------------------------------- driver
+
+struct Problem {
+  const char* q;        // [T, H, D] (row stride q_stride0 elements)
+  int64_t q_stride0;
+  const char* k_cache;  // [num_blocks, Hkv, bs, D]
+  const char* v_cache;
+  char* out;            // [T, H, D] contiguous
+  const int32_t* bt;    // [S, max_blocks]
+  int64_t bt_stride;
+  const int32_t* qsl;   // [S + 1]
+  const int32_t* ctx;   // [S]
+  int H, Hkv, G, D, bs;
+  size_t esize;         // bytes per element (2: bf16, 4: fp32)
+  bool bf16;
+  float scale;
+};
+
+struct Item {
+  int s, kvh, i0, i1;  // sequence, kv head, query rows [i0, i1) of the sequence
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> Q, S, acc, m, l, Kst, Vst;
+  std::vector<int> nv;
+};
+
+void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch& w) {
+  const int G = P.G, D = P.D, bs = P.bs, M = (it.i1 - it.i0) * G;
+  const int lds = round_up(bs, 8);
+  const int q_begin = P.qsl[it.s], q_len = P.qsl[it.s + 1] - q_begin;
+  const int base = P.ctx[it.s] - q_len;  // position of query 0
+  float* Qf = w.Q.data();
+  float* S = w.S.data();
+  float* acc = w.acc.data();
+  float* mrow = w.m.data();
+  float* lrow = w.l.data();
+  int* nv = w.nv.data();
+
+  for (int m = 0; m < M; ++m) {  // fp32 copy of the tile's queries, zero-padded to Dp
+    const int t = q_begin + it.i0 + m / G, h = it.kvh * G + m % G;
+    const char* src = P.q + (int64_t(t) * P.q_stride0 + int64_t(h) * D) * P.esize;
+    for (int d = 0; d < D; ++d)
+      Qf[m * Dp + d] = P.bf16 ? bf16_to_f32(reinterpret_cast<const uint16_t*>(src)[d])
+                              : reinterpret_cast<const float*>(src)[d];
+    for (int d = D; d < Dp; ++d) Qf[m * Dp + d] = 0.f;
+    for (int d = 0; d < Dp; ++d) acc[m * Dp + d] = 0.f;
+    mrow[m] = kNegInf;
+    lrow[m] = 0.f;
+  }
+
+  // Stage K/V to fp32 when the vector path needs padding (D % 8) or when many rows reuse
+  // the block (prefill tiles): conversion is exact, so results do not depend on it.
+  const bool stage = ops.vector && (D % 8 != 0 || (P.bf16 && M > kRowGroup));
+  const int kend = base + it.i1;  // keys 0..kend-1 are needed by the tile's last row
+  const int64_t head_elems = int64_t(bs) * D;
+  for (int b = 0, kb0 = 0; kb0 < kend; ++b, kb0 += bs) {
+    const int nk = std::min(bs, kend - kb0);
+    const int64_t blk = P.bt[it.s * P.bt_stride + b];
+    const int64_t off = (blk * P.Hkv + it.kvh) * head_elems * P.esize;
+    const void* K = P.k_cache + off;
+    const void* V = P.v_cache + off;
+    int ldkv = D;
+    bool kv_bf16 = P.bf16;
+    if (stage) {
+      ops.stage(K, P.bf16, nk, D, Dp, w.Kst.data());
+      ops.stage(V, P.bf16, nk, D, Dp, w.Vst.data());
+      K = w.Kst.data();
+      V = w.Vst.data();
+      ldkv = Dp;
+      kv_bf16 = false;
+    }
+    for (int m = 0; m < M; ++m) nv[m] = std::clamp(base + it.i0 + m / G + 1 - kb0, 0, nk);
+
+    for (int r0 = 0; r0 < M; r0 += kRowGroup) {
+      const int R = std::min(kRowGroup, M - r0);
+      const int nmax = *std::max_element(nv + r0, nv + r0 + R);
+      if (nmax > 0) ops.qk(Qf + r0 * Dp, Dp, R, K, ldkv, kv_bf16, nmax, Dp, P.scale, S + r0 * lds, lds);
+    }
+    for (int m = 0; m < M; ++m)
+      if (nv[m] > 0) ops.softmax(S + m * lds, nv[m], mrow + m, lrow + m, acc + m * Dp, Dp);
+    for (int r0 = 0; r0 < M; r0 += kRowGroup) {
+      const int R = std::min(kRowGroup, M - r0);
+      const int nmin = *std::min_element(nv + r0, nv + r0 + R);
+      if (nmin > 0) ops.pv(S + r0 * lds, lds, R, V, ldkv, kv_bf16, 0, nmin, Dp, acc + r0 * Dp, Dp);
+      for (int r = r0; r < r0 + R; ++r)  // the rest of each row's own keys, never masked ones
+        if (nv[r] > nmin) ops.pv(S + r * lds, lds, 1, V, ldkv, kv_bf16, nmin, nv[r], Dp, acc + r * Dp, Dp);
+    }
+  }
+
+  for (int m = 0; m < M; ++m) {
+    const int t = q_begin + it.i0 + m / G, h = it.kvh * G + m % G;
+    char* dst = P.out + (int64_t(t) * P.H + h) * D * P.esize;
+    const float l = lrow[m];
+    for (int d = 0; d < D; ++d) {
+      const float o = acc[m * Dp + d] / l;
+      if (P.bf16)
+        reinterpret_cast<c10::BFloat16*>(dst)[d] = c10::BFloat16(o);  // round to nearest even
+      else
+        reinterpret_cast<float*>(dst)[d] = o;
+    }
+  }
+}
+
+void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& query_start_loc, const torch::Tensor& context_lens,
+                          double scale, bool allow_vector) {
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
+                  query_start_loc.device().is_cpu() && context_lens.device().is_cpu(),
+              "paged_attention: all tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3, "paged_attention: q must be [T, H, D], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, "paged_attention: k_cache must be [num_blocks, Hkv, block_size, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention: k_cache and v_cache shapes differ");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "paged_attention: q must be bf16 or fp32");
+  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "paged_attention: out, k_cache and v_cache must have q's dtype");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "paged_attention: cache head_dim ", k_cache.size(3), " != q's ", D);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "paged_attention: H=", H, " not a multiple of Hkv=", Hkv);
+  TORCH_CHECK(bs > 0 && D > 0, "paged_attention: block_size and head_dim must be positive");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(T == 0 || (q.stride(2) == 1 && (H == 1 || q.stride(1) == D)),
+              "paged_attention: q needs stride(2) == 1 and stride(1) == D");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "paged_attention: out must be contiguous [T, H, D]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "paged_attention: block_tables must be contiguous int32 [S, max_blocks]");
+  const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == S + 1,
+              "paged_attention: query_start_loc must be contiguous int32 [S + 1]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt &&
+                  context_lens.is_contiguous() && context_lens.size(0) == S,
+              "paged_attention: context_lens must be contiguous int32 [S]");
+
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int G = int(H / Hkv);
+  const int tq = std::max(1, kTileVectors / G);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int q0 = qsl[s], q1 = qsl[s + 1];
+    TORCH_CHECK(q0 >= 0 && q1 >= q0 && q1 <= T, "paged_attention: query_start_loc[", s, "..", s + 1,
+                "] = ", q0, "..", q1, " not a non-decreasing range within [0, ", T, "]");
+    const int q_len = q1 - q0;
+    if (q_len == 0) continue;
+    TORCH_CHECK(ctx[s] >= q_len && int64_t(ctx[s]) <= max_blocks * bs, "paged_attention: context_lens[", s,
+                "] = ", ctx[s], " must be in [q_len = ", q_len, ", max_blocks * block_size = ", max_blocks * bs, "]");
+    const int64_t nb = (ctx[s] + bs - 1) / bs;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int32_t blk = bt[s * max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block_tables[", s, "][", b, "] = ", blk,
+                  " out of range [0, ", num_blocks, ")");
+    }
+    for (int i0 = 0; i0 < q_len; i0 += tq) {
+      const int i1 = std::min(q_len, i0 + tq);
+      const int64_t keys = ctx[s] - q_len + i1;
+      for (int kvh = 0; kvh < Hkv; ++kvh) items.push_back({int(s), kvh, i0, i1, keys * (i1 - i0)});
+    }
+  }
+  if (items.empty()) return;
+  // Largest first, handed out dynamically: balances load; results do not depend on it.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  Problem P;
+  P.q = static_cast<const char*>(q.data_ptr());
+  P.q_stride0 = q.stride(0);
+  P.k_cache = static_cast<const char*>(k_cache.data_ptr());
+  P.v_cache = static_cast<const char*>(v_cache.data_ptr());
+  P.out = static_cast<char*>(out.data_ptr());
+  P.bt = bt;
+  P.bt_stride = max_blocks;
+  P.qsl = qsl;
+  P.ctx = ctx;
+  P.H = int(H);
+  P.Hkv = int(Hkv);
+  P.G = G;
+  P.D = int(D);
+  P.bs = int(bs);
+  P.bf16 = dtype == at::kBFloat16;
+  P.esize = P.bf16 ? 2 : 4;
+  P.scale = float(scale);
+
+  const Ops* ops = &kScalarOps;
+#ifdef TS_ATTN_X86
+  if (allow_vector && cpu_features().avx2_fma) ops = &kAvx2Ops;
+#endif
+  const int Dp = ops->vector ? round_up(int(D), 8) : int(D);
+  const int Mmax = tq * G;
+  const int n_items = int(items.size());
+  std::atomic<int> next{0};
+  const int workers = std::max(1, std::min<int>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    w.Q.resize(size_t(Mmax) * Dp);
+    w.acc.resize(size_t(Mmax) * Dp);
+    w.S.resize(size_t(Mmax) * round_up(int(bs), 8) + 8);
+    w.m.resize(Mmax);
+    w.l.resize(Mmax);
+    w.nv.resize(Mmax);
+    if (ops->vector) {
+      w.Kst.resize(size_t(bs) * Dp);
+      w.Vst.resize(size_t(bs) * Dp);
+    }
+    for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
+      run_tile(P, *ops, Dp, items[i], w);
+  });
+}
+
+// out: [T, H, D] contiguous, q's dtype (written); q: [T, H, D] bf16|fp32, stride(2) == 1,
+// stride(1) == D; k_cache, v_cache: [num_blocks, Hkv, block_size, D] contiguous, q's dtype;
+// block_tables: int32 [S, max_blocks]; query_start_loc: int32 [S + 1]; context_lens: int32 [S].
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
+                     double scale) {
+  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, true);
+}
+
+// Same, forced onto the portable (non-SIMD) path: for tests of the fallback.
+void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor query_start_loc, torch::Tensor context_lens, double scale) {
+  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, false);
+}
+
+}  // namespace
+}  // namespace tokenserve
+
+TOKENSERVE_REGISTER(attention) {
+  m.def("paged_attention", &tokenserve::paged_attention,
+        "paged_attention(out[T,H,D], q[T,H,D], k_cache[nb,Hkv,bs,D], v_cache, block_tables int32[S,maxb], "
+        "query_start_loc int32[S+1], context_lens int32[S], scale) -> None. Causal attention of each "
+        "sequence's queries (aligned to the end of its context) over its paged K/V, read in place; "
+        "fp32 online softmax, batch-invariant. Rows of out owned by no sequence are not written.",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("query_start_loc"), pybind11::arg("context_lens"),
+        pybind11::arg("scale"));
+  m.def("paged_attention_portable", &tokenserve::paged_attention_portable,
+        "paged_attention on the portable (scalar) path regardless of CPU features; for tests.",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("query_start_loc"), pybind11::arg("context_lens"),
+        pybind11::arg("scale"));
+}

@@ -1,0 +1,388 @@
+// The small fused kernels of one decoder layer: RMSNorm, fused residual add + RMSNorm,
+// and the SiLU-gated MLP activation. References: tokenserve/ops/layer_ref.py.
+//
+// Numerics follow Hugging Face Llama in the model dtype (bf16 or fp32):
+//   rms_norm:  y = dt(w * dt(r * 1/sqrt(sum(r^2)/n + eps)))      r = float(x)
+//   fused_add: residual = dt(residual + x); then rms_norm of it into x
+//   silu_and_mul: out = dt(silu(g) * u), g, u in fp32, ONE rounding (torch's bf16
+//     `F.silu(g) * u` rounds twice: after the silu and after the product).
+// dt() rounds to the dtype (a no-op for fp32). The sum of squares of a row runs in fp32 in
+// one fixed order (32 lanes, lane j takes elements j, j+32, ...; then a fixed tree), the
+// same on the AVX2 path and the portable one, whatever the batch or thread partitioning:
+// a row's output is bit-identical whatever else is in the batch.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_features.h"
+#include "registry.h"
+
+// GCC contracts a*b+c into an FMA in C++ by default (-ffp-contract=fast), also across
+// intrinsics; that would make the AVX2 and portable paths (and torch) round differently.
+// Where an FMA is wanted it is written explicitly (_mm256_fmadd_ps).
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+using at::BFloat16;
+
+// Test hook: force the portable path on machines with AVX2 (see _layer_ops_force_portable).
+std::atomic<bool> g_force_portable{false};
+
+bool use_avx2() { return tokenserve::cpu_features().avx2_fma && !g_force_portable.load(); }
+
+// ---- bf16 <-> fp32, bit-exact with c10::BFloat16 (round to nearest even, NaN -> 0x7FC0) ----
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const BFloat16* p) { return bf16_to_f32(reinterpret_cast<const uint16_t&>(*p)); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(BFloat16* p, float v) { reinterpret_cast<uint16_t&>(*p) = f32_to_bf16(v); }
+// Round an fp32 value to T and back (identity for float).
+template <typename T> inline float round_to(float v);
+template <> inline float round_to<float>(float v) { return v; }
+template <> inline float round_to<BFloat16>(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// The fixed reduction tree over 32 lane sums (the AVX2 path's 4 x 8-lane accumulators).
+inline float reduce32(const float* acc) {
+  float s[8], t[4];
+  for (int j = 0; j < 8; ++j) s[j] = (acc[j] + acc[8 + j]) + (acc[16 + j] + acc[24 + j]);
+  for (int j = 0; j < 4; ++j) t[j] = s[j] + s[j + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+inline float inv_rms(float sumsq, int64_t n, float eps) {
+  return 1.0f / std::sqrt(sumsq / float(n) + eps);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TS_AVX2 __attribute__((target("avx2,fma")))
+
+TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TS_AVX2 inline __m256 load8(const BFloat16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// fp32 bits -> bf16 bits in the low 16 of each 32-bit lane (RNE, NaN -> 0x7FC0).
+TS_AVX2 inline __m256i bf16_bits(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+TS_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+TS_AVX2 inline void store8(BFloat16* p, __m256 v) {
+  __m256i r = bf16_bits(v);
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+template <typename T> TS_AVX2 inline __m256 round8(__m256 v);
+template <> TS_AVX2 inline __m256 round8<float>(__m256 v) { return v; }
+template <> TS_AVX2 inline __m256 round8<BFloat16>(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+}
+
+TS_AVX2 inline float reduce8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));                   // t0+t2, t1+t3
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));   // (t0+t2)+(t1+t3)
+}
+
+// exp(x) in fp32 (Cephes-style range reduction + degree-5 polynomial, ~1 ulp); exp(x) = inf
+// for x > 88.376, 0 below -88.376, NaN stays NaN.
+TS_AVX2 inline __m256 exp8(__m256 x0) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  __m256 x = _mm256_min_ps(_mm256_max_ps(x0, lo), hi);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x0, hi, _CMP_GT_OQ));
+  return _mm256_blendv_ps(y, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm row kernels. Pass 1: r = x (or r = dt(residual + x), stored to residual) and the
+// sum of r^2; pass 2: out = dt(w * dt(r * inv)).
+// ---------------------------------------------------------------------------------------
+
+template <typename T, bool FUSED>
+float sumsq_scalar(const T* x, T* res, int64_t n) {
+  float acc[32] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    float r;
+    if constexpr (FUSED) {
+      r = round_to<T>(load1(res + i) + load1(x + i));
+      store1(res + i, r);
+    } else {
+      r = load1(x + i);
+    }
+    acc[i & 31] += r * r;
+  }
+  return reduce32(acc);
+}
+
+template <typename T>
+void normalize_scalar(T* out, const T* r, const T* w, int64_t n, float inv) {
+  for (int64_t i = 0; i < n; ++i) store1(out + i, load1(w + i) * round_to<T>(load1(r + i) * inv));
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+template <typename T, bool FUSED>
+TS_AVX2 float sumsq_avx2(const T* x, T* res, int64_t n) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      __m256 r;
+      if constexpr (FUSED) {
+        r = round8<T>(_mm256_add_ps(load8(res + i + 8 * k), load8(x + i + 8 * k)));
+        store8(res + i + 8 * k, r);
+      } else {
+        r = load8(x + i + 8 * k);
+      }
+      acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(r, r));  // no FMA: same as portable path
+    }
+  }
+  if (i < n) {  // tail: zero-padded to 32 lanes (adding 0*0 changes no lane sum)
+    alignas(32) float buf[32] = {};
+    for (int64_t j = i; j < n; ++j) {
+      float r;
+      if constexpr (FUSED) {
+        r = round_to<T>(load1(res + j) + load1(x + j));
+        store1(res + j, r);
+      } else {
+        r = load1(x + j);
+      }
+      buf[j - i] = r;
+    }
+    for (int k = 0; k < 4; ++k) {
+      __m256 r = _mm256_load_ps(buf + 8 * k);
+      acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(r, r));
+    }
+  }
+  return reduce8x4(acc[0], acc[1], acc[2], acc[3]);
+}
+
+template <typename T>
+TS_AVX2 void normalize_avx2(T* out, const T* r, const T* w, int64_t n, float inv) {
+  const __m256 vinv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    store8(out + i, _mm256_mul_ps(load8(w + i), round8<T>(_mm256_mul_ps(load8(r + i), vinv))));
+  if (i < n) normalize_scalar(out + i, r + i, w + i, n - i, inv);  // same exact ops
+}
+#endif
+
+template <typename T, bool FUSED>
+void rms_norm_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* res,
+                   int64_t res_stride, const T* w, int64_t rows, int64_t n, float eps) {
+  const bool avx2 = use_avx2();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xr = x + t * x_stride;
+      T* rr = FUSED ? res + t * res_stride : nullptr;
+      T* orow = out + t * out_stride;
+      const T* src = FUSED ? rr : xr;  // what is normalized (residual after the add)
+#if defined(__x86_64__) || defined(__i386__)
+      if (avx2) {
+        float inv = inv_rms(sumsq_avx2<T, FUSED>(xr, rr, n), n, eps);
+        normalize_avx2(orow, src, w, n, inv);
+        continue;
+      }
+#endif
+      float inv = inv_rms(sumsq_scalar<T, FUSED>(xr, rr, n), n, eps);
+      normalize_scalar(orow, src, w, n, inv);
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [T, hidden], got ", t.sizes());
+  TORCH_CHECK(t.sizes() == like.sizes(), name, " shape ", t.sizes(), " != ", like.sizes());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " dtype ", t.scalar_type(),
+              " != ", like.scalar_type());
+  TORCH_CHECK(t.numel() == 0 || t.stride(1) == 1, name,
+              " rows must be contiguous (stride(1) == 1)");
+}
+
+void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [T, hidden]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type() && weight.device().is_cpu(),
+              "weight must be a contiguous [", x.size(1), "] tensor of x's dtype");
+  TORCH_CHECK(x.size(1) > 0, "hidden size must be > 0");
+}
+
+// out:    [T, Hd] (stride(1) == 1; may be x itself)
+// x:      [T, Hd] bf16/fp32 (stride(1) == 1)
+// weight: [Hd] x's dtype, contiguous
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  check_weight(x, weight);
+  check_rows(x, "x", x);
+  check_rows(out, "out", x);
+  const int64_t T_ = x.size(0), n = x.size(1);
+  if (T_ == 0) return;
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<BFloat16, false>(out.data_ptr<BFloat16>(), out.stride(0), x.data_ptr<BFloat16>(),
+                                   x.stride(0), nullptr, 0, weight.data_ptr<BFloat16>(), T_, n,
+                                   float(eps));
+  else
+    rms_norm_rows<float, false>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
+                                x.stride(0), nullptr, 0, weight.data_ptr<float>(), T_, n,
+                                float(eps));
+}
+
+// x:        [T, Hd] bf16/fp32 (stride(1) == 1); on return rms_norm(residual) * weight
+// residual: [T, Hd] x's dtype (stride(1) == 1), distinct from x; on return residual + x
+// weight:   [Hd] x's dtype, contiguous
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  check_weight(x, weight);
+  check_rows(x, "x", x);
+  check_rows(residual, "residual", x);
+  const int64_t T_ = x.size(0), n = x.size(1);
+  if (T_ == 0) return;
+  TORCH_CHECK(x.data_ptr() != residual.data_ptr(), "x and residual must not alias");
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<BFloat16, true>(x.data_ptr<BFloat16>(), x.stride(0), x.data_ptr<BFloat16>(),
+                                  x.stride(0), residual.data_ptr<BFloat16>(), residual.stride(0),
+                                  weight.data_ptr<BFloat16>(), T_, n, float(eps));
+  else
+    rms_norm_rows<float, true>(x.data_ptr<float>(), x.stride(0), x.data_ptr<float>(),
+                               x.stride(0), residual.data_ptr<float>(), residual.stride(0),
+                               weight.data_ptr<float>(), T_, n, float(eps));
+}
+
+// ---------------------------------------------------------------------------------------
+// silu_and_mul
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+void silu_mul_scalar(T* out, const T* g, const T* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float a = load1(g + i);
+    store1(out + i, a / (1.0f + std::exp(-a)) * load1(u + i));
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+TS_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
+  __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+template <typename T>
+TS_AVX2 void silu_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, silu_mul8(load8(g + i), load8(u + i)));
+  if (i < n) {  // tail through a zero-padded buffer: the same vector math as the body
+    alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
+    for (int64_t j = i; j < n; ++j) gb[j - i] = load1(g + j), ub[j - i] = load1(u + j);
+    _mm256_store_ps(ob, silu_mul8(_mm256_load_ps(gb), _mm256_load_ps(ub)));
+    for (int64_t j = i; j < n; ++j) store1(out + j, ob[j - i]);
+  }
+}
+#endif
+
+template <typename T>
+void silu_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t rows,
+                       int64_t n) {
+  const bool avx2 = use_avx2();
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = x + t * x_stride;
+#if defined(__x86_64__) || defined(__i386__)
+      if (avx2) {
+        silu_mul_avx2(out + t * out_stride, g, g + n, n);
+        continue;
+      }
+#endif
+      silu_mul_scalar(out + t * out_stride, g, g + n, n);
+    }
+  });
+}
+
+// out: [T, I] (stride(1) == 1), x's dtype
+// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "silu_and_mul: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2*I], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bfloat16 or float32, got ", x.scalar_type());
+  const int64_t T_ = x.size(0), n = x.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T_ && out.size(1) == n &&
+                  out.scalar_type() == x.scalar_type(),
+              "out must be [", T_, ", ", n, "] of x's dtype, got ", out.sizes(), " ",
+              out.scalar_type());
+  TORCH_CHECK(x.numel() == 0 || x.stride(1) == 1, "x rows must be contiguous");
+  TORCH_CHECK(out.numel() == 0 || out.stride(1) == 1, "out rows must be contiguous");
+  if (T_ == 0 || n == 0) return;
+  if (x.scalar_type() == at::kBFloat16)
+    silu_and_mul_rows<BFloat16>(out.data_ptr<BFloat16>(), out.stride(0), x.data_ptr<BFloat16>(),
+                                x.stride(0), T_, n);
+  else
+    silu_and_mul_rows<float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
+                             x.stride(0), T_, n);
+}
+
+}  // namespace
+
+TOKENSERVE_REGISTER(layer_ops) {
+  m.def("rms_norm", &rms_norm,
+        "rms_norm(out [T,Hd], x [T,Hd], weight [Hd], eps) -> None. out = w * dt(x * "
+        "rsqrt(mean(x^2) + eps)) in fp32 with HF Llama's two roundings (bf16 or fp32; rows "
+        "may be strided, stride(1) == 1; out may be x). RuntimeError on bad shapes/dtypes.",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "fused_add_rms_norm(x [T,Hd], residual [T,Hd], weight [Hd], eps) -> None. In place: "
+        "residual = dt(residual + x); x = rms_norm(residual). RuntimeError on bad shapes, "
+        "dtypes or aliasing.",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"),
+        pybind11::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul,
+        "silu_and_mul(out [T,I], x [T,2I]) -> None. out = silu(x[:, :I]) * x[:, I:] in fp32, "
+        "rounded once to the dtype (torch's bf16 F.silu(g) * u rounds twice).",
+        pybind11::arg("out"), pybind11::arg("x"));
+  m.def("_layer_ops_force_portable", [](bool on) { return g_force_portable.exchange(on); },
+        "Test hook: True forces the portable (non-AVX2) paths of layer_ops; returns the old "
+        "value.");
+}

@@ -1,0 +1,149 @@
+"""The model's linear layers: ``y = x @ W.T (+ b)`` on the fastest row-invariant backend.
+
+:class:`Linear` picks one backend per layer, once, at construction (``Linear.backend``
+says which, for the start-up log):
+
+``"onednn"``
+    oneDNN's bf16 GEMM on a weight reordered ahead of time
+    (``torch.ops.mkldnn._reorder_linear_weight``). Chosen only for a bf16 CPU weight whose
+    output stays bf16, on a CPU with AMX-BF16, where it is the fast path (native bf16
+    tiles). Elsewhere oneDNN either refuses the reorder (no avx512bw/avx_ne_convert, e.g.
+    AMD Zen 3) or emulates bf16, and our kernel is preferred.
+``"tokenserve.gemm"``
+    our AVX2+FMA kernel (``csrc/gemm.cpp``): the weight is stored prepacked in its own dtype
+    (bf16: half the bytes of fp32) and computed with fp32 FMAs. Any out dtype (bf16/fp32),
+    so the lm_head produces fp32 logits straight from the fp32 accumulators.
+``"torch"``
+    ``F.linear`` (then ``.to(out_dtype)``): non-CPU devices, other dtypes, or no extension.
+
+Batch invariance: with ``tokenserve.gemm`` every output element is the same sequential fp32
+FMA chain over k (k = 0..K-1, from 0), plus the bias, rounded once, whatever the number of
+rows, the row's position in the batch and the thread count: a token's output row never
+depends on what else is in the step (``tests/unit/test_kernel_gemm.py`` checks it bit for
+bit). oneDNN with AMX is taken to be row-invariant as well (its brgemm blocks over rows,
+never splitting one row's K reduction by batch size); ``F.linear`` through MKL/oneDNN on
+other CPUs is NOT guaranteed row-invariant (its kernel choice depends on M).
+
+``TOKENSERVE_GEMM=onednn|c|torch`` forces a backend where it can run (for experiments).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tokenserve.ops import load_kernels
+
+log = logging.getLogger("tokenserve.ops")
+
+BACKENDS = ("onednn", "tokenserve.gemm", "torch")
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pure-torch reference of ``gemm``: fp32 math, one rounding to ``out_dtype``.
+
+    Args:
+        x: [M, K] (or [..., K]) any float dtype.
+        w: [N, K] any float dtype.
+        b: [N] or None.
+        out_dtype: result dtype; None means x's dtype.
+
+    Returns:
+        [M, N] (or [..., N]) ``F.linear(x.float(), w.float(), b.float())`` in ``out_dtype``.
+    """
+    y = F.linear(x.float(), w.float(), None if b is None else b.float())
+    return y.to(out_dtype or x.dtype)
+
+
+def _onednn_wanted(weight: torch.Tensor, out_dtype: torch.dtype | None, c) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    if out_dtype not in (None, weight.dtype):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    # oneDNN is the fast bf16 path only with native bf16 tiles (AMX); without them our
+    # fp32-FMA kernel is as fast or faster and is row-invariant by construction.
+    return c is None or bool(c.cpu_features().get("amx_bf16", False))
+
+
+def _try_onednn(weight: torch.Tensor, bias: torch.Tensor | None):
+    """The reordered weight, or None when oneDNN refuses it on this CPU / torch build."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        probe = torch.zeros((1, weight.shape[1]), dtype=weight.dtype)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+        return packed
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
+class Linear:
+    """``y = x @ W.T (+ b)`` with the weight prepared once for the chosen backend.
+
+    Args:
+        weight: [N, K] (out_features, in_features), bf16 or fp32 (any float on ``"torch"``).
+        bias: [N] or None.
+        out_dtype: dtype of the result; None means x's dtype (the lm_head passes
+            ``torch.float32`` for fp32 logits).
+
+    Attributes:
+        backend: ``"onednn"``, ``"tokenserve.gemm"`` or ``"torch"`` (see the module doc).
+        weight, bias, out_dtype: as given.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"Linear: weight must be [N, K], got {tuple(weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"Linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        self.weight, self.bias, self.out_dtype = weight, bias, out_dtype
+        self.out_features, self.in_features = weight.shape
+        self._packed = None
+        self._bias_f32 = None
+        self._c = None
+        force = os.environ.get("TOKENSERVE_GEMM", "")
+        c = load_kernels()
+        c = c if c is not None and hasattr(c, "gemm") else None
+        self.backend = "torch"
+        if force in ("", "onednn") and (force == "onednn" or _onednn_wanted(weight, out_dtype, c)):
+            if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                    and out_dtype in (None, weight.dtype)):
+                self._packed = _try_onednn(weight, bias)
+                if self._packed is not None:
+                    self.backend = "onednn"
+                    return
+        if (force in ("", "c", "onednn") and c is not None and weight.device.type == "cpu"
+                and weight.dtype in (torch.bfloat16, torch.float32)):
+            self._c = c
+            self._packed = c.gemm_prepack(weight)
+            if bias is not None:
+                self._bias_f32 = bias.float().contiguous()
+            self.backend = "tokenserve.gemm"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] -> [..., N] in ``out_dtype`` (None: x's dtype).
+
+        Raises:
+            RuntimeError: x's last dimension is not K (from the backend).
+        """
+        if self.backend == "tokenserve.gemm":
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if x2.dtype not in (torch.bfloat16, torch.float32):
+                x2 = x2.float()
+            y = self._c.gemm(x2, self._packed, self.out_features, self._bias_f32,
+                             self.out_dtype or x.dtype)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.out_dtype is None else y.to(self.out_dtype)
+
+    def __repr__(self) -> str:
+        return (f"Linear(N={self.out_features}, K={self.in_features}, "
+                f"dtype={self.weight.dtype}, backend={self.backend})")
