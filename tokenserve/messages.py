@@ -4,7 +4,9 @@ Actors (see ``shared/design.md``)::
 
     HTTP handler --GenerateRequest/AbortRequest--> SchedulerActor inbox
     SchedulerActor --StepPlan--> ExecutorActor (worker thread) --StepResult--> SchedulerActor
-    SchedulerActor --RequestOutput--> per-request output stream --> HTTP handler
+    SchedulerActor --RequestOutput--> per-request RequestHandle --> HTTP handler
+
+Every request ends with exactly one final RequestOutput (``finished``), aborted ones too.
 
 Messages are plain frozen dataclasses: no behaviour, no references to actor state.
 """
@@ -65,10 +67,13 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Stop a request (client gone, stopInfer); its KV blocks are freed at once."""
+    """Stop a request (client gone, stopInfer, drain time over); its KV blocks are freed
+    at once and it ends with a final output: ``reason`` (ABORT), or ERROR carrying
+    ``error`` when one is given."""
 
     request_id: str
     reason: FinishReason = FinishReason.ABORT
+    error: str | None = None
 
 
 # --------------------------------------------------------------------------- engine -> HTTP
@@ -190,7 +195,9 @@ class StepResult:
     ``logprobs`` maps request_id -> its :class:`TokenLogprob` for seqs whose params ask
     for logprobs.
     ``error`` carries the exception text when the step failed (every seq of the plan
-    then fails with FinishReason.ERROR).
+    then fails with FinishReason.ERROR). ``failed`` maps request_id -> message for rows
+    that could not be computed alone (the rest of the step stands): those requests
+    fail with FinishReason.ERROR, the others continue.
     """
 
     step_id: int
@@ -198,3 +205,4 @@ class StepResult:
     forward_ms: float
     error: str | None = None
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import ScheduledSeq, StepPlan
-from tokenserve.models.attention import AttentionMetadata, PrefillChunk
+from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
@@ -44,10 +44,10 @@ def test_logits_match_transformers(models, prompt):
     ours, hf, tok = models
     ids = tok.encode(prompt, add_special_tokens=False)
     n = len(ids)
-    kv = ours.allocate_kv_cache(num_blocks=(n + 15) // 16, block_size=16)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode_groups=[],
-                             prefills=[PrefillChunk(0, n, n, None)])
-    hidden = ours.forward(torch.tensor(ids), torch.arange(n), kv, meta)
+    nb = (n + 15) // 16
+    kv = ours.allocate_kv_cache(num_blocks=nb, block_size=16)
+    meta = AttentionMetadata.build(ours.kernels, [list(range(nb))], [n], [0], 16)
+    hidden = ours.forward(torch.tensor(ids), kv, meta)
     got = ours.compute_logits(hidden)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import ScheduledSeq, StepPlan
-from tokenserve.models.attention import group_by_length
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights
 from tokenserve.sampling_params import SamplingParams
@@ -84,9 +83,9 @@ def test_chunked_prefill_and_mixed_decode_match_transformers(tiny):
     runner.step(StepPlan(2, [seq("b", b, 0, 3, tb), seq("a", a, 13, 1, ta)]))
     ref_a = hf_logits(hf, a)
     torch.testing.assert_close(cap.rows[0][0], ref_a[12], rtol=1e-4, atol=1e-4)
-    # the runner orders decodes first: row 0 is a's decode, row 1 is b's prefill
-    torch.testing.assert_close(cap.rows[1][0], ref_a[13], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cap.rows[1][1], hf_logits(hf, b)[-1], rtol=1e-4, atol=1e-4)
+    # rows in plan order: row 0 is b's prefill, row 1 is a's decode
+    torch.testing.assert_close(cap.rows[1][1], ref_a[13], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cap.rows[1][0], hf_logits(hf, b)[-1], rtol=1e-4, atol=1e-4)
 
 
 def test_batched_decode_of_different_lengths(tiny):
@@ -107,8 +106,8 @@ def test_batched_decode_of_different_lengths(tiny):
 
 
 def test_decodes_of_very_different_lengths_in_any_order(tiny):
-    """Decodes come in any order; the runner groups them by context length (a long one
-    is split from short ones); each request's greedy token equals transformers'."""
+    """Decodes of very different context lengths come in any order in one step; each
+    request's greedy token equals transformers'."""
     hf, ours = tiny
     runner = ModelRunner(ours, num_blocks=64, block_size=BLOCK)
     g = torch.Generator().manual_seed(5)
@@ -127,16 +126,3 @@ def test_decodes_of_very_different_lengths_in_any_order(tiny):
         for i, (p, t) in enumerate(zip(prompts, tables))]))
     assert res.sampled == {f"r{i}": int(hf_logits(hf, p)[-1].argmax())
                            for i, p in enumerate(prompts)}
-
-
-def test_group_by_length_bounds_padding():
-    assert group_by_length([]) == []
-    assert group_by_length([7, 7, 7]) == [(0, 3)]
-    assert group_by_length([100] * 15 + [3000]) == [(0, 15), (15, 16)]
-    groups = group_by_length([2, 3, 5, 9, 17, 33, 65])
-    for a, b in groups:  # padding to the group's longest stays within 1.5x of real
-        lens = [2, 3, 5, 9, 17, 33, 65][a:b]
-        assert max(lens) * len(lens) <= 1.5 * sum(lens)
-    assert [x for a, b in groups for x in range(a, b)] == list(range(7))
-    with pytest.raises(ValueError):
-        group_by_length([5, 3])

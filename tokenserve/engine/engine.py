@@ -1,13 +1,16 @@
 """AsyncEngine: wires tokenizer, model, KV cache, scheduler and executor actors.
 
-Public surface used by the HTTP layer (``EngineClient`` in the API modules)::
+Public surface used by the HTTP layer (``EngineClient`` in ``http/api/engine_client.py``)::
 
     engine = AsyncEngine.build(EngineConfig(...))     # loads the model (blocking)
     await engine.start()
-    async for out in engine.generate(GenerateRequest(...)):   # RequestOutput stream
-        ...
-    await engine.abort(request_id)
+    engine.info, engine.tokenizer, engine.stats(), engine.is_healthy()
+    handle = engine.generate(GenerateRequest(...))    # a RequestHandle
+    out = await handle.get(disconnected)              # next output (None: disconnected)
+    handle.abort()                                    # the engine answers a final ABORT
     await engine.stop()
+
+Every request ends with one final output, whatever ended it (aborts included).
 """
 
 from __future__ import annotations
@@ -15,14 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from tokenserve.config import EngineConfig, select_device
 from tokenserve.engine.block_pool import BlockPool
 from tokenserve.engine.executor import ExecutorActor
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.engine.output_stream import RequestStream
+from tokenserve.engine.info import EngineInfo, EngineStats
+from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import SchedulerActor
 from tokenserve.messages import (
@@ -38,78 +40,14 @@ from tokenserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenserve.engine")
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for /metrics and tests."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-    finished_by_reason: dict[str, int]
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    num_cached_blocks: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens found in the prefix cache / prompt tokens looked up, in [0, 1]."""
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
-
-class _Outputs:
-    """The async iterator :meth:`AsyncEngine.generate` returns.
-
-    Unlike an async generator, closing it before the first ``__anext__`` still aborts
-    the request, so a consumer that fails between submitting and reading cannot leak
-    KV blocks. ``aclose()`` (or garbage collection) on an unfinished request aborts it.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: RequestStream) -> None:
-        self._engine, self._rid, self._stream = engine, request_id, stream
-        self._done = False
-        self._closed = False
-
-    def __aiter__(self) -> _Outputs:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done or self._closed:
-            raise StopAsyncIteration
-        try:
-            out = await self._stream.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            await self.aclose()
-            raise
-        if out.finished:
-            self._done = True
-            self._engine._release_stream(self._rid, finished=True)
-        return out
-
-    def close(self) -> None:
-        """Release the request (aborting it if unfinished); idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._engine._release_stream(self._rid, finished=self._done)
-
-    async def aclose(self) -> None:
-        self.close()
-
-    __del__ = close
+__all__ = ["AsyncEngine", "EngineInfo", "EngineStats"]
 
 
 class AsyncEngine:
     """The serving engine behind every API family."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer: Tokenizer,
-                 runner: ModelRunner, model_name: str) -> None:
+                 runner: ModelRunner, model_name: str, device: str | None = None) -> None:
         self.cfg = cfg
         self.model_config = model_cfg
         self.tokenizer = tokenizer
@@ -128,8 +66,22 @@ class AsyncEngine:
                             cfg.max_prefill_batch_size, cfg.enable_chunked_prefill,
                             cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills,
                             eos_token_ids=eos), self.pool)
+        #: longest prompt the KV cache can hold, leaving room for one token
+        kv_tokens = runner.num_blocks * cfg.block_size - 1
+        self.info = EngineInfo(
+            model_name=model_name, vocab_size=model_cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            max_input_len=min(self.max_input_len, kv_tokens),
+            max_batch_size=cfg.max_batch_size,
+            max_prefill_batch_size=cfg.max_prefill_batch_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_iter_times=cfg.max_iter_times, block_size=cfg.block_size,
+            num_blocks=runner.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
+            model_path=str(cfg.model or ""),
+            device=device or (cfg.device if cfg.device != "auto" else "cpu"),
+            dtype=cfg.dtype)
         self.executor = ExecutorActor(runner)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestHandle] = {}
         self.actor = SchedulerActor(
             self.scheduler, self.executor, tokenizer, self._streams,
             max_iter_times=cfg.max_iter_times, token_timeout_s=cfg.token_timeout_s,
@@ -162,10 +114,12 @@ class AsyncEngine:
         runner = ModelRunner(model, num_blocks, cfg.block_size)
         log.info("model %s (%s) loaded on %s as %s in %.1f s", model_cfg.name, model_dir,
                  device, cfg.dtype, time.perf_counter() - t0)
+        log.info("kernels: %s; GEMM: %s", model.kernels.describe(), model.lm_head.backend)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token)",
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
                  num_blocks * per_block / 2**20, model.kv_bytes_per_token())
-        return cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name)
+        return cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name,
+                   device=device.type)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -175,6 +129,7 @@ class AsyncEngine:
         self._task.add_done_callback(self._on_actor_exit)
 
     async def stop(self) -> None:
+        """Stop the actors; requests still in the engine end with an ERROR output."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -182,6 +137,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._fail_all(self._failure or "engine stopped")
         self.executor.close()
 
     def _on_actor_exit(self, task: asyncio.Task) -> None:
@@ -190,48 +146,66 @@ class AsyncEngine:
         exc = task.exception()
         self._failure = f"scheduler actor died: {exc!r}"
         log.error(self._failure, exc_info=exc)
-        for rid, stream in list(self._streams.items()):
-            stream.put(RequestOutput(rid, (), "", True, FinishReason.ERROR, 0, 0,
-                                     error=self._failure))
+        self._fail_all(self._failure)
+
+    def _fail_all(self, error: str) -> None:
+        """End every request still in the engine with an ERROR final output (the actor is
+        gone, so nobody else will)."""
+        for rid, handle in list(self._streams.items()):
+            self._streams.pop(rid, None)
+            handle.put(RequestOutput(rid, (), "", True, FinishReason.ERROR, 0, 0, error=error))
 
     def is_healthy(self) -> bool:
         return self._task is not None and not self._task.done() and self._failure is None
 
     # ------------------------------------------------------------------ requests
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Submit ``request``; returns an async iterator of its outputs, the last one
-        with ``finished`` set.
+    def generate(self, request: GenerateRequest) -> RequestHandle:
+        """Submit ``request``; returns its :class:`RequestHandle`, whose outputs end with
+        one that has ``finished`` set.
 
-        Leaving early (``aclose()``, cancellation, client disconnect) aborts the request,
-        which frees its KV blocks before the next step.
+        This is the engine's one admission check (the HTTP layer answers 4xx before it
+        gets here, from the same :attr:`info` limits).
 
         Raises (at once, before anything is queued):
             RuntimeError: the engine is not running.
-            ValueError: a duplicate request_id.
+            ValueError: a duplicate request_id, or a prompt longer than
+                ``info.max_input_len``.
             EngineOverloadedError: the waiting queue is full.
         """
         if not self.is_healthy():
             raise RuntimeError(self._failure or "engine is not running")
         if request.request_id in self._streams:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if len(request.prompt_token_ids) > self.info.max_input_len:
+            raise ValueError(f"prompt has {len(request.prompt_token_ids)} tokens; the limit "
+                             f"is {self.info.max_input_len}")
         if len(self._streams) >= self.cfg.max_batch_size + self.cfg.max_queue_size:
             raise EngineOverloadedError(
                 f"too many requests: {len(self._streams)} in the engine, limit "
                 f"{self.cfg.max_batch_size} running + {self.cfg.max_queue_size} waiting")
-        stream = RequestStream()
-        self._streams[request.request_id] = stream
+        handle = RequestHandle(request.request_id, self._abort)
+        self._streams[request.request_id] = handle
         self.actor.inbox.put_nowait(request)
-        return _Outputs(self, request.request_id, stream)
+        return handle
 
-    def _release_stream(self, request_id: str, finished: bool) -> None:
-        """The consumer is done with a request: forget its stream; abort if unfinished."""
-        if self._streams.pop(request_id, None) is not None and not finished:
-            self.actor.inbox.put_nowait(AbortRequest(request_id))
+    def _abort(self, request_id: str, error: str | None) -> None:
+        """A handle's ``abort()``: the actor ends the request with a final output; with
+        no actor running, it is ended here."""
+        if not self.is_healthy():
+            handle = self._streams.pop(request_id, None)
+            if handle is not None:
+                handle.put(RequestOutput(request_id, (), "", True, FinishReason.ERROR, 0, 0,
+                                         error=error or self._failure or "engine stopped"))
+            return
+        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+        self.actor.inbox.put_nowait(AbortRequest(request_id, reason, error))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its KV blocks are freed before the next step."""
-        self.actor.inbox.put_nowait(AbortRequest(request_id))
+        handle = self._streams.get(request_id)
+        if handle is not None:
+            handle.abort()
 
     # ------------------------------------------------------------------ introspection
 

@@ -6,22 +6,19 @@ It owns the model and the KV cache tensors; the scheduler owns the block *ids*.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from tokenserve.engine.sampler import sample
 from tokenserve.messages import ScheduledSeq, StepPlan, StepResult, TokenLogprob
-from tokenserve.models.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillChunk,
-    additive_mask,
-    group_by_length,
-    prefix_causal_mask,
-)
+from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.ops.reference import context_slots, pad_block_tables, slot_mapping
+
+log = logging.getLogger("tokenserve.engine")
 
 
 class ModelRunner:
@@ -39,61 +36,83 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        #: test hook: called with each (sub-)plan's seqs before its forward pass; raising
+        #: there injects a fault into the step (tests of per-request failure isolation)
+        self.fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
+
+    def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Input ids [T] int64 and the step's attention metadata, seqs in plan order."""
+        ids = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
+        meta = AttentionMetadata.build(
+            self.model.kernels, [s.block_table for s in seqs], [len(s.token_ids) for s in seqs],
+            [s.num_computed for s in seqs], self.block_size, self.device)
+        return torch.tensor(ids, dtype=torch.int64, device=self.device), meta
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Forward + sample for every seq in ``plan``. Raises whatever the model raises."""
+        """Forward + sample for every seq in ``plan``.
+
+        One bad request never fails the others: a row that cannot be sampled
+        (non-finite logits) fails alone, and when the step raises, every seq is run again
+        on its own (generators rewound first, so seeded requests draw the same numbers;
+        KV rows are rewritten with the same values), and only the seqs that still raise
+        fail, in ``StepResult.failed``. A one-seq step that raises raises.
+        """
         t0 = time.perf_counter()
-        # decodes sorted by context length, so that length groups are contiguous rows
-        decodes = sorted((s for s in plan.seqs if s.is_decode), key=lambda s: s.num_computed)
-        prefills = [s for s in plan.seqs if not s.is_decode]
-        order = decodes + prefills
-        input_ids, positions, seq_index, sample_rows = [], [], [], []
-        for i, s in enumerate(order):
-            input_ids += s.token_ids
-            positions += range(s.num_computed, s.num_computed + len(s.token_ids))
-            seq_index += [i] * len(s.token_ids)
-            if s.sample:
-                sample_rows.append(len(input_ids) - 1)
-        dev = self.device
-        bt = pad_block_tables([s.block_table for s in order], dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping(bt, pos_t, torch.tensor(seq_index, device=dev),
-                                      self.block_size),
-            num_decode=len(decodes), decode_groups=[], prefills=[])
-        ctx_lens = [s.num_computed + 1 for s in decodes]
-        for a, b in group_by_length(ctx_lens):
-            slots, real = context_slots(bt[a:b], torch.tensor(ctx_lens[a:b], device=dev),
-                                        self.block_size)
-            mask = additive_mask(real, self.model.dtype)[:, None, None, :]
-            meta.decode_groups.append(DecodeGroup(a, b, slots, mask))
-        start = len(decodes)
-        for j, s in enumerate(prefills):
-            q_len, ctx_len = len(s.token_ids), s.num_computed + len(s.token_ids)
-            ctx_slots = mask = None
-            if s.num_computed > 0:
-                row = bt[len(decodes) + j: len(decodes) + j + 1]
-                ctx_slots = context_slots(row, torch.tensor([ctx_len], device=dev),
-                                          self.block_size)[0][0]
-                mask = prefix_causal_mask(q_len, ctx_len, self.model.dtype, dev)
-            meta.prefills.append(PrefillChunk(start, q_len, ctx_len, ctx_slots, mask))
-            start += q_len
-        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                                    pos_t, self.kv_caches, meta)
+        states = {s.request_id: s.generator.get_state() for s in plan.seqs
+                  if s.generator is not None}
+        try:
+            return self._step(plan.step_id, plan.seqs, t0)
+        except Exception as exc:  # noqa: BLE001 - isolated below, re-raised for one seq
+            if len(plan.seqs) == 1:
+                raise
+            log.warning("step %d failed (%s: %s); re-running its %d requests one by one",
+                        plan.step_id, type(exc).__name__, exc, len(plan.seqs))
+        merged = StepResult(plan.step_id, {}, 0.0)
+        for s in plan.seqs:
+            if s.generator is not None:
+                s.generator.set_state(states[s.request_id])
+            try:
+                r = self._step(plan.step_id, [s], t0)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                log.warning("request %s fails alone: %s: %s", s.request_id,
+                            type(exc).__name__, exc)
+                merged.failed[s.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            merged.sampled.update(r.sampled)
+            merged.logprobs.update(r.logprobs)
+            merged.failed.update(r.failed)
+        merged.forward_ms = (time.perf_counter() - t0) * 1e3
+        return merged
+
+    def _step(self, step_id: int, seqs: list[ScheduledSeq], t0: float) -> StepResult:
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
+        plan = StepPlan(step_id, seqs)
+        input_ids, meta = self.prepare(plan.seqs)
+        hidden = self.model.forward(input_ids, self.kv_caches, meta)
         sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        to_sample = [s for s in order if s.sample]
-        if to_sample:
-            logits = self.model.compute_logits(hidden[sample_rows]).cpu()
+        rows = [i for i, s in enumerate(plan.seqs) if s.sample]
+        if rows:
+            to_sample = [plan.seqs[i] for i in rows]
+            last = meta.query_start_loc[1:].to(torch.int64)[rows] - 1  # each seq's last token
+            logits = self.model.compute_logits(hidden.index_select(0, last)).cpu()
             toks = sample(logits, [s.params for s in to_sample],
                           [s.generator for s in to_sample], [s.history for s in to_sample],
-                          num_prompt_tokens=[s.num_prompt_tokens for s in to_sample])
-            sampled = {s.request_id: int(t) for s, t in zip(to_sample, toks.tolist())}
-            want = [i for i, s in enumerate(to_sample) if s.params.logprobs is not None]
+                          num_prompt_tokens=[s.num_prompt_tokens for s in to_sample]).tolist()
+            for s, t in zip(to_sample, toks):
+                if t < 0:
+                    failed[s.request_id] = ("the model produced non-finite logits for this "
+                                            "request (NaN or inf); it cannot be sampled")
+                else:
+                    sampled[s.request_id] = t
+            want = [i for i, s in enumerate(to_sample)
+                    if s.params.logprobs is not None and toks[i] >= 0]
             if want:
-                logprobs = token_logprobs(logits, toks, want, to_sample)
+                logprobs = token_logprobs(logits, torch.tensor(toks), want, to_sample)
         return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
-                          logprobs=logprobs)
+                          logprobs=logprobs, failed=failed)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],

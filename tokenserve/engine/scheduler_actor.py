@@ -6,8 +6,13 @@ The single writer of the Scheduler, its BlockPool and the request table. Its loo
         -> update() -> detokenize -> push RequestOutputs to each request's stream
 
 Messages come in on ``inbox`` (GenerateRequest | AbortRequest, see messages.py); the
-output stream of a request is registered in ``streams`` by the engine before the
-GenerateRequest is queued.
+:class:`RequestHandle` of a request is registered in ``streams`` by the engine before the
+GenerateRequest is queued, and removed here when its final output is put.
+
+One place ends a request: :meth:`SchedulerActor._finish`. Whatever decided it (the
+scheduler's EOS / stop id / length rule in ``Scheduler.update``, a stop string found in the
+text, a timeout, an abort, an executor error), the request's blocks are freed and its one
+final output is put there, with the text the detokenizer and stop-string matcher held back.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import replace
 
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
 from tokenserve.engine.executor import ExecutorActor
-from tokenserve.engine.output_stream import RequestStream
+from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.request import Request
 from tokenserve.engine.sampler import make_generator
 from tokenserve.engine.scheduler import Scheduler
@@ -51,7 +56,7 @@ class _Tracked:
         "stream",
     )
 
-    def __init__(self, stream: RequestStream, detok: IncrementalDetokenizer,
+    def __init__(self, stream: RequestHandle, detok: IncrementalDetokenizer,
                  stop: StopStringMatcher | None, now: float, seed: int) -> None:
         self.stream = stream
         self.detok = detok
@@ -62,23 +67,21 @@ class _Tracked:
         self.queue_time_ms: float | None = None
 
     def text(self, delta: str, final: bool) -> str:
-        """Pass detokenized text through the stop-string matcher; on the final output
-        also release whatever the detokenizer or the matcher held back."""
-        if final:
-            delta += self.detok.flush()
-        if self.stop is None:
+        """``delta`` (text already through the stop-string matcher) and, on the final
+        output, whatever the detokenizer or the matcher still held back."""
+        if not final or (self.stop is not None and self.stop.hit is not None):
             return delta
-        out = self.stop.feed(delta)
-        if final and self.stop.hit is None:
-            out += self.stop.flush()
-        return out
+        rest = self.detok.flush(drop_incomplete=True)
+        if self.stop is None:
+            return delta + rest
+        return delta + self.stop.feed(rest) + (self.stop.flush() if self.stop.hit is None else "")
 
 
 class SchedulerActor:
     """Drives continuous batching; see the module docstring."""
 
     def __init__(self, scheduler: Scheduler, executor: ExecutorActor, tokenizer,
-                 streams: dict[str, RequestStream], *, max_iter_times: int,
+                 streams: dict[str, RequestHandle], *, max_iter_times: int,
                  token_timeout_s: float, e2e_timeout_s: float) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -132,6 +135,8 @@ class SchedulerActor:
                           sum(s.is_decode for s in seqs),
                           [len(s.token_ids) for s in seqs if not s.is_decode],
                           len(self.scheduler.waiting))
+            for rid, why in result.failed.items():  # rows that failed alone
+                self._finish(rid, FinishReason.ERROR, why)
             now = time.monotonic()
             for req, toks in self.scheduler.update(seqs, result.sampled, now):
                 self._emit(req, toks, now, result.logprobs.get(req.request_id))
@@ -145,7 +150,7 @@ class SchedulerActor:
 
     def _handle(self, msg: GenerateRequest | AbortRequest) -> None:
         if isinstance(msg, AbortRequest):
-            self._finish(msg.request_id, msg.reason, None)
+            self._finish(msg.request_id, msg.reason, msg.error)
         elif isinstance(msg, GenerateRequest):
             self._admit(msg)
         else:
@@ -170,12 +175,7 @@ class SchedulerActor:
             generator=make_generator(params.seed) if params.do_sample else None)
         detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids,
                                        params.skip_special_tokens)
-        try:
-            self.scheduler.add(req)
-        except ValueError as exc:
-            stream.put(RequestOutput(g.request_id, (), "", True, FinishReason.ERROR,
-                                     req.num_prompt_tokens, 0, error=str(exc), seed=params.seed))
-            return
+        self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)
         self._tracked[g.request_id] = _Tracked(stream, detok, stop, arrival, params.seed)
@@ -186,16 +186,48 @@ class SchedulerActor:
 
     # ------------------------------------------------------------------ outputs
 
-    def _finish(self, rid: str, reason: FinishReason, error: str | None) -> None:
-        req = self.scheduler.finish(rid, reason, error)
-        if req is None:
-            return
-        t = self._tracked.pop(rid)
+    def _finish(self, rid: str, reason: FinishReason, error: str | None = None, *,
+                req: Request | None = None, toks: list[int] | None = None, text: str = "",
+                now: float | None = None, logprob: TokenLogprob | None = None,
+                stop_reason: str | int | None = None) -> None:
+        """The one place a request ends: free its blocks (unless ``Scheduler.update``
+        already did, passing the finished ``req``), count it, and put its one final
+        output: ``toks`` / ``text`` of its last step plus what was held back."""
+        live = self.scheduler.finish(rid, reason, error)
+        req = live or req
+        t = self._tracked.pop(rid, None)
+        if t is None or req is None:
+            return  # unknown or already ended
+        text = t.text(text, final=True)
+        if (stop_reason is None and t.stop is not None and t.stop.hit is not None
+                and reason in (FinishReason.EOS, FinishReason.LENGTH)):
+            reason, stop_reason = FinishReason.EOS, t.stop.hit  # completed by the held text
+            req.finish_reason = reason
         self.finished_by_reason[reason] += 1
-        if reason is not FinishReason.ABORT:
-            t.stream.put(RequestOutput(rid, (), t.text("", final=True), True, reason,
-                                       req.num_prompt_tokens, req.num_output_tokens,
-                                       error=error, seed=t.seed))
+        self.streams.pop(rid, None)
+        t.stream.put(self._output(req, t, toks or [], text, now, logprob, finished=True,
+                                  reason=reason, error=error, stop_reason=stop_reason))
+
+    def _output(self, req: Request, t: _Tracked, toks: list[int], text: str,
+                now: float | None, logprob: TokenLogprob | None, *, finished: bool,
+                reason: FinishReason | None = None, error: str | None = None,
+                stop_reason: str | int | None = None) -> RequestOutput:
+        first = bool(toks) and not t.emitted_first
+        out = RequestOutput(
+            request_id=req.request_id, new_token_ids=tuple(toks), new_text=text,
+            finished=finished, finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            prefill_time_ms=(now - req.arrival_time) * 1e3 if first and now else None,
+            decode_time_ms=(now - t.last_emit) * 1e3 if toks and not first and now else None,
+            error=error, seed=t.seed, logprobs=(logprob,) if logprob is not None else None,
+            stop_reason=stop_reason,
+            queue_time_ms=t.queue_time_ms if first else None,
+            num_cached_tokens=req.num_cached_tokens)
+        if toks:
+            t.emitted_first = True
+            if now is not None:
+                t.last_emit = now
+        return out
 
     def _note_scheduled(self, seqs) -> None:
         now = None
@@ -207,32 +239,22 @@ class SchedulerActor:
 
     def _emit(self, req: Request, toks: list[int], now: float,
               logprob: TokenLogprob | None) -> None:
+        """Put the output of a step that gave ``req`` tokens; end it when the scheduler
+        did (EOS, stop id, length) or the text completed a stop string."""
         t = self._tracked[req.request_id]
-        text = t.text(t.detok.add(toks), final=req.finished)
-        stop_reason: str | int | None = None
-        if t.stop is not None and t.stop.hit is not None:
+        t_stop = t.stop
+        text = t.detok.add(toks)
+        if t_stop is not None:
+            text = t_stop.feed(text)
+        if t_stop is not None and t_stop.hit is not None:
             # a stop string completed: the request ends here, as if on EOS
-            stop_reason = t.stop.hit
-            if not req.finished:
-                self.scheduler.finish(req.request_id, FinishReason.EOS)
-            req.finish_reason = FinishReason.EOS
-        elif req.finished and req.finish_reason is FinishReason.EOS \
-                and toks[-1] in req.params.stop_token_ids:
-            stop_reason = toks[-1]
-        first = not t.emitted_first
-        t.emitted_first = True
-        out = RequestOutput(
-            request_id=req.request_id, new_token_ids=tuple(toks), new_text=text,
-            finished=req.finished, finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            prefill_time_ms=(now - req.arrival_time) * 1e3 if first else None,
-            decode_time_ms=None if first else (now - t.last_emit) * 1e3,
-            seed=t.seed, logprobs=(logprob,) if logprob is not None else None,
-            stop_reason=stop_reason if req.finished else None,
-            queue_time_ms=t.queue_time_ms if first else None,
-            num_cached_tokens=req.num_cached_tokens)
-        t.last_emit = now
-        if req.finished:
-            self._tracked.pop(req.request_id)
-            self.finished_by_reason[req.finish_reason] += 1
-        t.stream.put(out)
+            self._finish(req.request_id, FinishReason.EOS, req=req, toks=toks, text=text,
+                         now=now, logprob=logprob, stop_reason=t_stop.hit)
+        elif req.finished:
+            reason = req.finish_reason or FinishReason.EOS
+            stop_id = (toks[-1] if reason is FinishReason.EOS
+                       and toks[-1] in req.params.stop_token_ids else None)
+            self._finish(req.request_id, reason, req.error, req=req, toks=toks, text=text,
+                         now=now, logprob=logprob, stop_reason=stop_id)
+        else:
+            t.stream.put(self._output(req, t, toks, text, now, logprob, finished=False))

@@ -7,7 +7,18 @@ CPU fewer, larger GEMMs are markedly faster.
 
 The forward pass takes a flattened batch of tokens (no padding) plus
 :class:`~tokenserve.models.attention.AttentionMetadata`; see ``attention.py`` for the
-cache layout and slot mapping.
+cache layout and slot mapping. Each layer is five kernels around four GEMMs
+(``tokenserve/ops/dispatch.py``: C++ when built, else torch references)::
+
+    qkv = x @ Wqkv            rotary(q, k) + write k, v to the cache   (one kernel)
+    a = paged_attention(q)    o = a @ Wo
+    residual += o; x = rms_norm(residual)                             (one kernel)
+    g = x @ Wgate_up          x = silu(g[:I]) * g[I:] @ Wdown          (one kernel + GEMM)
+    residual += x; x = rms_norm(residual) (next layer's input norm)   (one kernel)
+
+Every kernel computes a token's row with the same arithmetic whatever else is in the
+step, so a request's logits do not depend on its batch neighbours (batch invariance;
+the GEMM backends' own invariance is discussed in ``tokenserve/ops/linear.py``).
 """
 
 from __future__ import annotations
@@ -15,47 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenserve.models.attention import AttentionMetadata, paged_attention, write_kv
+from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.loader import ModelConfig, rope_inv_freq
-
-
-class Linear:
-    """``y = x @ W.T (+ b)``; on CPU in bf16 the weight is prepacked once for oneDNN.
-
-    oneDNN's bf16 GEMM with a weight reordered ahead of time (the layout its AMX/AVX-512
-    kernels read) is ~1.7x faster at decode batch sizes than ``F.linear``, which
-    reorders on every call (measured: [1, 576] x [3072, 576]: 112 us vs 180 us).
-
-    Args:
-        weight: [out_features, in_features].
-        bias: [out_features] or None.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
-        self._packed = None
-        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and torch.backends.mkldnn.is_available()):
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-            except (RuntimeError, AttributeError):  # older torch or no oneDNN bf16 path
-                self._packed = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from tokenserve.ops.dispatch import Kernels
+from tokenserve.ops.linear import Linear
 
 
 class LlamaForCausalLM:
@@ -65,12 +39,15 @@ class LlamaForCausalLM:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: Kernels | None = None) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = weights["embed"].dtype
         self.w = weights
-        self.lm_head = Linear(weights["lm_head"])
+        # the C++ kernels are CPU kernels; CUDA/NPU run the torch references
+        self.kernels = kernels if kernels is not None else Kernels(use_c=device.type == "cpu")
+        # fp32 logits straight out of the GEMM (bf16 logits tie far too often)
+        self.lm_head = Linear(weights["lm_head"], out_dtype=torch.float32)
         self.layers = [
             {"qkv": Linear(weights[f"{i}.qkv"], weights.get(f"{i}.qkv_b")),
              "o": Linear(weights[f"{i}.o"]), "gate_up": Linear(weights[f"{i}.gate_up"]),
@@ -82,14 +59,13 @@ class LlamaForCausalLM:
         self.scale = cfg.head_dim ** -0.5
         inv = rope_inv_freq(cfg).to(device)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.cos = emb.cos().to(self.dtype)
-        self.sin = emb.sin().to(self.dtype)
+        freqs = torch.outer(t, inv)  # [max_pos, head_dim / 2]
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()  # fp32
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor],
-                        dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+                        dtype: torch.dtype, device: torch.device,
+                        kernels: Kernels | None = None) -> LlamaForCausalLM:
         """Fuse HF-named weights into this model's layout.
 
         Raises:
@@ -113,58 +89,57 @@ class LlamaForCausalLM:
             w[f"{i}.down"] = g(p + "mlp.down_proj.weight")
             w[f"{i}.ln1"] = g(p + "input_layernorm.weight")
             w[f"{i}.ln2"] = g(p + "post_attention_layernorm.weight")
-        return cls(cfg, w, device)
+        return cls(cfg, w, device, kernels)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes across all layers (K and V)."""
         return 2 * self.num_layers * self.kv_size * self.dtype.itemsize
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D], zeroed."""
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(self.num_layers)]
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k_cache, v_cache), each [num_blocks, Hkv, block_size, D], zeroed.
+
+        All layers are views of one contiguous region ``[layers, 2, num_blocks, Hkv,
+        block_size, D]`` (one registration for a KV transfer engine).
+        """
+        shape = (num_blocks, self.cfg.num_kv_heads, block_size, self.cfg.head_dim)
+        region = torch.zeros((self.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        return [(region[i, 0], region[i, 1]) for i in range(self.num_layers)]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Run the decoder over one step's tokens.
 
         Args:
             input_ids: [T] int64 token ids.
-            positions: [T] int64 absolute positions.
             kv_caches: from :meth:`allocate_kv_cache`; this step's K/V are written.
-            meta: attention metadata for the step.
+            meta: attention metadata for the step (positions, slots, block tables).
 
         Returns:
-            [T, hidden_size] final hidden states (after the last RMSNorm).
+            [T, hidden_size] final hidden states (after the last RMSNorm), model dtype.
         """
-        cfg, w = self.cfg, self.w
-        h = F.embedding(input_ids, w["embed"])
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        cfg, w, ops = self.cfg, self.w, self.kernels
         T = input_ids.shape[0]
+        residual = F.embedding(input_ids, w["embed"])  # [T, hidden]
+        x = ops.rms_norm(residual, w["0.ln1"], cfg.rms_norm_eps)
         for i, lin in enumerate(self.layers):
-            x = _rms_norm(h, w[f"{i}.ln1"], cfg.rms_norm_eps)
-            qkv = lin["qkv"](x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, cfg.num_heads, cfg.head_dim)
-            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qkv = lin["qkv"](x)  # [T, (H + 2 Hkv) D]
             k_cache, v_cache = kv_caches[i]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            a = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + lin["o"](a.reshape(T, self.q_size))
-            x = _rms_norm(h, w[f"{i}.ln2"], cfg.rms_norm_eps)
-            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-            h = h + lin["down"](F.silu(gate) * up)
-        return _rms_norm(h, w["norm"], cfg.rms_norm_eps)
+            ops.rotary_embedding_write_kv(qkv, meta.positions, self.cos_sin, k_cache, v_cache,
+                                          meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads)
+            q = qkv[:, :self.q_size].view(T, cfg.num_heads, cfg.head_dim)
+            a = ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                    meta.query_start_loc, meta.context_lens, self.scale)
+            x = lin["o"](a.view(T, self.q_size))
+            ops.fused_add_rms_norm(x, residual, w[f"{i}.ln2"], cfg.rms_norm_eps)
+            x = lin["down"](ops.silu_and_mul(lin["gate_up"](x)))
+            nxt = w[f"{i + 1}.ln1"] if i + 1 < self.num_layers else w["norm"]
+            ops.fused_add_rms_norm(x, residual, nxt, cfg.rms_norm_eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden_size] -> [S, vocab_size] float32 logits."""
-        return self.lm_head(hidden).float()
+        """[S, hidden_size] model dtype -> [S, vocab_size] float32 logits (the GEMM
+        accumulates in fp32 and never rounds to the model dtype)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,149 @@
+"""Where one engine step's time goes: the real model, synthetic decode (or prefill) batches.
+
+    python -m bench.profile_step [--batch 1,16,64] [--context 160] [--prefill 0]
+                                 [--dtype bfloat16] [--steps 5] [--no-c]
+
+Builds the default model and a ModelRunner, fills the KV cache of ``batch`` requests to
+``context`` tokens (one prefill step), then times ``steps`` decode steps. Every kernel
+call (``Kernels`` methods), every GEMM (by layer role) and the sampler are wrapped with a
+timer, so the table splits a step into: GEMMs by role, attention, rope + KV write, norms,
+activation, sampling, and the rest (metadata, Python, embedding). ``--prefill N`` times
+one N-token prefill per request instead of decodes. Prints the CPU model and flags too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import platform
+import subprocess
+import time
+
+import torch
+
+
+def cpu_summary() -> str:
+    """``lscpu`` model name and the SIMD flags that decide our code paths."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor()
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    want = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert"]
+    return (f"{info.get('Model name', '?').strip()}, {torch.get_num_threads()} threads, "
+            f"flags: {' '.join(f for f in want if f in flags)}")
+
+
+class Timers:
+    """Accumulated wall time (ms) per label."""
+
+    def __init__(self) -> None:
+        self.ms: collections.Counter[str] = collections.Counter()
+
+    def wrap(self, label: str, fn):
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.ms[label] += (time.perf_counter() - t) * 1e3
+        return timed
+
+
+def instrument(runner, timers: Timers) -> None:
+    """Wrap the runner's model kernels, GEMMs and sampler with timers (in place)."""
+    import tokenserve.engine.model_runner as mr
+
+    model = runner.model
+    ops = model.kernels
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_write_kv",
+                 "paged_attention", "positions_and_slots"):
+        setattr(ops, name, timers.wrap(name, getattr(ops, name)))
+    for layer in model.layers:
+        for role, lin in list(layer.items()):
+            layer[role] = timers.wrap(f"gemm {role}", lin)
+    model.lm_head = timers.wrap("gemm lm_head", model.lm_head)
+    mr.sample = timers.wrap("sampling", mr.sample)
+
+
+def main() -> None:
+    from tokenserve.engine.model_runner import ModelRunner
+    from tokenserve.messages import ScheduledSeq, StepPlan
+    from tokenserve.models.llama import LlamaForCausalLM
+    from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+    from tokenserve.ops.dispatch import Kernels
+    from tokenserve.sampling_params import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--prefill", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--no-c", action="store_true", help="torch references only")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    d = resolve_model(None)
+    cfg = ModelConfig.from_dir(d)
+    model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, dtype), dtype,
+                                             torch.device("cpu"), Kernels(use_c=not args.no_c))
+    print(f"# {cpu_summary()}")
+    print(f"# kernels: {model.kernels.describe()}; GEMM: {model.lm_head.backend}; {args.dtype}")
+    bs = args.block_size
+    greedy = SamplingParams(do_sample=False, max_new_tokens=1 << 20)
+    for batch in (int(b) for b in args.batch.split(",")):
+        ctx = args.context + args.steps + max(args.prefill, 1) + 1
+        per = (ctx + bs - 1) // bs
+        runner = ModelRunner(model, num_blocks=batch * per + 1, block_size=bs)
+        g = torch.Generator().manual_seed(batch)
+        hist = [torch.randint(100, 40000, (args.context,), generator=g).tolist()
+                for _ in range(batch)]
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+        # fill the cache: a prefill of every request (chunks of <= 2048 tokens per step)
+        done = 0
+        while done < args.context:
+            n = min(args.context - done, max(1, 2048 // batch))
+            runner.step(StepPlan(0, [ScheduledSeq(f"r{i}", h[done:done + n], done, t, False,
+                                                  greedy, None, h)
+                                     for i, (h, t) in enumerate(zip(hist, tables))]))
+            done += n
+        timers = Timers()
+        instrument(runner, timers)
+        total = 0.0
+        q = args.prefill or 1
+        for step in range(args.steps):
+            seqs = []
+            for i, (h, t) in enumerate(zip(hist, tables)):
+                if args.prefill:  # q new tokens after the context (the same slots each step)
+                    seqs.append(ScheduledSeq(f"r{i}", h[-1:] * q, args.context, t, True,
+                                             greedy, None, h))
+                else:  # one decode token after everything computed so far
+                    seqs.append(ScheduledSeq(f"r{i}", h[-1:], len(h) - 1, t, True,
+                                             greedy, None, h))
+            t0 = time.perf_counter()
+            res = runner.step(StepPlan(step, seqs))
+            total += (time.perf_counter() - t0) * 1e3
+            if not args.prefill:
+                for i, h in enumerate(hist):
+                    h.append(res.sampled[f"r{i}"])
+        step_ms = total / args.steps
+        toks = batch * q
+        print(f"\n## batch {batch}, context {args.context}, "
+              f"{'prefill ' + str(q) if args.prefill else 'decode'}: {step_ms:.1f} ms/step, "
+              f"{toks / step_ms * 1e3:.0f} tok/s")
+        print("| part | ms/step | share |\n|---|---|---|")
+        accounted = 0.0
+        for label, ms in sorted(timers.ms.items(), key=lambda kv: -kv[1]):
+            ms /= args.steps
+            accounted += ms
+            print(f"| {label} | {ms:.2f} | {ms / step_ms:.0%} |")
+        rest = step_ms - accounted
+        print(f"| rest (metadata, embedding, Python) | {rest:.2f} | {rest / step_ms:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
