@@ -24,6 +24,8 @@ class SamplingParams:
         temperature: softmax temperature (> 0); ignored for greedy rows.
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus mass in (0, 1]; 1.0 disables.
+        min_p: in [0, 1]; keep tokens whose probability (after temperature) is at least
+            ``min_p`` times the most likely token's (vLLM/HF semantics); 0 disables.
         repetition_penalty: CTRL-style penalty (Keskar et al. 2019, as in HF/TGI) over
             prompt and generated tokens; 1.0 disables.
         do_sample: True samples, False is greedy (argmax after the penalty). [I] When a
@@ -63,6 +65,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -73,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not s for s in self.stop):

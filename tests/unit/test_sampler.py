@@ -1,4 +1,16 @@
-"""Tests for tokenserve.engine.sampler (the pure-torch sampling reference)."""
+"""Tests for tokenserve.engine.sampler: the engine's sampling entry point.
+
+``sample`` runs the C++ kernel when ``tokenserve._C`` has it, else the pure-torch reference
+(``tokenserve.ops.sampling``); these tests hold for both (run them with
+``TOKENSERVE_DISABLE_C=1`` for the reference). Kernel-vs-reference agreement is in
+``test_kernel_sampling.py``.
+
+Changed semantics (issue "top_k=1 must equal greedy"): top-k used to keep every token
+tied with the k-th largest logit (HF ``TopKLogitsWarper``), so with tied maxima
+``top_k=1`` could return a tied id other than the greedy one. It now keeps exactly ``k``
+tokens in the order (logit descending, id ascending), and top-p no longer keeps tokens
+tied with its last kept one; the oracle below sorts stably to match.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +25,11 @@ from tokenserve.engine.sampler import (
     apply_repetition_penalty,
     apply_repetition_penalty_,
     apply_top_k_top_p,
-    draw,
     greedy,
     make_generator,
     sample,
-    top_n,
+    sample_ref,
+    top_sorted,
 )
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -44,18 +56,18 @@ def _logits(rows: int, vocab: int, seed: int, kind: str = "gauss") -> torch.Tens
 
 
 def _oracle_keep(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """HF-style top-k then top-p on one tempered row, by full sort in float64, ties kept."""
+    """top-k then top-p on one tempered row, by a full stable sort in float64: the first
+    k ids of (logit descending, id ascending), then the shortest prefix reaching p."""
     x = x.double()
     vocab = x.numel()
-    keep = torch.ones(vocab, dtype=torch.bool)
-    if 0 < top_k < vocab:
-        keep &= x >= x.sort(descending=True).values[top_k - 1]
+    order = x.sort(descending=True, stable=True).indices
+    n = top_k if 0 < top_k < vocab else vocab
+    cand = order[:n]
     if top_p < 1.0:
-        probs = torch.softmax(x.masked_fill(~keep, -math.inf), dim=0)
-        values, order = x.masked_fill(~keep, -math.inf).sort(descending=True)
-        cum = probs[order].cumsum(0)
-        last = min(int((cum < top_p).sum()), vocab - 1)  # first position reaching p
-        keep &= x >= values[last]
+        cum = torch.softmax(x[cand], dim=0).cumsum(0)
+        cand = cand[: min(int((cum < top_p).sum()) + 1, n)]
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[cand] = True
     return keep
 
 
@@ -124,15 +136,25 @@ def test_empty_batch():
 
 @pytest.mark.parametrize("vocab", [17, BIG_V])
 @pytest.mark.parametrize("kind", ["gauss", "ties"])
-def test_top_n_values_exact(vocab, kind):
+def test_top_sorted_is_the_stable_sorted_prefix(vocab, kind):
     logits = _logits(5, vocab, seed=3, kind=kind)
     for n in (1, 2, 16, 64, 100, 192, 500, vocab):
         if n > vocab:
             continue
-        values, ids = top_n(logits, n)
-        assert torch.equal(values, logits.topk(n, dim=1).values)
-        assert torch.equal(logits.gather(1, ids), values)
-        assert all(len(set(row)) == n for row in ids.tolist())
+        for row in logits:
+            expect = row.sort(descending=True, stable=True).indices[:n]
+            assert torch.equal(top_sorted(row, n), expect), n
+
+
+def test_nan_or_inf_row_returns_minus_one_alone():
+    logits = _logits(3, 17, seed=1)
+    params = [_params(do_sample=True, seed=i) for i in range(3)]
+    clean = sample(logits, params, [make_generator(i) for i in range(3)], [[]] * 3)
+    for bad in (math.nan, math.inf):
+        x = logits.clone()
+        x[1, 4] = bad
+        out = sample(x, params, [make_generator(i) for i in range(3)], [[]] * 3)
+        assert out.tolist() == [int(clean[0]), -1, int(clean[2])]
 
 
 # --------------------------------------------------------------------------- filtering
@@ -205,27 +227,32 @@ def test_filtered_sampling_never_picks_an_excluded_token(
 
 
 @pytest.mark.parametrize("vocab", [17, BIG_V])
-def test_filtered_draw_is_the_vocab_order_inverse_cdf(vocab):
-    """The prefix fast path draws what softmax(apply_top_k_top_p(x / T)) + draw() would."""
-    rows, temperature = 64, 0.8
+def test_top_k_1_equals_greedy_with_tied_maxima(vocab):
+    """Issue "top_k=1 must equal greedy": three ids tie at the maximum; top_k=1 (any
+    temperature, any seed) returns the lowest of them, as greedy does."""
+    rows = 6
+    logits = torch.zeros(rows, vocab)
+    for r in range(rows):
+        logits[r, torch.randperm(vocab, generator=torch.Generator().manual_seed(r))[:3]] = 2.0
+    expect = sample(logits, [_params()] * rows, [None] * rows, [[]] * rows)
+    assert torch.equal(expect, logits.max(dim=1).indices)
+    for seed in range(5):
+        params = [_params(do_sample=True, top_k=1, temperature=2.0, seed=seed)] * rows
+        gens = [make_generator(seed * 100 + r) for r in range(rows)]
+        assert torch.equal(sample(logits, params, gens, [[]] * rows), expect)
+
+
+@pytest.mark.parametrize("vocab", [17, BIG_V])
+def test_sample_matches_the_reference(vocab):
+    """The dispatched backend picks what sample_ref picks for the same seeds."""
+    rows = 24
+    rng = torch.Generator().manual_seed(vocab)
+    params = [_random_params(rng) for _ in range(rows)]
     logits = _logits(rows, vocab, seed=11, kind="peaked")
-    top_k = torch.tensor([(0, 7, 50)[r % 3] for r in range(rows)])
-    top_p = torch.tensor([(0.9, 1.0, 0.6, 0.95)[r % 4] for r in range(rows)])
-    top_p = torch.where(top_k == 0, torch.where(top_p == 1.0, 0.8, top_p), top_p)
-    params = [
-        _params(
-            do_sample=True,
-            top_k=int(top_k[r]),
-            top_p=float(top_p[r]),
-            temperature=temperature,
-            seed=r,
-        )
-        for r in range(rows)
-    ]
-    tokens = sample(logits, params, [make_generator(r) for r in range(rows)], [[]] * rows)
-    probs = torch.softmax(apply_top_k_top_p(logits / temperature, top_k, top_p), dim=1)
-    expect = draw(probs, [make_generator(r) for r in range(rows)])
-    assert torch.equal(tokens, expect)
+    histories = [torch.randint(0, vocab, (30,), generator=rng).tolist() for _ in range(rows)]
+    got = sample(logits, params, [make_generator(p.seed) for p in params], histories)
+    want = sample_ref(logits, params, [make_generator(p.seed) for p in params], histories)
+    assert torch.equal(got, want)
 
 
 # --------------------------------------------------------------------------- distributions
@@ -311,6 +338,7 @@ def _random_params(gen: torch.Generator) -> SamplingParams:
         top_k=pick([0, 0, 1, 20, 50, 1000]),
         top_p=pick([1.0, 1.0, 0.5, 0.9, 0.99]),
         repetition_penalty=pick([1.0, 1.0, 1.2, 0.8]),
+        min_p=pick([0.0, 0.0, 0.05]),
         seed=int(torch.randint(2**62, (1,), generator=gen)),
     )
 
