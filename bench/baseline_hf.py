@@ -55,14 +55,14 @@ class HfBaseline:
         import torch
         import transformers
 
-        from tokenserve.config import DTYPES, select_device
+        from tokenserve.config import select_device
 
         self.torch = torch
         self.dtype = dtype
         self.device = select_device(device)
         t0 = time.perf_counter()
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype]).to(self.device).eval()
+            str(model_dir), dtype=getattr(torch, dtype)).to(self.device).eval()
         cfg = self.model.config
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad)

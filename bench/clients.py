@@ -12,10 +12,12 @@ openai         POST /v1/completions  SSE + ``[DONE]``     token-id list   ``usag
 openai-chat    POST /v1/chat/completions  SSE + [DONE]    user message    ``usage``
 triton         POST /v2/models/{m}/generate_stream        ``text_input``  ``details``
                ``data:{..}`` (no space)
+llamacpp       POST /completion (llama.cpp llama-server)  token-id list   ``tokens_predicted``
+               SSE, last event ``"stop": true``
 =============  =========================================  ==============  =============
 
-Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai*),
-so those produce exactly ``output_len`` tokens; the others stop at ``max_new_tokens`` or
+Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai*,
+llamacpp), so those produce exactly ``output_len`` tokens; the others stop at ``max_new_tokens`` or
 EOS, and the record holds what actually came back. A chunk is what one socket read
 returns: its arrival time is a token time when any event in it carries a token.
 """
@@ -32,7 +34,8 @@ import orjson
 from bench.metrics import RequestRecord
 from bench.workload import BenchRequest
 
-BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "triton")
+BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "triton",
+            "llamacpp")
 
 
 @dataclass
@@ -63,7 +66,9 @@ class StreamError(ValueError):
 
 class Framer:
     """Splits a byte stream into frames: SSE events (``data:`` + JSON, blank-line
-    separated) or NUL-terminated JSON (vLLM). Partial frames wait for more bytes."""
+    separated) or NUL-terminated JSON (vLLM). Partial frames wait for more bytes. SSE
+    comment events (``:`` lines, e.g. llama-server's keep-alive ``:\n\n`` ping) are
+    skipped."""
 
     def __init__(self, sep: bytes, prefix: bytes | None) -> None:
         self._sep, self._prefix, self._buf = sep, prefix, b""
@@ -75,7 +80,7 @@ class Framer:
         for f in frames:
             if self._prefix is not None:
                 f = f.strip(b"\n")
-                if not f:
+                if not f or f.startswith(b":"):
                     continue
                 if not f.startswith(self._prefix):
                     raise StreamError(f"not an SSE data event: {f[:120]!r}")
@@ -157,6 +162,37 @@ class TritonParser:
                      final=details.get("finish_reason") is not None)
 
 
+class LlamaCppParser:
+    """llama.cpp ``llama-server`` ``POST /completion`` with ``stream`` (tools/server/
+    server-task.cpp, ``to_json_non_oaicompat``): one ``data: {..}`` event per sampled
+    token, ``{"content": <new text>, "tokens": [<id>], "stop": false,
+    "tokens_predicted": <n so far>, "tokens_evaluated": <prompt tokens>, ..}``; then a
+    last event with ``"stop": true``, empty ``content``/``tokens``, the final
+    ``tokens_predicted``, ``stop_type`` and ``timings``; no ``[DONE]``. A token whose text
+    ends inside a UTF-8 character sends no event: its text and count arrive with the next
+    one, so a chunk's tokens are the growth of ``tokens_predicted``, not ``len(tokens)``.
+    An error after the headers comes as ``data: {"error": {..}}``."""
+
+    def __init__(self) -> None:
+        self._seen = 0
+
+    def __call__(self, obj: dict[str, Any]) -> Event:
+        if "error" in obj:
+            err = obj["error"]
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            raise StreamError(f"llama-server error: {msg}")
+        total = obj.get("tokens_predicted")
+        if isinstance(total, int):
+            tokens, self._seen = max(0, total - self._seen), max(total, self._seen)
+        else:
+            toks = obj.get("tokens")
+            tokens = len(toks) if isinstance(toks, list) else None
+            total = None
+        return Event(tokens=tokens, text=obj.get("content") or "", total=total,
+                     prompt_tokens=obj.get("tokens_evaluated"),
+                     final=obj.get("stop") is True)
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -229,6 +265,15 @@ def build_triton(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
                             "details": True}})
 
 
+def build_llamacpp(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    """llama-server's native route; ``cache_prompt`` off so no request reuses another's
+    KV (ours gets disjoint prompts per level; within a level prompts share nothing unless
+    ``--shared-prefix-len``, which llama.cpp then cannot exploit: noted in the README)."""
+    return "/completion", {"prompt": list(req.prompt_ids), "n_predict": req.output_len,
+                           "ignore_eos": True, "temperature": 0, "cache_prompt": False,
+                           "stream": True}
+
+
 def _stateless(fn: Callable[[dict[str, Any]], Event]) -> Callable[[], Callable]:
     return lambda: fn
 
@@ -248,6 +293,8 @@ BACKEND_TABLE: dict[str, Backend] = {
                            _SSE, None, "usage", True, True),
     "triton": Backend("triton", build_triton, TritonParser, _SSE, "details", "details", False,
                       True),
+    "llamacpp": Backend("llamacpp", build_llamacpp, LlamaCppParser, _SSE, None,
+                        "tokens_predicted", True, True),
 }
 
 
@@ -333,11 +380,15 @@ class StreamReader:
 
 
 async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
-                    count_text: Callable[[str], int] | None = None) -> RequestRecord:
-    """Send ``req`` over ``http`` (an ``httpx.AsyncClient`` with ``base_url``) and time it."""
+                    count_text: Callable[[str], int] | None = None,
+                    ignore_eos: bool | None = None) -> RequestRecord:
+    """Send ``req`` over ``http`` (an ``httpx.AsyncClient`` with ``base_url``) and time it.
+    ``ignore_eos`` overrides the family's default where its body has the field."""
     import httpx
 
     path, body = backend.build(req, model)
+    if ignore_eos is not None and "ignore_eos" in body:
+        body["ignore_eos"] = ignore_eos
     reader = StreamReader(backend, req)
     t0 = time.perf_counter()
     reader.rec.start = t0

@@ -32,16 +32,29 @@ def _row(c: int, name: str, s: dict[str, Any]) -> tuple[str, ...]:
             _dist(s["e2e_ms"], ("mean", "p99")), _f(mean_out), _f(s["goodput"], 2))
 
 
-def _ratio_row(c: int, r: dict[str, Any]) -> tuple[str, ...]:
+def _ratio_row(c: int, r: dict[str, Any], label: str = "ours/hf") -> tuple[str, ...]:
     x = lambda v: "-" if v is None else f"x{v:.2f}"
-    return (str(c), "ours/hf", "", x(r["request_throughput"]), x(r["output_throughput"]),
+    return (str(c), label, "", x(r["request_throughput"]), x(r["output_throughput"]),
             x(r["ttft_mean"]) + " (mean)", x(r["tpot_mean"]) + " (mean)", "",
             x(r["e2e_mean"]) + " (mean)", "", "")
 
 
+#: (level and records key, row label) of the systems besides the target, in row order
+_OTHERS = (("baseline", "hf"), ("llamacpp", "llamacpp"))
+
+
+def short_counts(records: Sequence[dict[str, Any]]) -> int:
+    """Completed requests whose output length differs from the one asked for (an EOS
+    where ignore_eos was not sent, or a server that does not honour it)."""
+    return sum(1 for r in records if r["ok"] and r["output_tokens"] != r["target_output_len"])
+
+
 def format_table(results: dict[str, Any]) -> str:
-    """A fixed-width table: one row per (level, system) and a ratio row per level."""
+    """A fixed-width table: one row per (level, system) and a ratio row per level and
+    baseline (``ours/hf``, ``ours/llamacpp``; the target is named ``llamacpp`` when it is
+    llama.cpp itself)."""
     m = results["meta"]
+    target = m.get("system", "ours")
     system = "engine (no HTTP)" if m["mode"] == "engine" else f"{m['backend']} over HTTP"
     title = (f"tokenserve bench: {system}; {m['model']} {m['dtype']}; {m['dataset']} "
              f"{m['input_len']} in / {m['output_len']} out; rate {m['request_rate']}; "
@@ -49,10 +62,13 @@ def format_table(results: dict[str, Any]) -> str:
     rows = [_HEAD]
     for lv in results["levels"]:
         c = lv["concurrency"]
-        rows.append(_row(c, "ours", lv["ours"]))
-        if lv["baseline"] is not None:
-            rows.append(_row(c, "hf", lv["baseline"]))
-            rows.append(_ratio_row(c, lv["ratio"]))
+        rows.append(_row(c, target, lv["ours"]))
+        others = [(label, key) for key, label in _OTHERS if lv.get(key) is not None]
+        for label, key in others:
+            rows.append(_row(c, label, lv[key]))
+        for label, key in others:
+            rows.append(_ratio_row(c, lv["ratio" if key == "baseline" else f"ratio_{key}"],
+                                   f"{target}/{label}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(_HEAD))]
     lines = [title]
     for k, r in enumerate(rows):
@@ -64,17 +80,37 @@ def format_table(results: dict[str, Any]) -> str:
     limits = [f"{k[:-3]}<={v} ms" for k, v in slo.items() if v is not None]
     notes = [f"goodput = req/s meeting SLO {', '.join(limits)}" if limits
              else "goodput: '-' (no --slo-ttft-ms/--slo-tpot-ms)"]
-    if any(lv["baseline"] is not None for lv in results["levels"]):
-        notes.append("ours/hf: throughput > 1 and latency < 1 favour ours")
-    sources = sorted({s for lv in results["levels"] for s in lv["ours"]["token_sources"]})
+    present = [label for key, label in _OTHERS
+               if any(lv.get(key) is not None for lv in results["levels"])]
+    if present:
+        notes.append(f"{', '.join(f'{target}/{o}' for o in present)}: throughput > 1 and "
+                     f"latency < 1 favour {target}")
+    sources = sorted({s for lv in results["levels"] for key in ("ours", "llamacpp")
+                      if lv.get(key) is not None for s in lv[key]["token_sources"]})
     notes.append(f"tokens counted from responses ({', '.join(sources)})")
+    if "ignore_eos" in m:
+        notes.append(f"ignore_eos {'sent' if m['ignore_eos'] else 'not sent'}")
     lines.append("; ".join(notes))
+    lc = m.get("llamacpp")
+    if lc:
+        what = lc.get("command") or lc.get("url")
+        lines.append(f"llama.cpp: {what}; build {lc.get('build_info') or '?'}, "
+                     f"weights {lc.get('model_ftype') or '?'}, "
+                     f"{lc.get('total_slots') or '?'} slots x {lc.get('n_ctx_per_slot') or '?'}"
+                     " tokens")
+    names = {"ours": target, "baseline": "hf", "llamacpp": "llamacpp"}
     for lv in results["levels"]:
-        for name in ("ours", "baseline"):
-            s = lv[name]
+        for key, name in names.items():
+            s = lv.get(key)
             if s is not None and s["failed"]:
                 lines.append(f"c={lv['concurrency']} {name}: {s['failed']} failed: "
                              f"{'; '.join(s['errors'])}")
+            recs = lv["records"].get(key)
+            n_short = short_counts(recs) if recs else 0
+            if n_short:
+                lines.append(f"c={lv['concurrency']} {name}: {n_short} of {len(recs)} requests "
+                             "returned another output length than asked for (EOS without "
+                             "ignore_eos?)")
     return "\n".join(lines)
 
 
@@ -145,19 +181,21 @@ def plot(results: dict[str, Any], plot_dir: str | Path) -> list[Path]:
     levels = results["levels"]
     written = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = {"ours": results["meta"].get("system", "ours"), "baseline": "hf",
+             "llamacpp": "llamacpp"}
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, metric, title in zip(axes, ("ttft", "tpot", "e2e"),
                                  ("TTFT", "TPOT (excl. first token)", "E2E latency")):
         for k, lv in enumerate(levels):
             color = colors[k % len(colors)]
-            for system, style in (("ours", "-"), ("baseline", "--")):
+            for system, style in (("ours", "-"), ("baseline", "--"), ("llamacpp", ":")):
                 recs = lv["records"].get(system)
                 vals = np.sort(_ms_values(recs, metric)) if recs else np.array([])
                 if vals.size:
                     x = np.concatenate([vals[:1], vals])
                     y = np.arange(0, vals.size + 1) / vals.size
-                    label = f"{'ours' if system == 'ours' else 'hf'} c={lv['concurrency']}"
+                    label = f"{names[system]} c={lv['concurrency']}"
                     ax.step(x, y, style, where="post", color=color, label=label)
         ax.set_title(f"{title} CDF")
         ax.set_xlabel("ms")
@@ -172,15 +210,17 @@ def plot(results: dict[str, Any], plot_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     cs = [lv["concurrency"] for lv in levels]
-    has_base = all(lv["baseline"] is not None for lv in levels)
+    has = {key: all(lv.get(key) is not None for lv in levels)
+           for key in ("ours", "baseline", "llamacpp")}
     for name, key, ylabel, stats in (
             ("throughput_vs_concurrency.png", "output_throughput", "output tokens/s", None),
             ("ttft_vs_concurrency.png", "ttft_ms", "TTFT ms", ("p50", "p99"))):
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for system, marker, color in (("ours", "o", colors[0]), ("baseline", "s", colors[1])):
-            if system == "baseline" and not has_base:
+        for system, marker, color in (("ours", "o", colors[0]), ("baseline", "s", colors[1]),
+                                      ("llamacpp", "^", colors[2])):
+            if not has[system]:
                 continue
-            label = "ours" if system == "ours" else "hf generate"
+            label = "hf generate" if system == "baseline" else names[system]
             if stats is None:
                 ax.plot(cs, [lv[system][key] for lv in levels], marker=marker, color=color,
                         label=label)

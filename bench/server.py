@@ -1,4 +1,5 @@
-"""``tokenserve serve`` as a child process of the benchmark, on a free loopback port."""
+"""Servers as child processes of the benchmark, on a free loopback port: ``tokenserve
+serve`` (:class:`ServerProcess`) and llama.cpp's ``llama-server`` (:class:`LlamaServer`)."""
 
 from __future__ import annotations
 
@@ -22,21 +23,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``tokenserve serve`` on a free loopback port, as a child process (own session, so
-    a Ctrl-C of the bench reaches it only through :meth:`stop`)."""
+def cpu_count() -> int:
+    """CPUs this process may run on (``nproc``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
-    def __init__(self, args: argparse.Namespace) -> None:
+
+class ChildServer:
+    """A server command on a free loopback port, as a child process (own session, so a
+    Ctrl-C of the bench reaches it only through :meth:`stop`); healthy when ``GET
+    /health`` answers 200. Subclasses set :attr:`cmd` (after ``super().__init__``)."""
+
+    name = "server"
+
+    def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "tokenserve.cli", "serve", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--dtype", args.dtype, "--device", args.device,
-                    "--log-level", "WARNING"]
-        if args.model:
-            self.cmd += ["--model", args.model]
-        self.cmd += shlex.split(args.server_args)
+        self.cmd: list[str] = []
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
-            prefix="tokenserve-bench-server-", suffix=".log", delete=False)
+            prefix=f"tokenserve-bench-{self.name}-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> None:
@@ -48,7 +55,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
@@ -57,7 +64,7 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s:\n"
+        raise RuntimeError(f"{self.name} was not healthy within {timeout_s:.0f} s:\n"
                            f"{self.log_tail()}")
 
     def log_tail(self, n: int = 4000) -> str:
@@ -81,3 +88,41 @@ class ServerProcess:
             os.unlink(self._log.name)
         except OSError:
             pass
+
+
+class ServerProcess(ChildServer):
+    """``tokenserve serve`` with the bench's ``--dtype``, ``--device``, ``--model`` and
+    ``--server-args``."""
+
+    name = "server"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.cmd = [sys.executable, "-m", "tokenserve.cli", "serve", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--dtype", args.dtype, "--device", args.device,
+                    "--log-level", "WARNING"]
+        if args.model:
+            self.cmd += ["--model", args.model]
+        self.cmd += shlex.split(args.server_args)
+
+
+def llama_server_ctx(slots: int, max_tokens: int) -> int:
+    """``-c`` for ``slots`` parallel slots of at least ``max_tokens`` (prompt + output)
+    each: llama-server splits ``-c`` evenly over ``-np`` slots (no ``--kv-unified``).
+    Per slot: ``max_tokens`` + 16 spare, rounded up to a multiple of 64."""
+    per_slot = -(-(max_tokens + 16) // 64) * 64
+    return slots * per_slot
+
+
+class LlamaServer(ChildServer):
+    """llama.cpp's ``llama-server BINARY -m GGUF --host 127.0.0.1 --port P -t <nproc>
+    -np <slots> -c <ctx>`` plus ``extra_args`` (given later, so they win)."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: str, gguf: str, slots: int, ctx: int, extra_args: str = "",
+                 threads: int | None = None) -> None:
+        super().__init__()
+        self.cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                    "-t", str(threads or cpu_count()), "-np", str(slots), "-c", str(ctx)]
+        self.cmd += shlex.split(extra_args)

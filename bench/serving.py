@@ -5,9 +5,12 @@ Flow of one invocation::
 
     workload (sum of --num-prompts, disjoint slices per level: no prefix-cache reuse)
       |-- ours: --url, or a `tokenserve serve` subprocess on a free loopback port,
-      |         or --engine-only (AsyncEngine in this process)
+      |         or --engine-only (AsyncEngine in this process); with --backend llamacpp
+      |         and no --url: a `llama-server` subprocess (--llama-server PATH)
       |     for c in --concurrency: warm-up (excluded) -> measured run -> summary
-      |   (server / engine stopped here, so the baseline has the cores to itself)
+      |   (server / engine stopped here, so the next system has the cores to itself)
+      |-- --llama-server PATH / --llamacpp-url URL (second baseline): the same slices
+      |         through llama.cpp's /completion, then that server is stopped
       |-- --baseline hf: the same slices, static batches of c, same weights and dtype
       '-- report: table (stdout), --out JSON, --plot-dir PNGs
 
@@ -33,7 +36,7 @@ from typing import Any
 
 from bench.clients import BACKENDS, get_backend, send_engine, send_http
 from bench.metrics import RequestRecord, compare, summarize
-from bench.server import ServerProcess
+from bench.server import LlamaServer, ServerProcess, llama_server_ctx
 from bench.workload import (
     DATASETS,
     BenchRequest,
@@ -70,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tokenserve bench",
         description="Serving benchmark: TTFT, TPOT, ITL, E2E, throughput and goodput over "
-                    "any API family, a concurrency sweep, and a transformers baseline.")
+                    "any API family, a concurrency sweep, a transformers baseline and a "
+                    "llama.cpp one. `tokenserve bench kernels -h`: the kernel "
+                    "micro-benchmarks (bench/kernels.py).")
     g = p.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default="mindie")
     g.add_argument("--url", default=None,
@@ -89,6 +94,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto")
     g.add_argument("--server-args", default="",
                    help="extra flags for the started `tokenserve serve` (one quoted string)")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="send ignore_eos (exact output lengths) in every request; default: "
+                        "on for the families that have the field (openai, openai-chat, "
+                        "vllm, llamacpp; --engine-only follows --backend), off for the "
+                        "others (mindie*, tgi, triton), which reject --ignore-eos "
+                        "(--engine-only takes it with any backend)")
+    l = p.add_argument_group(
+        "llama.cpp", "llama.cpp's llama-server: as the target (--backend llamacpp), or as a "
+        "second baseline next to ours and --baseline hf (a `llamacpp` row and an "
+        "ours/llamacpp ratio per level)")
+    l.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary to start on a free loopback port (-m GGUF -t "
+                        "<nproc> -np <max concurrency> -c <slots x (longest prompt + "
+                        "output)>) and stop at the end; with --backend llamacpp and no --url "
+                        "it is the target, otherwise the second baseline")
+    l.add_argument("--llamacpp-url", default=None, metavar="URL",
+                   help="a running llama-server as the second baseline (instead of "
+                        "--llama-server); give it -np >= the largest --concurrency")
+    l.add_argument("--llamacpp-model", default=None, metavar="GGUF",
+                   help="the GGUF for a started llama-server (default: --model when it is a "
+                        ".gguf, else the default SmolLM2-135M-Instruct Q4_1 GGUF)")
+    l.add_argument("--llama-server-args", default="",
+                   help="extra flags for the started llama-server (one quoted string; they "
+                        "come last, so e.g. \"-t 1\" overrides)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=DATASETS, default="fixed")
     w.add_argument("--input-len", type=int, default=128)
@@ -135,6 +164,27 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--long-input-len must be > 0 and --long-fraction in [0, 1]")
     if args.max_duration_s <= 0:
         p.error("--max-duration-s must be > 0")
+    if args.ignore_eos and not args.engine_only and not get_backend(args.backend).ignore_eos:
+        p.error(f"--backend {args.backend} has no ignore_eos field (its requests end at EOS "
+                "or max_new_tokens); for exact output lengths use --backend openai, "
+                "openai-chat, vllm or llamacpp")
+    if args.llama_server and args.llamacpp_url:
+        p.error("--llama-server (start one) and --llamacpp-url (use a running one) exclude "
+                "each other")
+    if args.backend == "llamacpp":
+        if args.engine_only:
+            p.error("--backend llamacpp drives llama-server over HTTP, not the engine")
+        if args.llamacpp_url:
+            p.error("--backend llamacpp: give the running llama-server as --url")
+        if args.url and args.llama_server:
+            p.error("--backend llamacpp: --url (a running llama-server) or --llama-server "
+                    "(start one), not both")
+        if not args.url and not args.llama_server:
+            p.error("--backend llamacpp needs --url http://host:port (a running "
+                    "llama-server) or --llama-server PATH (start one)")
+    if args.llama_server and not (os.path.isfile(args.llama_server)
+                                  and os.access(args.llama_server, os.X_OK)):
+        p.error(f"--llama-server {args.llama_server}: not an executable file")
 
 
 # --------------------------------------------------------------------------- the runner
@@ -242,19 +292,22 @@ def _served_model_name(url: str, fallback: str) -> str:
 
 async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenizer: Any,
                    slices: Sequence[Sequence[BenchRequest]],
-                   warm: Sequence[BenchRequest]) -> list[LevelResult]:
+                   warm: Sequence[BenchRequest], backend_name: str | None = None
+                   ) -> list[LevelResult]:
+    """One sweep over HTTP through ``backend_name`` (default ``--backend``)."""
     import httpx
 
-    backend = get_backend(args.backend)
+    backend = get_backend(backend_name or args.backend)
     count_text = (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     most = max(args.concurrency)
     limits = httpx.Limits(max_connections=most + 8, max_keepalive_connections=most + 8)
     timeout = httpx.Timeout(args.max_duration_s, connect=30.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
         async def send(req: BenchRequest) -> RequestRecord:
-            return await send_http(http, backend, req, model_name, count_text)
+            return await send_http(http, backend, req, model_name, count_text,
+                                   ignore_eos=args.ignore_eos)
 
-        return await sweep(send, slices, warm, args, f"{args.backend}")
+        return await sweep(send, slices, warm, args, backend.name)
 
 
 async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRequest]],
@@ -265,12 +318,78 @@ async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRe
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
     engine = await asyncio.to_thread(AsyncEngine.build, cfg)
     await engine.start()
-    ignore_eos = get_backend(args.backend).ignore_eos  # as the family would send it
+    ignore_eos = (args.ignore_eos if args.ignore_eos is not None
+                  else get_backend(args.backend).ignore_eos)  # as the family would send it
     try:
         return await sweep(lambda r: send_engine(engine, r, ignore_eos), slices, warm, args,
                            "engine")
     finally:
         await engine.stop()
+
+
+def _llama_gguf(args: argparse.Namespace) -> str:
+    """The GGUF a started llama-server loads (see ``--llamacpp-model``)."""
+    if args.llamacpp_model:
+        return args.llamacpp_model
+    if args.model and str(args.model).endswith(".gguf"):
+        return args.model
+    if args.model:
+        raise RuntimeError(f"--model {args.model} is not a .gguf; give llama-server one with "
+                           "--llamacpp-model")
+    from tokenserve.models.loader import default_gguf_path
+
+    return str(default_gguf_path())
+
+
+def _llama_server(args: argparse.Namespace, need_ctx: int) -> LlamaServer:
+    """A llama-server with one slot per request in flight and room for the longest
+    request in every slot."""
+    slots = max(args.concurrency)
+    return LlamaServer(args.llama_server, _llama_gguf(args), slots,
+                       llama_server_ctx(slots, need_ctx), args.llama_server_args)
+
+
+def _llama_props(url: str) -> dict[str, Any]:
+    """What llama-server says about itself (``GET /props``): build, slots, context."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/props", timeout=5.0)
+        p = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        p = {}
+    gen = p.get("default_generation_settings") or {}
+    return {"build_info": p.get("build_info"), "model_path": p.get("model_path"),
+            "model_ftype": p.get("model_ftype"),
+            "total_slots": p.get("total_slots"), "n_ctx_per_slot": gen.get("n_ctx")}
+
+
+def run_llamacpp(args: argparse.Namespace, slices: Sequence[Sequence[BenchRequest]],
+                 warm: Sequence[BenchRequest], need_ctx: int, tokenizer: Any
+                 ) -> tuple[list[LevelResult], dict[str, Any]]:
+    """The same slices through llama.cpp's ``/completion`` (a started ``--llama-server``
+    or ``--llamacpp-url``); returns the levels and what ``meta.llamacpp`` records."""
+    from tokenserve.http.app import run as run_loop
+
+    server = None
+    try:
+        if args.llamacpp_url:
+            url, cmd = args.llamacpp_url.rstrip("/"), None
+        else:
+            server = _llama_server(args, need_ctx)
+            server.start()
+            url, cmd = server.url, shlex.join(server.cmd)
+        meta = {"url": url, "command": cmd, **_llama_props(url)}
+        slots = meta.get("total_slots")
+        if isinstance(slots, int) and slots < max(args.concurrency):
+            log.warning("llama-server has %d slots < concurrency %d: requests queue inside it",
+                        slots, max(args.concurrency))
+        levels = run_loop(run_http(args, url, "llamacpp", tokenizer, slices, warm,
+                                   backend_name="llamacpp"))
+    finally:
+        if server is not None:
+            server.stop()
+    return levels, meta
 
 
 def run_baseline(args: argparse.Namespace, model_dir: Any,
@@ -290,6 +409,11 @@ def run_baseline(args: argparse.Namespace, model_dir: Any,
             bar.close()
         out.append(LevelResult(c, recs, duration))
     return out
+
+
+def _ignore_eos(args: argparse.Namespace) -> bool:
+    """Whether the requests asked to ignore EOS (what the target was sent)."""
+    return args.ignore_eos if args.ignore_eos is not None else get_backend(args.backend).ignore_eos
 
 
 def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | None,
@@ -314,7 +438,9 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | N
         "long_input_len": args.long_input_len, "long_fraction": args.long_fraction,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "seed": args.seed, "warmup": args.warmup, "max_duration_s": args.max_duration_s,
-        "baseline": args.baseline, "cpus": os.cpu_count(), "platform": platform.platform(),
+        "baseline": args.baseline, "ignore_eos": _ignore_eos(args),
+        "system": "llamacpp" if args.backend == "llamacpp" else "ours",
+        "llamacpp": None, "cpus": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": tf_version,
         "tokenserve": getattr(tokenserve, "__version__", None),
@@ -322,8 +448,12 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | N
 
 
 def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[LevelResult],
-             base: Sequence[LevelResult] | None) -> dict[str, Any]:
-    """The results document (what ``--out`` writes)."""
+             base: Sequence[LevelResult] | None,
+             llama: Sequence[LevelResult] | None = None) -> dict[str, Any]:
+    """The results document (what ``--out`` writes). ``ours`` is the target (llama.cpp
+    itself with ``--backend llamacpp``: ``meta.system`` says which); ``baseline`` the hf
+    run; a level gets ``llamacpp``, ``ratio_llamacpp`` (ours/llamacpp) and
+    ``records.llamacpp`` only when llama.cpp ran as the second baseline."""
     slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     levels = []
     for k, res in enumerate(ours):
@@ -338,6 +468,12 @@ def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[Leve
             level["baseline"] = s_base
             level["ratio"] = compare(s_ours, s_base)
             level["records"]["baseline"] = [r.to_json() for r in b.records]
+        if llama is not None:
+            lc = llama[k]
+            s_llama = summarize(lc.records, lc.duration_s, **slo)
+            level["llamacpp"] = s_llama
+            level["ratio_llamacpp"] = compare(s_ours, s_llama)
+            level["records"]["llamacpp"] = [r.to_json() for r in lc.records]
         levels.append(level)
     return {"meta": meta, "levels": levels}
 
@@ -363,6 +499,10 @@ def _check_deps(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["kernels"]:  # `tokenserve bench kernels`: the kernel micro-benchmarks
+        from bench.kernels import main as kernels_main
+
+        return kernels_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -370,6 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     _check_deps(args)
+    if args.llama_server:
+        try:  # fail now, not after ours has run
+            _llama_gguf(args)
+        except (RuntimeError, FileNotFoundError) as exc:
+            print(f"tokenserve bench: {exc}", file=sys.stderr)
+            return 2
     from bench import report
     from tokenserve.http.app import run as run_loop
     from tokenserve.models.loader import ModelConfig, resolve_model
@@ -390,19 +536,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         start += n
     warm = warmup_workload(tokenizer, args.warmup, words=words, seed=args.seed + 7919)
 
-    server: ServerProcess | None = None
+    server: ServerProcess | LlamaServer | None = None
     url = args.url.rstrip("/") if args.url else None
     mode = "engine" if args.engine_only else "http"
     model_name = args.served_model_name or local_name
+    need_ctx = max(r.input_len for r in [*wl, *warm]) + max(r.output_len for r in [*wl, *warm])
+    llama_meta: dict[str, Any] | None = None
     try:
         if args.engine_only:
             ours = run_loop(run_engine(args, slices, warm))
         else:
             if url is None:
-                server = ServerProcess(args)
+                if args.backend == "llamacpp":
+                    server = _llama_server(args, need_ctx)
+                    llama_meta = {"url": server.url, "command": shlex.join(server.cmd)}
+                else:
+                    server = ServerProcess(args)
                 server.start()
                 url = server.url
-            if args.served_model_name is None:
+            if args.backend == "llamacpp":
+                llama_meta = {**(llama_meta or {"url": url, "command": None}),
+                              **_llama_props(url)}
+            elif args.served_model_name is None:
                 model_name = _served_model_name(url, local_name)
             ours = run_loop(run_http(args, url, model_name, tokenizer, slices, warm))
     except RuntimeError as exc:  # server did not start, warm-up failed, engine died
@@ -411,10 +566,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+            server = None
+    llama, llama_failed = None, False
+    if args.backend != "llamacpp" and (args.llama_server or args.llamacpp_url):
+        try:  # second baseline: ours is stopped, so llama.cpp has the cores to itself
+            llama, llama_meta = run_llamacpp(args, slices, warm, need_ctx, tokenizer)
+        except RuntimeError as exc:  # report the others anyway; exit status 1
+            print(f"tokenserve bench: llama.cpp: {exc}", file=sys.stderr)
+            llama_failed = True
     base = run_baseline(args, model_dir, slices, warm) if args.baseline == "hf" else None
 
-    results = assemble(args, _meta(args, argv, mode, args.url or url, model_dir, model_name),
-                       ours, base)
+    meta = _meta(args, argv, mode, args.url or url, model_dir, model_name)
+    meta["llamacpp"] = llama_meta
+    results = assemble(args, meta, ours, base, llama)
     print(report.format_table(results))
     if args.out:
         report.write_json(results, args.out)
@@ -422,6 +586,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot_dir:
         for path in report.plot(results, args.plot_dir):
             print(f"wrote {path}")
-    failed = sum(lv[k]["failed"] for lv in results["levels"] for k in ("ours", "baseline")
-                 if lv[k] is not None)
-    return 1 if failed else 0
+    failed = sum(lv[k]["failed"] for lv in results["levels"]
+                 for k in ("ours", "baseline", "llamacpp") if lv.get(k) is not None)
+    return 1 if failed or llama_failed else 0
