@@ -1,8 +1,10 @@
 """Fakes shared by the API tests: a scripted engine and a one-char-per-token tokenizer.
 
-``FakeEngine`` implements the ``EngineClient`` protocol (tokenserve/http/api/common.py)
+``FakeEngine`` implements the ``EngineClient`` protocol (tokenserve/http/api/engine_client.py)
 without a model, so each API family's parsing, formatting and disconnect handling can be
-tested over a real socket in milliseconds.
+tested over a real socket in milliseconds. Like the real engine it hands out a
+``RequestHandle`` per request and ends every request with one final output, an aborted
+one included (``ABORT``, or ``ERROR`` carrying the abort's error).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenserve.engine.info import EngineInfo, EngineStats
+from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 
 VOCAB = 1000
@@ -56,6 +60,9 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     closed_early: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    _producers: dict[str, tuple[RequestHandle, asyncio.Task[None]]] = field(
+        default_factory=dict, repr=False)
+    _produced: dict[str, int] = field(default_factory=dict, repr=False)
 
     async def wait_aborted_early(self, timeout: float = 1.0) -> str:
         """Wait until the latest request is aborted with its stream closed before the end
@@ -65,16 +72,58 @@ class FakeEngine:
         assert rid not in self.completed
         return rid
 
+    @property
+    def info(self) -> EngineInfo:
+        """Built from the fields, and from ``cfg`` where a test sets one (read each time,
+        so a test may change it)."""
+        cfg = getattr(self, "cfg", None)
+        extra = {k: getattr(cfg, k) for k in (
+            "max_batch_size", "max_num_batched_tokens", "max_iter_times", "device", "dtype",
+            "block_size", "kv_cache_bytes", "max_prefill_batch_size")
+            if getattr(cfg, k, None) is not None}
+        if getattr(cfg, "model", None):
+            extra["model_path"] = str(cfg.model)
+        return EngineInfo(self.model_name, self.vocab_size, self.max_model_len,
+                          self.max_model_len - 1, **extra)
+
+    def stats(self) -> EngineStats | None:
+        return None  # no engine state: the metrics leave those series out
+
     def is_healthy(self) -> bool:
         return self.healthy
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> RequestHandle:
         self.requests.append(request)
         if self.raise_on_generate:
-            raise RuntimeError("executor exploded")
+            return _FailingHandle(request.request_id)
+        handle = RequestHandle(request.request_id, self._abort)
+        task = asyncio.get_running_loop().create_task(self._produce(request, handle))
+        self._producers[request.request_id] = (handle, task)
+        task.add_done_callback(lambda _: self._producers.pop(request.request_id, None))
+        return handle
+
+    def _abort(self, request_id: str, error: str | None) -> None:
+        """The engine side of ``handle.abort()``: stop producing, send the final output."""
+        self.aborted.append(request_id)
+        entry = self._producers.get(request_id)
+        if entry is None:
+            return
+        handle, task = entry
+        task.cancel()  # the fake model's own task, not a consumer's
+        request = next(r for r in reversed(self.requests) if r.request_id == request_id)
+        handle.put(RequestOutput(request_id, (), "", True,
+                                 FinishReason.ABORT if error is None else FinishReason.ERROR,
+                                 len(request.prompt_token_ids),
+                                 self._produced.pop(request_id, 0), error=error,
+                                 seed=request.params.seed))
+
+    async def _produce(self, request: GenerateRequest, handle: RequestHandle) -> None:
+        async for out in self.outputs(request):
+            self._produced[request.request_id] = out.num_output_tokens
+            handle.put(out)
+
+    async def outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The scripted outputs of ``request`` (subclasses transform them)."""
         n = request.params.max_new_tokens
         reason = FinishReason.LENGTH
         if self.finish_after is not None and self.finish_after < n:
@@ -110,6 +159,16 @@ class FakeEngine:
         finally:
             if not done:
                 self.closed_early.append(request.request_id)
+
+
+class _FailingHandle(RequestHandle):
+    """A request whose engine fails while it is awaited (``raise_on_generate``)."""
+
+    def poll(self) -> RequestOutput | None:
+        raise RuntimeError("executor exploded")
+
+    async def get(self, until: Any = None) -> RequestOutput | None:
+        return self.poll()
 
 
 async def wait_for(cond: Any, timeout: float = 2.0) -> None:

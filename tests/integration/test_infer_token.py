@@ -166,3 +166,24 @@ async def test_prompt_longer_than_context_is_4xx(live, client):
 async def test_health(client):
     r = await client.get("/health")
     assert r.status_code == 200
+
+
+async def test_stop_mid_character_drops_the_broken_tail(live, client):
+    """Issue 11 §6: a greedy Chinese answer cut by max_new_tokens mid-way through a
+    multi-byte character ends without U+FFFD, in the stream and the final text alike;
+    the token ids still report every token."""
+    ids = live.chat_ids("请用中文介绍一下长城的历史。")
+    full = (await infer(client, ids, max_new_tokens=48, details=True))["details"]
+    decode = live.engine.tokenizer.decode
+    # greedy: a shorter max_new_tokens gives a prefix of these ids; cut inside a character
+    n = max(k for k in range(2, 49) if decode(full["generated_token_ids"][:k]).endswith("\ufffd"))
+    out = await infer(client, ids, max_new_tokens=n, details=True)
+    text, got = out["generated_text"], out["details"]["generated_token_ids"]
+    assert got == full["generated_token_ids"][:n] and out["details"]["generated_tokens"] == n
+    assert text and not text.endswith("\ufffd"), text
+    assert decode(got).startswith(text)
+    events = await stream_events(client, ids, max_new_tokens=n)
+    assert events[-1]["generated_text"] == text
+    assert "".join(e["token"]["text"] or "" for e in events) == text
+    assert [t for e in events for t in e["token"]["id"]] == got
+    await live.assert_idle_and_leak_free()

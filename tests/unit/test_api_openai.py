@@ -66,8 +66,8 @@ class OpenAIFakeEngine(FakeEngine):
     tokenizer: ChatTokenizer = field(default_factory=ChatTokenizer)
     cfg: Cfg = field(default_factory=Cfg)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        inner = super().generate(request)
+    async def outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        inner = super().outputs(request)
         try:
             async for out in inner:
                 k = request.params.logprobs

@@ -23,10 +23,10 @@ class LogprobEngine(FakeEngine):
     """The fake engine, reporting logprob ``-1 / (seed % 7 + 1)`` for every token and
     the text ``str(seed % 10)`` per token (so sequences can be told apart)."""
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         seed = request.params.seed
         lp = -1.0 / (seed % 7 + 1)
-        async for out in super().generate(request):
+        async for out in super().outputs(request):
             yield dataclasses.replace(
                 out, new_text=str(seed % 10) * len(out.new_token_ids),
                 logprobs=tuple(TokenLogprob(t, lp) for t in out.new_token_ids))

@@ -209,3 +209,14 @@ def test_chat_prompt_context_and_empty_adds():
     assert detok.add([]) == "" and detok.output_text == ""
     assert detok.add(tok.encode("Hello")) == "Hello"
     assert detok.output_text == "Hello"
+
+
+def test_engine_flush_drops_an_incomplete_trailing_character():
+    tok = _tokenizer()
+    full = tok.encode("hi 中😀")
+    for cut in range(1, len(full)):
+        ids = full[:cut]
+        detok = IncrementalDetokenizer(tok, [])
+        text = "".join(detok.add([i]) for i in ids) + detok.flush(drop_incomplete=True)
+        assert not text.endswith(REPLACEMENT), (cut, text)
+        assert tok.decode(ids).startswith(text)

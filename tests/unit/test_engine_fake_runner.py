@@ -186,3 +186,44 @@ async def test_many_concurrent_requests_tiny_pool_all_complete():
         await assert_leak_free(e)
     finally:
         await e.stop()
+
+
+async def test_abort_ends_with_one_final_output(engine):
+    handle = engine.generate(greq(max_new_tokens=1000))
+    first = await handle.get()
+    assert first is not None and not first.finished
+    assert handle.abort() and not handle.abort()  # idempotent
+    outs = [o async for o in handle]
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORT
+    assert sum(o.finished for o in outs) == 1
+    await assert_leak_free(engine)
+
+
+async def test_abort_with_error_ends_as_error(engine):
+    handle = engine.generate(greq(max_new_tokens=1000))
+    handle.abort(error="drain time over")
+    outs = [o async for o in handle]
+    assert outs[-1].finish_reason is FinishReason.ERROR and outs[-1].error == "drain time over"
+    await assert_leak_free(engine)
+
+
+async def test_get_returns_none_on_disconnect_without_cancelling(engine):
+    from tokenserve.engine.output_stream import Signal
+
+    gone = Signal()
+    handle = engine.generate(greq(max_new_tokens=1000))
+    assert await handle.get(gone) is not None
+    asyncio.get_running_loop().call_later(0.01, gone.set)
+    while (out := await handle.get(gone)) is not None:
+        assert not out.finished
+    handle.abort()
+    await assert_leak_free(engine)
+
+
+async def test_stop_engine_ends_open_requests():
+    e, _ = make_engine()
+    await e.start()
+    handle = e.generate(greq(max_new_tokens=1000))
+    await e.stop()
+    outs = [o async for o in handle]
+    assert outs[-1].finish_reason is FinishReason.ERROR

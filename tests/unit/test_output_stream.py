@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenserve.engine.output_stream import RequestStream, merge_outputs
+from tokenserve.engine.output_stream import RequestHandle, merge_outputs
 from tokenserve.messages import FinishReason, RequestOutput, TokenLogprob
 
 
@@ -30,7 +30,7 @@ def test_merge_decode_times_add_up_and_tokenless_final_keeps_logprobs():
 
 
 async def test_stream_merges_pending_outputs():
-    s = RequestStream()
+    s = RequestHandle()
     s.put(out([1], "a", first=True))
     s.put(out([2], "b"))
     got = await s.get()

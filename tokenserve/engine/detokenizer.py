@@ -14,8 +14,9 @@ characters right; diffing keeps the per-call cost O(window), not O(output length
 UTF-8 safety: a byte-level token may hold part of a multi-byte character, which decodes
 to U+FFFD until the rest arrives. While the window's text ends with U+FFFD nothing is
 emitted past the last id boundary that no character straddles, so characters come out
-whole. :meth:`IncrementalDetokenizer.flush` emits whatever is still held back
-(replacement characters included) when the generation ends.
+whole. :meth:`IncrementalDetokenizer.flush` emits whatever is still held back when the
+generation ends (replacement characters included, unless ``drop_incomplete``: the engine
+drops an incomplete trailing character, so no final text ends in a broken one).
 
 Invariant (tested): ``"".join(deltas) + flush() == tokenizer.decode(output_ids,
 skip_special_tokens)`` for tokenizers whose decode concatenates (byte-level BPE:
@@ -107,8 +108,13 @@ class IncrementalDetokenizer:
         self._emit(delta)
         return delta
 
-    def flush(self) -> str:
+    def flush(self, drop_incomplete: bool = False) -> str:
         """Emit the held-back text at the end of a generation (may contain U+FFFD).
+
+        With ``drop_incomplete`` (what the engine does when a request ends), trailing
+        U+FFFD of the held-back text is dropped: a generation that stopped mid-way through
+        a multi-byte character does not end in a broken one (the ids still hold every
+        byte). A literal U+FFFD generated as the very last character goes with it.
 
         Idempotent: a second call returns ``""``.
         """
@@ -116,6 +122,8 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         delta = text[len(prefix_text) :]
+        if drop_incomplete:
+            delta = delta.rstrip(REPLACEMENT)
         self._emit(delta)
         return delta
 

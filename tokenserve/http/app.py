@@ -15,9 +15,8 @@
 
 ``POST /generate`` belongs to two families: :func:`make_generate_dispatcher` parses the
 body once and hands it to vLLM when ``prompt`` is non-null, else to TGI when ``inputs`` is,
-else answers 422 with :data:`GENERATE_ROUTING_ERROR`. The families get the engine wrapped
-in a :class:`ContextEngine` carrying the server's :class:`ServeContext` (stopInfer
-registry, metrics).
+else answers 422 with :data:`GENERATE_ROUTING_ERROR`. The families get the engine and
+the server's :class:`ServeContext` (stopInfer registry, metrics).
 
 :func:`serve` splits the routes over the listening planes (business, management, metrics;
 spec §0.1, :mod:`tokenserve.http.planes`), one :class:`HttpServer` per distinct address
@@ -44,7 +43,7 @@ import sys
 import functools
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -60,7 +59,7 @@ from tokenserve.http.api.openai import OpenAIApi
 from tokenserve.http.api.tgi import TgiApi
 from tokenserve.http.api.triton import TritonApi
 from tokenserve.http.api.vllm import VllmApi
-from tokenserve.http.context import ContextEngine, ServeContext, unwrap_engine
+from tokenserve.http.context import ServeContext
 from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http import management
 from tokenserve.http.drain import drain
@@ -144,28 +143,23 @@ def build_router(
     §7.3; ``served_config`` is what the latter reports) — every plane's routes; ``serve``
     splits them.
 
-    ``context`` (default: a new one with fresh metrics) is the server's shared state; the
-    families get the engine wrapped in a :class:`ContextEngine` carrying it, so every
-    ``EngineStream`` registers its request for stopInfer and records metrics.
+    ``context`` (default: a new one with fresh metrics) is the server's shared state; every
+    family gets it, so every ``EngineStream`` registers its request for stopInfer and
+    records metrics.
     """
     if context is None:
-        context = ServeContext(metrics=ServerMetrics(unwrap_engine(engine)))
-    engine = cast(EngineClient, ContextEngine(unwrap_engine(engine), context))
+        context = ServeContext(metrics=ServerMetrics(engine))
     router = Router()
-    tgi = TgiApi(engine, max_json_depth=max_json_depth)
-    vllm = VllmApi(engine, max_json_depth=max_json_depth)
-    for api in (
-        MindIEApi(engine, max_json_depth=max_json_depth),
-        tgi,
-        vllm,
-        OpenAIApi(engine, max_json_depth=max_json_depth),
-        TritonApi(engine, max_json_depth=max_json_depth),
-    ):
+    kw = {"max_json_depth": max_json_depth, "context": context}
+    tgi = TgiApi(engine, **kw)
+    vllm = VllmApi(engine, **kw)
+    for api in (MindIEApi(engine, **kw), tgi, vllm, OpenAIApi(engine, **kw),
+                TritonApi(engine, **kw)):
         api.register(router)
     router.post("/generate", make_generate_dispatcher(vllm, tgi, max_json_depth=max_json_depth))
     router.get("/health", make_health_handler(engine))
     management.register(router, engine, served_config)
-    MindIEExtraApi(engine, max_json_depth=max_json_depth, context=context).register(router)
+    MindIEExtraApi(engine, **kw).register(router)
     if context.metrics is not None:
         context.metrics.register(router)
     return router
@@ -208,7 +202,7 @@ async def serve(
     ``started`` (optional) receives the business plane's :class:`HttpServer` (with
     ``port=0``: read ``server.ports``); ``listeners`` receives every plane's server.
     """
-    context = ServeContext(metrics=ServerMetrics(unwrap_engine(engine)))
+    context = ServeContext(metrics=ServerMetrics(engine))
     router = build_router(engine, max_json_depth=max_json_depth, context=context,
                           served_config=served_config)
     base = limits or HttpLimits(max_body_bytes=max_body_bytes, keep_alive_s=keep_alive_s)
@@ -229,7 +223,7 @@ async def serve(
             mtls = " (mutual TLS)" if b.tls is not None and b.tls.mutual else ""
             logger.info(
                 "serving %s (%s) on %s%s",
-                engine.model_name,
+                engine.info.model_name,
                 "+".join(sorted(p.value for p in spec.planes)),
                 ", ".join(f"{b.scheme}://{spec.host}:{p}" for p in server.ports), mtls,
             )
@@ -330,7 +324,7 @@ async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None)
         await engine.start()
         e = cfg.engine
         served = ServedConfig.build(
-            engine.model_name, engine.max_model_len, e.kv_cache_bytes,
+            engine.info.model_name, engine.info.max_model_len, e.kv_cache_bytes,
             select_device(e.device).type != "cpu", e.max_iter_times, e.block_size)
         signals.serving = True
         try:

@@ -1,15 +1,14 @@
 """What one server's API families share: the registry of live requests (for
 ``stopInfer``, spec/interfaces.md §2.3) and the metrics (spec §7.6, §7.7).
 
-``build_router`` makes one :class:`ServeContext` per server and hands the families the
-engine wrapped in :class:`ContextEngine`: every attribute is the engine's, plus
-``serve_context``. :class:`~tokenserve.http.api.engine_stream.EngineStream` finds the context
-there (or takes it as an argument), so every family registers its requests and records
-metrics in one place without any module-global state::
+``build_router`` makes one :class:`ServeContext` per server and hands it to every family
+next to the engine; each :class:`~tokenserve.http.api.engine_stream.EngineStream` takes it,
+so every family registers its requests and records metrics in one place without any
+module-global state::
 
     build_router(engine) -> ServeContext(registry, metrics)
-        families get ContextEngine(engine, ctx)
-            EngineStream(engine, ...)  ->  registry.add / metrics.request_started
+        families get (engine, context=ctx)
+            EngineStream(engine, ..., context=ctx)  ->  registry.add / metrics.request_started
                                       ...  registry.remove / tracker.finished
     POST /v2/models/{m}/stopInfer {"id": ...}  ->  registry.find(id) -> stream.stop()
 """
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tokenserve.http.metrics import ServerMetrics
@@ -90,33 +89,3 @@ class ServeContext:
 
     registry: RequestRegistry = field(default_factory=RequestRegistry)
     metrics: ServerMetrics | None = None
-
-
-class ContextEngine:
-    """The engine as the families see it under ``build_router``: attribute access is
-    forwarded to the wrapped engine; ``serve_context`` is the server's
-    :class:`ServeContext`; ``unwrapped`` is the engine itself."""
-
-    def __init__(self, engine: Any, context: ServeContext) -> None:
-        self.__dict__["unwrapped"] = engine
-        self.__dict__["serve_context"] = context
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["unwrapped"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.__dict__["unwrapped"], name, value)
-
-    def __repr__(self) -> str:
-        return f"ContextEngine({self.__dict__['unwrapped']!r})"
-
-
-def unwrap_engine(engine: Any) -> Any:
-    """The engine behind a :class:`ContextEngine` (or ``engine`` itself)."""
-    return engine.__dict__.get("unwrapped", engine) if isinstance(engine, ContextEngine) else engine
-
-
-def context_of(engine: Any) -> ServeContext | None:
-    """The :class:`ServeContext` carried by ``engine``, if any."""
-    ctx = getattr(engine, "serve_context", None)
-    return ctx if isinstance(ctx, ServeContext) else None

@@ -14,7 +14,6 @@ step 10: the families turn it into an engine abort). Every response carries
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import h11
 import orjson
 
+from tokenserve.engine.output_stream import Signal
 from tokenserve.http.errors import error_body
 
 
@@ -57,7 +57,8 @@ class HttpRequest:
         query: raw query string (after ``?``), ``""`` when none.
         headers: header names lower-cased; repeated headers joined with ``", "``.
         body: the request body (at most ``max_body_bytes``).
-        disconnected: set as soon as the connection is lost.
+        disconnected: set as soon as the connection is lost (a :class:`Signal`, so the
+            engine handle can wait on it and on its next output at once).
         http_version: ``"1.1"`` or ``"1.0"``.
         client: peer (host, port) when known.
         arrival_time: ``time.monotonic()`` when the request head arrived (seconds).
@@ -69,7 +70,7 @@ class HttpRequest:
     query: str
     headers: dict[str, str]
     body: bytes
-    disconnected: asyncio.Event
+    disconnected: Signal
     http_version: str = "1.1"
     client: tuple[str, int] | None = None
     arrival_time: float = 0.0

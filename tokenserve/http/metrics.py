@@ -15,7 +15,7 @@ is read at scrape time by one custom collector:
   ``npu_radix_match_hit_num`` = prompt tokens looked up / found (``prefix_query_tokens``
   / ``prefix_hit_tokens``; 0 when the stats have no such fields).
 
-Every series carries ``model_name="<engine.model_name>"`` (spec §7.7).
+Every series carries ``model_name="<engine.info.model_name>"`` (spec §7.7).
 
 [I] decisions:
 - MindIE serves ``/metrics`` only when env ``MIES_SERVICE_MONITOR_MODE=1`` (else 500);
@@ -159,15 +159,16 @@ class ServerMetrics:
     """The metrics of one server (spec §7.7) over its own ``CollectorRegistry``.
 
     Args:
-        engine: read at scrape time: ``model_name``, ``stats()`` (optional; without it
-            the engine-state series are omitted), the KV cache device.
-        model_name: the ``model_name`` label (default ``engine.model_name``).
+        engine: its ``info`` (model name, KV cache device) and, at scrape time,
+            ``stats()`` (None or a failure leaves the engine-state series out).
+        model_name: the ``model_name`` label (default ``engine.info.model_name``).
     """
 
     def __init__(self, engine: Any, model_name: str | None = None) -> None:
         self.engine = engine
-        self.model_name = model_name or str(getattr(engine, "model_name", "") or "")
-        self.kv_device = _kv_device(engine)
+        self.model_name = model_name or engine.info.model_name
+        device = engine.info.device
+        self.kv_device = device if device in ("npu", "cuda", "cpu") else "cpu"
         #: ``<managementIp>:<port>`` for ``/metrics-json`` (set by ``serve``).
         self.instance = ""
         self.received = 0
@@ -219,12 +220,9 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def stats(self) -> Any | None:
-        """``engine.stats()``, or None when the engine has none or it fails."""
-        fn = getattr(self.engine, "stats", None)
-        if fn is None:
-            return None
+        """``engine.stats()``, or None when it has none or fails."""
         try:
-            return fn()
+            return self.engine.stats()
         except Exception:
             logger.exception("engine.stats() failed")
             return None
@@ -247,9 +245,9 @@ class ServerMetrics:
         values = {
             "TTFT": _mean(self._recent_ttft_ms),
             "TBT": _mean(self._recent_tbt_ms),
-            "waitingInferRequestNum": getattr(st, "num_waiting", 0),
-            "processingInferRequestNum": getattr(st, "num_running", 0),
-            "remainBlocks": getattr(st, "num_free_blocks", 0),
+            "waitingInferRequestNum": st.num_waiting if st is not None else 0,
+            "processingInferRequestNum": st.num_running if st is not None else 0,
+            "remainBlocks": st.num_free_blocks if st is not None else 0,
         }
         return {
             "resultType": "vector",
@@ -320,34 +318,20 @@ class _Collector(Collector):
             return
         yield gauge("num_requests_running", "Requests running", st.num_running)
         yield gauge("num_requests_waiting", "Requests waiting", st.num_waiting)
-        yield gauge("num_requests_swapped", "Requests swapped out",
-                    getattr(st, "num_swapped", 0))
+        yield gauge("num_requests_swapped", "Requests swapped out", st.num_swapped)
         usage = 1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0
         on_host = m.kv_device == "cpu"
         yield gauge("npu_cache_usage_perc", "Device KV cache usage (1 = 100%)",
                     0.0 if on_host else usage)
         yield gauge("cpu_cache_usage_perc", "Host KV cache usage (1 = 100%)",
                     usage if on_host else 0.0)
-        queries = getattr(st, "prefix_query_tokens", 0) or 0
-        hits = getattr(st, "prefix_hit_tokens", 0) or 0
-        rate = getattr(st, "prefix_cache_hit_rate", None)
-        if rate is None:
-            rate = hits / queries if queries else 0.0
+        queries, hits = st.prefix_query_tokens, st.prefix_hit_tokens
+        rate = st.prefix_cache_hit_rate
         yield gauge("npu_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)", rate)
         yield gauge("all_radix_match_num", "Prompt tokens looked up in the prefix cache",
                     queries)
         yield gauge("npu_radix_match_hit_num", "Prompt tokens found in the prefix cache", hits)
         yield counter("num_preemptions", "Preemptions", st.num_preemptions)
-
-
-def _kv_device(engine: Any) -> str:
-    """``npu``/``cuda``/``cpu``: where the engine keeps its KV cache."""
-    try:
-        return str(engine.executor.runner.device.type)
-    except AttributeError:
-        pass
-    device = getattr(getattr(engine, "cfg", None), "device", None)
-    return device if device in ("npu", "cuda", "cpu") else "cpu"
 
 
 def _mean(values: collections.deque[float]) -> float:

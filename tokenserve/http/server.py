@@ -50,6 +50,7 @@ from urllib.parse import unquote, urlsplit
 import h11
 import orjson
 
+from tokenserve.engine.output_stream import Signal
 from tokenserve.http.cycle import (  # re-exported: their import path before cycle.py
     ClientDisconnected,
     HttpRequest,
@@ -343,7 +344,7 @@ class HttpProtocol(asyncio.Protocol):
             query=query,
             headers=self._head_headers,
             body=body,
-            disconnected=asyncio.Event(),
+            disconnected=Signal(),
             http_version=head.http_version.decode("latin-1"),
             client=self._client,
             arrival_time=self._arrival,

@@ -4,10 +4,11 @@ finish-reason mapping and how a request's end is answered: :func:`collect` /
 :func:`check_final` for a non-stream answer, :func:`run_stream` / :func:`guard_stream` for a
 stream (spec/interfaces.md §0.4, §1, §2.1).
 
-Two neighbours hold the rest: :mod:`tokenserve.http.api.fields`, the typed field getters
-and the field parsers several families share (spec §2.1 type rules), and
+Neighbours hold the rest: :mod:`tokenserve.http.api.fields`, the typed field getters
+and the field parsers several families share (spec §2.1 type rules);
+:mod:`tokenserve.http.api.engine_client`, the engine as the HTTP side sees it; and
 :mod:`tokenserve.http.api.engine_stream`, :class:`EngineStream`, consuming the engine
-with disconnect -> abort (spec §0.4 step 10; re-exported here, its former home).
+with disconnect -> abort (spec §0.4 step 10). Neither imports this module.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import orjson
 
+from tokenserve.http.api.engine_client import EngineClient, EngineInfo
 from tokenserve.http.api.engine_stream import NO_FINAL_OUTPUT, EngineStream
 from tokenserve.http.api.fields import MAX_TOKENS_NUM, show
+from tokenserve.http.context import ServeContext
 from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 
-__all__ = [  # EngineStream: re-exported, this was its home
+__all__ = [
     "DEFAULT_MAX_JSON_DEPTH", "FAILED_FINISH", "MINDIE_FINISH_REASONS", "PARSE_ERROR",
     "TOKENIZE_OFFLOAD_CHARS", "Collected", "EngineClient", "EngineStream", "FamilyApi",
     "check_final", "check_json_content_type", "check_prompt_fits", "close_stream", "collect",
@@ -49,30 +52,26 @@ _NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b'"[]{}')
 _CURLY_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
 
 
-class EngineClient(Protocol):
-    """The engine as the HTTP layer sees it (implemented by ``engine.AsyncEngine``)."""
-
-    model_name: str
-    vocab_size: int
-    tokenizer: Any
-    max_model_len: int
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    def is_healthy(self) -> bool: ...
-
-
 class FamilyApi:
-    """Base of the families' handler classes: the engine they serve and the nesting limit
-    their JSON bodies are parsed under (config.md ``maxJsonDepth``)."""
+    """Base of the families' handler classes: the engine they serve, the server's shared
+    state (``context``: stopInfer registry, metrics; None records nothing) and the nesting
+    limit their JSON bodies are parsed under (config.md ``maxJsonDepth``)."""
 
     def __init__(
-        self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+        self,
+        engine: EngineClient,
+        *,
+        max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+        context: ServeContext | None = None,
     ) -> None:
         self._engine = engine
+        self._context = context
         self._max_json_depth = max_json_depth
+
+    @property
+    def _info(self) -> EngineInfo:
+        """The engine's model facts and limits."""
+        return self._engine.info
 
     def _json(self, request: HttpRequest) -> dict[str, Any]:
         """The body as a JSON object (spec §0.4 step 3); raises ``ValueError``."""
@@ -191,14 +190,14 @@ async def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def check_prompt_fits(num_prompt_tokens: int, engine: EngineClient) -> None:
-    """spec §1.5 / §0.4 step 8: the prompt must fit ``min(maxInputTokenLen, maxSeqLen - 1)``
-    (``engine.max_input_len`` where the engine has it), leaving room for one token.
+    """spec §1.5 / §0.4 step 8: the prompt must fit ``engine.info.max_input_len``
+    (``min(maxInputTokenLen, maxSeqLen - 1)``, leaving room for one token).
 
     Raises:
         ValueError: with the ``Failed to enqueue inferRequest.`` prefix (the family
             answers 424).
     """
-    limit = getattr(engine, "max_input_len", engine.max_model_len - 1)
+    limit = engine.info.max_input_len
     if num_prompt_tokens > limit:
         raise ValueError(
             f"Failed to enqueue inferRequest. Input length {num_prompt_tokens} exceeds the "
@@ -273,6 +272,7 @@ async def collect(
     request: GenerateRequest,
     http_request: HttpRequest,
     *,
+    context: ServeContext | None = None,
     aliases: tuple[str, ...] = (),
     on_output: Callable[[RequestOutput], None] | None = None,
 ) -> AsyncIterator[Collected]:
@@ -283,7 +283,7 @@ async def collect(
     texts: list[str] = []
     ids: list[int] = []
     async with EngineStream(engine, request, http_request.disconnected,
-                            aliases=aliases) as stream:
+                            context=context, aliases=aliases) as stream:
         async for out in stream:
             texts.append(out.new_text)
             ids.extend(out.new_token_ids)
@@ -335,6 +335,7 @@ async def run_stream(
     on_output: Render,
     on_failure: Render,
     *,
+    context: ServeContext | None = None,
     aliases: tuple[str, ...] = (),
     log: logging.Logger = logger,
 ) -> None:
@@ -360,7 +361,7 @@ async def run_stream(
         return True
 
     async with EngineStream(engine, request, http_request.disconnected,
-                            aliases=aliases) as stream:
+                            context=context, aliases=aliases) as stream:
         await response.start_stream(200, "text/event-stream")
         if not await guard_stream(response, pump(stream), log, request.request_id):
             return

@@ -143,7 +143,7 @@ class MindIEApi(FamilyApi):
     async def _build(self, request: HttpRequest) -> tuple[InferBody, GenerateRequest]:
         """Steps 3-8 of spec §0.4; raises HttpError 422/424."""
         try:
-            body = parse_infer_body(self._json(request), self._engine.vocab_size)
+            body = parse_infer_body(self._json(request), self._info.vocab_size)
             if body.input_ids is not None:
                 ids = body.input_ids
             else:
@@ -173,7 +173,7 @@ class MindIEApi(FamilyApi):
     async def _complete(
         self, request: HttpRequest, response: HttpResponse, body: InferBody, greq: GenerateRequest
     ) -> None:
-        async with collect(self._engine, greq, request) as got:
+        async with collect(self._engine, greq, request, context=self._context) as got:
             last = got.last
             result: dict[str, Any] = {"generated_text": got.text}
             if body.details:
@@ -224,6 +224,7 @@ class MindIEApi(FamilyApi):
             return sse(event)
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         context=self._context,
                          log=logger)
 
     @staticmethod

@@ -19,7 +19,7 @@ from tokenserve.http.api.common import (
 )
 from tokenserve.http.api.fields import MAX_TOKENS_NUM
 from tokenserve.http.api.triton_params import ID_PATTERN
-from tokenserve.http.context import ServeContext, context_of
+from tokenserve.http.context import ServeContext
 from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
@@ -37,15 +37,13 @@ class MindIEExtraApi(FamilyApi):
     """``/v1/tokenizer`` and ``stopInfer``.
 
     Args:
-        engine: the engine (its ``tokenizer``, ``model_name``, ``abort``).
-        context: the server's shared state; default: the one attached to ``engine`` by
-            ``build_router`` (without either, stopInfer finds nothing: 404).
+        engine: the engine (its ``tokenizer`` and ``info``).
+        context: the server's shared state (without one, stopInfer finds nothing: 404).
     """
 
     def __init__(self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
                  context: ServeContext | None = None) -> None:
-        super().__init__(engine, max_json_depth=max_json_depth)
-        self._context = context if context is not None else context_of(engine)
+        super().__init__(engine, max_json_depth=max_json_depth, context=context)
 
     def register(self, router: Router) -> None:
         """Add ``POST /v1/tokenizer`` and ``POST /v2/models/{model}/stopInfer``."""
@@ -90,7 +88,7 @@ class MindIEExtraApi(FamilyApi):
         """``POST /v2/models/{m}/stopInfer`` (spec §2.3): body ``{"id": ...}``; 200 echoes
         the body; 404 for an unknown model or id; 422 for a bad body or id."""
         model = request.path_params.get("model", "")
-        if model != self._engine.model_name:
+        if model != self._info.model_name:
             raise HttpError(404, f"Model {model} not found.")
         obj = self._body(request)
         rid = obj.get("id")

@@ -63,6 +63,7 @@ from tokenserve.http.api.openai_format import (
     parse_completion_body,
     usage,
 )
+from tokenserve.http.context import ServeContext
 from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.http.errors import INTERNAL_ERROR_MESSAGE, HttpError
 from tokenserve.http.router import Handler, Router
@@ -158,15 +159,13 @@ class OpenAIApi(FamilyApi):
         *,
         max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
         openai_support: str = "vllm",
+        context: ServeContext | None = None,
     ) -> None:
-        super().__init__(engine, max_json_depth=max_json_depth)
+        super().__init__(engine, max_json_depth=max_json_depth, context=context)
         self._native = openai_support != "vllm"
         self._started = int(time.time())
         self._texts = TokenTexts(engine.tokenizer)
-        cfg = getattr(engine, "cfg", None)
-        self._max_iter_times: int | None = getattr(cfg, "max_iter_times", None)
-        self._max_choices: int | None = getattr(cfg, "max_batch_size", None)
-        self._root = str(getattr(cfg, "model", None) or engine.model_name)
+        self._root = engine.info.model_path or engine.info.model_name
 
     def register(self, router: Router) -> None:
         """Add the §5 routes to ``router``, each answering errors in the OpenAI shape."""
@@ -180,7 +179,7 @@ class OpenAIApi(FamilyApi):
     async def list_models(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v1/models`` (spec §5.3): 4-space indented (hence stdlib json), base
         model's ``parent`` is the string ``"null"``; [I] ``created`` added."""
-        card = {"id": self._engine.model_name, "object": "model", "created": self._started,
+        card = {"id": self._info.model_name, "object": "model", "created": self._started,
                 "root": self._root, "owned_by": OWNER, "parent": "null"}
         text = json.dumps({"object": "list", "data": [card]}, indent=4, ensure_ascii=False)
         await response.send(200, text.encode(), "application/json")
@@ -188,7 +187,7 @@ class OpenAIApi(FamilyApi):
     async def get_model(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v1/models/{model}`` (spec §5.4); unknown -> 404 ``Model <m> not found.``"""
         name = request.path_params.get("model", "")
-        if name != self._engine.model_name:
+        if name != self._info.model_name:
             raise HttpError(404, f"Model {name} not found.")
         await response.send_json(200, {"id": name, "object": "model",
                                        "created": self._started, "owned_by": OWNER})
@@ -218,7 +217,7 @@ class OpenAIApi(FamilyApi):
         """``POST /v1/completions`` (spec §5.2)."""
         try:
             obj = self._json(request)
-            body = parse_completion_body(obj, self._engine.vocab_size)
+            body = parse_completion_body(obj, self._info.vocab_size)
             self._check_model(body.model,
                               "Not found given model, please check modelName in config file.")
             assert body.prompts is not None
@@ -242,9 +241,9 @@ class OpenAIApi(FamilyApi):
     def _check_model(self, model: str, message: str) -> None:
         """spec §5.1: ``model`` must name the served model, or [I] its path; the error
         keeps MindIE's message and [I] names the ids ``GET /v1/models`` lists."""
-        if model not in (self._engine.model_name, self._root):
+        if model not in (self._info.model_name, self._root):
             raise ValueError(f"{message.format(m=model[:256])} Available models: "
-                             f"{self._engine.model_name}.")
+                             f"{self._info.model_name}.")
 
     async def _encode_chat(self, text: str) -> list[int]:
         """A rendered chat prompt already holds its special tokens: encode it without
@@ -266,15 +265,15 @@ class OpenAIApi(FamilyApi):
         (spec §0.4 step 8). ``max_tokens`` defaults to ``maxIterTimes`` and is capped by
         the context (spec §1.2)."""
         total = len(prompts) * body.n
-        if self._max_choices is not None and total > self._max_choices:
+        if total > self._info.max_batch_size:
             raise HttpError(422, f"The request asks for {total} sequences; at most "
-                                 f"{self._max_choices} (maxBatchSize) are allowed.")
+                                 f"{self._info.max_batch_size} (maxBatchSize) are allowed.")
         rid = f"{prefix}-{uuid.uuid4().hex}"
         choices: list[Choice] = []
         for p, ids in enumerate(prompts):
             self._check_fits(len(ids))
-            room = self._engine.max_model_len - len(ids)
-            want = body.max_tokens or self._max_iter_times or room
+            room = self._info.max_model_len - len(ids)
+            want = body.max_tokens or self._info.max_iter_times or room
             try:
                 params = SamplingParams(max_new_tokens=min(want, room), **body.sampling)
             except ValueError as exc:
@@ -288,7 +287,7 @@ class OpenAIApi(FamilyApi):
                 greq = GenerateRequest(f"{rid}-{index}", tuple(ids), params,
                                        arrival_time=arrival)
                 choices.append(Choice(index, p, greq, prefix=echoes[p], offset=len(echoes[p])))
-        return Plan(rid, chat, body, int(time.time()), self._engine.model_name,
+        return Plan(rid, chat, body, int(time.time()), self._info.model_name,
                     [len(ids) for ids in prompts], choices)
 
     async def _run(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
@@ -301,7 +300,7 @@ class OpenAIApi(FamilyApi):
 
     async def _complete(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
         requests = [c.request for c in plan.choices]
-        async with FanOut(self._engine, requests, request.disconnected) as fan:
+        async with FanOut(self._engine, requests, request.disconnected, context=self._context) as fan:
             async for index, out in fan:
                 choice = plan.choices[index]
                 choice.texts.append(out.new_text)
@@ -342,7 +341,7 @@ class OpenAIApi(FamilyApi):
         kind = "chat.completion.chunk" if plan.chat else "text_completion"
         open_choices = len(plan.choices)
         requests = [c.request for c in plan.choices]
-        async with FanOut(self._engine, requests, request.disconnected) as fan:
+        async with FanOut(self._engine, requests, request.disconnected, context=self._context) as fan:
             await response.start_stream(200, "text/event-stream")
             for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
                 if plan.chat or c.prefix:

@@ -126,14 +126,6 @@ def _token_event(out: RequestOutput) -> dict[str, Any]:
     }
 
 
-def _get(obj: Any, path: str) -> Any:
-    for name in path.split("."):
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return obj
-
-
 class TgiApi(FamilyApi):
     """Handlers of the TGI family (spec §3)."""
 
@@ -182,14 +174,12 @@ class TgiApi(FamilyApi):
         if not healthy:
             await response.send(503, b"", "application/json")
             return
-        cfg = getattr(eng, "cfg", None)
-        device = _get(eng, "executor.runner.device.type") or getattr(cfg, "device", None)
-        dtype = getattr(cfg, "dtype", None) or _get(eng, "model_config.torch_dtype")
+        info = self._info
         await response.send_json(200, {
             "docker_label": None,
-            "max_batch_total_tokens": getattr(cfg, "max_num_batched_tokens", eng.max_model_len),
+            "max_batch_total_tokens": info.max_num_batched_tokens,
             "max_best_of": 1,
-            "max_concurrent_requests": getattr(cfg, "max_batch_size", None),
+            "max_concurrent_requests": info.max_batch_size,
             "max_stop_sequences": None,
             "max_waiting_tokens": None,
             "sha": None,
@@ -197,14 +187,14 @@ class TgiApi(FamilyApi):
             "version": getattr(tokenserve, "__version__", "1.0.0"),
             "waiting_served_ratio": None,
             "models": [{
-                "model_device_type": device or "cpu",
-                "model_dtype": dtype,
-                "model_id": eng.model_name,
+                "model_device_type": info.device,
+                "model_dtype": info.dtype,
+                "model_id": info.model_name,
                 "model_pipeline_tag": "text-generation",
                 "model_sha": None,
-                "max_total_tokens": eng.max_model_len,
+                "max_total_tokens": info.max_model_len,
             }],
-            "max_input_length": eng.max_model_len - 1,
+            "max_input_length": info.max_model_len - 1,
         })
 
     # ------------------------------------------------------------------ pipeline
@@ -214,7 +204,7 @@ class TgiApi(FamilyApi):
     ) -> tuple[TgiBody, GenerateRequest]:
         """Steps 5-8 of spec §0.4; raises HttpError 422/424."""
         try:
-            body = parse_tgi_body(obj, stream, self._engine.model_name)
+            body = parse_tgi_body(obj, stream, self._info.model_name)
             ids = await encode_text(self._engine.tokenizer, body.text)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
@@ -251,7 +241,7 @@ class TgiApi(FamilyApi):
         self, request: HttpRequest, response: HttpResponse, body: TgiBody,
         greq: GenerateRequest, wrap: bool,
     ) -> None:
-        async with collect(self._engine, greq, request) as got:
+        async with collect(self._engine, greq, request, context=self._context) as got:
             last = got.last
             result: dict[str, Any] = {}
             if body.details or body.decoder_input_details:
@@ -294,4 +284,5 @@ class TgiApi(FamilyApi):
             return sse(_token_event(out)) if out.new_token_ids else None
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         context=self._context,
                          log=logger)

@@ -44,6 +44,7 @@ from tokenserve.http.api.common import (
     parse_json_object,
     run_stream,
 )
+from tokenserve.http.api.engine_client import EngineStats
 from tokenserve.http.api.fields import INT32_MAX, get_int, get_object
 from tokenserve.http.api.triton_params import (
     ID_PATTERN,
@@ -91,7 +92,7 @@ class TritonApi(FamilyApi):
     def _model(self, request: HttpRequest) -> str:
         """spec §0.4 step 2: unknown model -> 404."""
         name = request.path_params.get("model", "")
-        if name != self._engine.model_name:
+        if name != self._info.model_name:
             raise HttpError(404, f"Model {name} not found.")
         return name
 
@@ -102,16 +103,12 @@ class TritonApi(FamilyApi):
             logger.exception("engine health check failed")
             return False
 
-    def _stats(self) -> Any | None:
-        fn = getattr(self._engine, "stats", None)
+    def _stats(self) -> EngineStats | None:
         try:
-            return fn() if fn is not None else None
+            return self._engine.stats()
         except Exception:
             logger.exception("engine.stats() failed")
             return None
-
-    def _cfg(self, name: str, default: Any) -> Any:
-        return getattr(getattr(self._engine, "cfg", None), name, default)
 
     async def _prompt(self, text: str | None, ids: list[int] | None) -> list[int]:
         if ids is None:
@@ -151,10 +148,10 @@ class TritonApi(FamilyApi):
         await response.send_json(200, {
             "name": "MindIE Server", "version": tokenserve.__version__,
             "extensions": {
-                "max_iter_times": self._cfg("max_iter_times", 512),
+                "max_iter_times": self._info.max_iter_times,
                 "prefill_policy_type": 0, "decode_policy_type": 0,
-                "max_prefill_batch_size": self._cfg("max_batch_size", 200),
-                "max_prefill_tokens": self._cfg("max_num_batched_tokens", 8192)}})
+                "max_prefill_batch_size": self._info.max_prefill_batch_size,
+                "max_prefill_tokens": self._info.max_num_batched_tokens}})
 
     async def model_metadata(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2/models/{m}`` (spec §6.2)."""
@@ -167,11 +164,11 @@ class TritonApi(FamilyApi):
     async def model_config(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2/models/{m}/config`` (spec §6.2)."""
         name = self._model(request)
-        path = self._cfg("model", None)
-        gib = int(self._cfg("kv_cache_bytes", 0)) // 2**30
+        path = self._info.model_path
+        gib = self._info.kv_cache_bytes // 2**30
         await response.send_json(200, {
             "model_name": name, "input_datatype": "UINT32", "output_datatype": "UINT32",
-            "max_seq_len": self._engine.max_model_len, "npu_mem_size": gib or -1,
+            "max_seq_len": self._info.max_model_len, "npu_mem_size": gib or -1,
             "cpu_mem_size": 0, "world_size": 1,
             "model_weight_path": str(path).rstrip("/").rsplit("/", 1)[-1] if path else name,
             "model_instance_type": "Standard"})
@@ -179,13 +176,13 @@ class TritonApi(FamilyApi):
     async def slot_count(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2/models/{m}/getSlotCount`` (spec §6.2)."""
         self._model(request)
-        total = self._cfg("max_batch_size", 200)
+        total = self._info.max_batch_size
         st = self._stats()
-        running = getattr(st, "num_running", 0)
-        free_blocks = getattr(st, "num_free_blocks", 0)
+        running = st.num_running if st is not None else 0
+        free_blocks = st.num_free_blocks if st is not None else 0
         await response.send_json(200, {
             "total_slots": total, "free_slots": max(0, total - running),
-            "available_tokens_length": free_blocks * self._cfg("block_size", 128)})
+            "available_tokens_length": free_blocks * self._info.block_size})
 
     # ------------------------------------------------------------------ infer (§6.4)
 
@@ -203,12 +200,12 @@ class TritonApi(FamilyApi):
             else:
                 check_json_content_type(request.headers)
             parsed = parse_infer_body(parse_json_object(body, self._max_json_depth), binary,
-                                      self._engine.vocab_size)
+                                      self._info.vocab_size)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         greq = self._request(request, await self._prompt(None, parsed.input_ids), parsed.params)
         aliases = (parsed.id,) if parsed.id else ()
-        async with collect(self._engine, greq, request, aliases=aliases) as got:
+        async with collect(self._engine, greq, request, context=self._context, aliases=aliases) as got:
             ids = got.ids
             output: dict[str, Any] = {"name": parsed.output_name, "shape": [1, len(ids)],
                                       "datatype": "UINT32"}
@@ -245,12 +242,13 @@ class TritonApi(FamilyApi):
         return rid, params, self._request(request, ids, params)
 
     def _envelope(self, rid: str, text: str) -> dict[str, Any]:
-        return {"id": rid, "model_name": self._engine.model_name, "model_version": None,
+        return {"id": rid, "model_name": self._info.model_name, "model_version": None,
                 "text_output": text}
 
     def _batch_size(self) -> int | None:
         """[I] ``details.batch_size`` per step: the running batch when the output came."""
-        return getattr(self._stats(), "num_running", None)
+        st = self._stats()
+        return st.num_running if st is not None else None
 
     async def generate(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v2/models/{m}/generate`` (spec §6.3, non-stream)."""
@@ -264,7 +262,7 @@ class TritonApi(FamilyApi):
                 queue.append(round(out.queue_time_ms or 0.0, 3))
 
         aliases = (rid,) if rid else ()
-        async with collect(self._engine, greq, request, aliases=aliases,
+        async with collect(self._engine, greq, request, context=self._context, aliases=aliases,
                            on_output=on_output) as got:
             last = got.last
             result = self._envelope(rid or greq.request_id, got.text)
@@ -315,4 +313,5 @@ class TritonApi(FamilyApi):
             return _sse(self._envelope(rid, out.new_text)) if out.new_text else None
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         context=self._context,
                          aliases=aliases, log=logger)

@@ -170,8 +170,7 @@ class VllmApi(FamilyApi):
     @property
     def default_max_tokens(self) -> int:
         """spec §1.2: ``maxIterTimes`` (engine config), else the context length."""
-        value = getattr(getattr(self._engine, "cfg", None), "max_iter_times", None)
-        return int(value) if value else self._engine.max_model_len
+        return self._info.max_iter_times or self._info.max_model_len
 
     async def generate(
         self, request: HttpRequest, response: HttpResponse, *, body: dict[str, Any] | None = None
@@ -180,7 +179,7 @@ class VllmApi(FamilyApi):
         if body is None:
             body = self._body(request)
         vb, reqs = await self._build(request, body)
-        async with FanOut(self._engine, reqs, request.disconnected) as fan:
+        async with FanOut(self._engine, reqs, request.disconnected, context=self._context) as fan:
             if vb.stream:
                 await self._stream(response, vb, fan)
             else:
@@ -190,10 +189,10 @@ class VllmApi(FamilyApi):
         self, request: HttpRequest, obj: dict[str, Any]
     ) -> tuple[VllmBody, list[GenerateRequest]]:
         """Steps 5-8 of spec §0.4; raises HttpError 422/424."""
-        max_n = getattr(getattr(self._engine, "cfg", None), "max_batch_size", None) or MAX_N
+        max_n = self._info.max_batch_size or MAX_N
         try:
             vb = parse_vllm_body(obj, default_max_tokens=self.default_max_tokens,
-                                 model_name=self._engine.model_name, max_n=min(max_n, MAX_N))
+                                 model_name=self._info.model_name, max_n=min(max_n, MAX_N))
             ids = await encode_text(self._engine.tokenizer, vb.text)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None

@@ -1,0 +1,36 @@
+"""The engine as the HTTP layer sees it: a typed facade, nothing reached into.
+
+Implemented by :class:`tokenserve.engine.engine.AsyncEngine` (and the tests' fakes)::
+
+    engine.info          EngineInfo: model facts and limits (fixed)
+    engine.tokenizer     encode / decode / chat template
+    engine.stats()       EngineStats: a live snapshot (metrics, slot counts)
+    engine.is_healthy()
+    engine.generate(req) RequestHandle: get(disconnected) / abort(error)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tokenserve.engine.info import EngineInfo, EngineStats
+from tokenserve.engine.output_stream import RequestHandle
+from tokenserve.messages import GenerateRequest
+
+__all__ = ["EngineClient", "EngineInfo", "EngineStats"]
+
+
+class EngineClient(Protocol):
+    """What every family, the metrics and the management routes use of the engine."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def generate(self, request: GenerateRequest) -> RequestHandle: ...
