@@ -1,9 +1,11 @@
 """Builds csrc/ into the optional extension ``tokenserve._C`` (torch C++ extension, pybind11).
 
-Kernels pick their code path (AVX2+FMA, AVX-512, portable) at run time by CPU feature
+Kernels pick their code path (AVX2+FMA, portable) at run time by CPU feature
 (csrc/cpu_features.h), so one build serves every x86-64 machine. Threads come from
-ATen's ``at::parallel_for`` (torch's own OpenMP pool and thread count), so no second
-OpenMP runtime is linked. The engine runs without the extension (pure-torch references
+ATen's ``at::parallel_for``, whose OpenMP implementation is inlined from torch's headers:
+it is parallel only when the extension is compiled with ``-fopenmp`` (without it every
+kernel silently runs on one thread). At run time ``libgomp.so.1`` resolves to the copy
+torch has already loaded, so there is one OpenMP runtime and one thread count. The engine runs without the extension (pure-torch references
 in ``tokenserve/ops``); a failed build is reported and skipped so the package still
 installs. Build with ``pip install --no-build-isolation -e .`` (it needs the installed
 torch's headers).
@@ -26,7 +28,9 @@ def _ext_modules():
         return []
     return [CppExtension(
         "tokenserve._C", sources,
-        extra_compile_args=["-O3", "-std=c++20", "-fno-math-errno", "-Wno-unused-function"],
+        extra_compile_args=["-O3", "-std=c++20", "-fno-math-errno", "-Wno-unused-function",
+                            "-fopenmp"],
+        extra_link_args=["-fopenmp"],
     )]
 
 
