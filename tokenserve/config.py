@@ -1,7 +1,8 @@
 """Engine configuration (frozen dataclasses).
 
-Names follow MindIE's config.json (``shared/spec/config.md``); reading a MindIE
-config.json into these is a later issue, the CLI fills them for now.
+Names follow MindIE's config.json (``shared/spec/config.md``);
+``tokenserve/mindie_config.py`` reads a config.json into these and the CLI's flags
+override it.
 """
 
 from __future__ import annotations
