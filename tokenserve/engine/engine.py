@@ -47,7 +47,8 @@ class AsyncEngine:
     """The serving engine behind every API family."""
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tokenizer: Tokenizer,
-                 runner: ModelRunner, model_name: str, device: str | None = None) -> None:
+                 runner: ModelRunner, model_name: str, device: str | None = None,
+                 executor: ExecutorActor | None = None) -> None:
         self.cfg = cfg
         self.model_config = model_cfg
         self.tokenizer = tokenizer
@@ -80,7 +81,7 @@ class AsyncEngine:
             model_path=str(cfg.model or ""),
             device=device or (cfg.device if cfg.device != "auto" else "cpu"),
             dtype=cfg.dtype)
-        self.executor = ExecutorActor(runner)
+        self.executor = executor if executor is not None else ExecutorActor(runner)
         self._streams: dict[str, RequestHandle] = {}
         self.actor = SchedulerActor(
             self.scheduler, self.executor, tokenizer, self._streams,
@@ -104,14 +105,24 @@ class AsyncEngine:
         tokenizer = Tokenizer(model_dir)
         device = select_device(cfg.device)
         t0 = time.perf_counter()
-        model = LlamaForCausalLM.from_state_dict(
-            model_cfg, load_weights(model_dir, cfg.torch_dtype), cfg.torch_dtype, device)
+
+        def load() -> ModelRunner:
+            model = LlamaForCausalLM.from_state_dict(
+                model_cfg, load_weights(model_dir, cfg.torch_dtype), cfg.torch_dtype, device)
+            per_block = model.kv_bytes_per_token() * cfg.block_size
+            num_blocks = cfg.kv_cache_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV "
+                                 f"block ({per_block} bytes)")
+            return ModelRunner(model, num_blocks, cfg.block_size)
+
+        # the model thread loads the model too: it stays the process's only OpenMP master
+        # (see executor.py)
+        executor = ExecutorActor.start(load)
+        runner = executor.runner
+        model = runner.model
         per_block = model.kv_bytes_per_token() * cfg.block_size
-        num_blocks = cfg.kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV block "
-                             f"({per_block} bytes)")
-        runner = ModelRunner(model, num_blocks, cfg.block_size)
+        num_blocks = runner.num_blocks
         log.info("model %s (%s) loaded on %s as %s in %.1f s", model_cfg.name, model_dir,
                  device, cfg.dtype, time.perf_counter() - t0)
         log.info("kernels: %s; GEMM: %s", model.kernels.describe(), model.lm_head.backend)
@@ -119,7 +130,7 @@ class AsyncEngine:
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
                  num_blocks * per_block / 2**20, model.kv_bytes_per_token())
         return cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name,
-                   device=device.type)
+                   device=device.type, executor=executor)
 
     # ------------------------------------------------------------------ lifecycle
 
