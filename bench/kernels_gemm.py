@@ -161,7 +161,7 @@ def main() -> None:
     print(f"# threads={torch.get_num_threads()}  ms = best run; x32 = torch fp32 / ours, "
           f"x16 = torch bf16 / ours; GF/s, GB/s (bf16 weight bytes) of ours from wall ms; "
           f"cpu_ms = ours' best process CPU time (all threads)")
-    f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"
     print(f"{'name':31s} {'M':>4s} {'N':>6s} {'K':>5s} {'ours':>9s} {'torch16':>9s} "
           f"{'torch32':>9s} {'x32':>6s} {'x16':>6s} {'GF/s':>6s} {'GB/s':>6s} {'cpu_ms':>9s}")
     for r in bench(tuple(a.m), not a.no_torch_bf16):

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "bf16.h"
 #include "registry.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -55,12 +56,7 @@ constexpr int kRowGroup = 3;      // query vectors per micro-kernel call
 constexpr int kTileVectors = 48;  // target query vectors (rows * G) per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using tokenserve::bf16_to_f32;  // csrc/bf16.h
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 

@@ -32,6 +32,7 @@
 #endif
 
 #include "cpu_features.h"
+#include "bf16.h"
 #include "registry.h"
 
 namespace tokenserve {
@@ -42,15 +43,9 @@ constexpr int64_t NR = 16;  // columns per packed panel
 // Test hook: force the portable path on machines with AVX2 (see _gemm_force_portable).
 std::atomic<bool> g_force_portable{false};
 
-// fp32 -> bf16 exactly as c10::BFloat16 does (round to nearest even, NaN -> 0x7FC0).
-inline uint16_t f32_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
-
-inline float bf16_bits_to_f32(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+// fp32 <-> bf16 exactly as c10::BFloat16 does (csrc/bf16.h)
+inline uint16_t f32_to_bf16_bits(float f) { return tokenserve::f32_to_bf16(f); }
+inline float bf16_bits_to_f32(uint16_t b) { return tokenserve::bf16_to_f32(b); }
 
 // Position of column c (0..15) inside a packed bf16 16-group (see the layout above).
 inline int64_t bf16_slot(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "cpu_features.h"
+#include "bf16.h"
 #include "registry.h"
 
 // GCC contracts a*b+c into an FMA in C++ by default (-ffp-contract=fast), also across
@@ -36,26 +37,11 @@ std::atomic<bool> g_force_portable{false};
 
 bool use_avx2() { return tokenserve::cpu_features().avx2_fma && !g_force_portable.load(); }
 
-// ---- bf16 <-> fp32, bit-exact with c10::BFloat16 (round to nearest even, NaN -> 0x7FC0) ----
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-inline float load1(const float* p) { return *p; }
-inline float load1(const BFloat16* p) { return bf16_to_f32(reinterpret_cast<const uint16_t&>(*p)); }
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(BFloat16* p, float v) { reinterpret_cast<uint16_t&>(*p) = f32_to_bf16(v); }
+// bf16 <-> fp32, bit-exact with c10::BFloat16 (csrc/bf16.h)
+using tokenserve::bf16_to_f32;
+using tokenserve::f32_to_bf16;
+using tokenserve::load1;
+using tokenserve::store1;
 // Round an fp32 value to T and back (identity for float).
 template <typename T> inline float round_to(float v);
 template <> inline float round_to<float>(float v) { return v; }

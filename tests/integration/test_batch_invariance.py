@@ -24,7 +24,6 @@ import torch
 from tokenserve.config import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.engine.sampler import make_generator
 from tokenserve.messages import GenerateRequest, ScheduledSeq, StepPlan
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model

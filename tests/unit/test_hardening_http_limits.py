@@ -29,7 +29,7 @@ async def ok(request: HttpRequest, response: HttpResponse) -> None:
 
 
 @contextlib.asynccontextmanager
-async def server(**limits: float | int | None) -> AsyncIterator[int]:
+async def server(**limits: float | None) -> AsyncIterator[int]:
     srv = HttpServer(ok, limits=HttpLimits(**limits))  # type: ignore[arg-type]
     await srv.start("127.0.0.1", 0)
     try:

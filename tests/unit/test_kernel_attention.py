@@ -160,7 +160,7 @@ def _invariance(dtype, H, Hkv, D, bs, path, L=70, prefix=23):
     case = Case([L], [L], H=H, Hkv=Hkv, D=D, bs=bs, dtype=dtype, seed=1)
     bt, q = case.block_tables, case.q
     full = case.run(path)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
 
     # decode: sequence p has q_len 1 and context p + 1, same block table
     dec = case.run(path, block_tables=bt.repeat(L, 1),

@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from tokenserve.ops import load_kernels
-from tokenserve.ops.layer_ref import (copy_blocks_ref, positions_and_slots_ref, rope_cos_sin,
-                                      rotary_embedding_write_kv_ref)
+from tokenserve.ops.layer_ref import (
+    copy_blocks_ref,
+    positions_and_slots_ref,
+    rope_cos_sin,
+    rotary_embedding_write_kv_ref,
+)
 
 C = load_kernels()
 pytestmark = pytest.mark.skipif(C is None, reason="tokenserve._C not built")

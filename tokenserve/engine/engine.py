@@ -22,8 +22,8 @@ import time
 from tokenserve.config import EngineConfig, select_device
 from tokenserve.engine.block_pool import BlockPool
 from tokenserve.engine.executor import ExecutorActor
-from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.engine.info import EngineInfo, EngineStats
+from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import SchedulerActor

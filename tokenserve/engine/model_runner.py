@@ -62,7 +62,7 @@ class ModelRunner:
                   if s.generator is not None}
         try:
             return self._step(plan.step_id, plan.seqs, t0)
-        except Exception as exc:  # noqa: BLE001 - isolated below, re-raised for one seq
+        except Exception as exc:
             if len(plan.seqs) == 1:
                 raise
             log.warning("step %d failed (%s: %s); re-running its %d requests one by one",

@@ -17,7 +17,6 @@ engine fails that request alone); the other rows are unaffected.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -40,8 +39,6 @@ from tokenserve.ops.sampling import (  # noqa: F401 - re-exported for tests and 
 )
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
-_KERNEL_CACHE: dict[tuple[str, str], object] = {}
-
 
 def make_generator(seed: int) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded with ``seed`` (int in ``[0, 2^63-1]``).
@@ -57,15 +54,10 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def kernel():
-    """``tokenserve._C.sample`` when the extension is loaded and has it, else None.
-
-    Cached per value of ``TOKENSERVE_DISABLE_C`` / ``TOKENSERVE_KERNELS_SO``.
-    """
-    key = (os.environ.get("TOKENSERVE_DISABLE_C", ""), os.environ.get("TOKENSERVE_KERNELS_SO", ""))
-    if key not in _KERNEL_CACHE:
-        mod = load_kernels()
-        _KERNEL_CACHE[key] = getattr(mod, "sample", None) if mod is not None else None
-    return _KERNEL_CACHE[key]
+    """``tokenserve._C.sample`` when the extension is loaded and has it, else None
+    (``load_kernels`` is a ``sys.modules`` look-up after the first call)."""
+    mod = load_kernels()
+    return getattr(mod, "sample", None) if mod is not None else None
 
 
 def sample(

@@ -36,17 +36,18 @@ SIGTERM or SIGINT (``tokenserve serve``)::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import sys
-import functools
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from tokenserve.http import management
 from tokenserve.http.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
     EngineClient,
@@ -61,7 +62,6 @@ from tokenserve.http.api.triton import TritonApi
 from tokenserve.http.api.vllm import VllmApi
 from tokenserve.http.context import ServeContext
 from tokenserve.http.cycle import HttpRequest, HttpResponse
-from tokenserve.http import management
 from tokenserve.http.drain import drain
 from tokenserve.http.errors import HttpError
 from tokenserve.http.limits import HttpLimits

@@ -92,13 +92,13 @@ class ServedConfig:
     memory in GB (config.md ``npuMemSize`` / ``cpuMemSize``; [I] the KV cache size goes
     to the one that matches the device, the other keeps its "unset" value)."""
 
-    modelName: str  # noqa: N815 - the wire names
-    maxSeqLen: int  # noqa: N815
-    npuMemSize: float  # noqa: N815
-    cpuMemSize: float  # noqa: N815
-    worldSize: int  # noqa: N815
-    maxOutputLen: int  # noqa: N815
-    cacheBlockSize: int  # noqa: N815
+    modelName: str
+    maxSeqLen: int
+    npuMemSize: float
+    cpuMemSize: float
+    worldSize: int
+    maxOutputLen: int
+    cacheBlockSize: int
 
     @classmethod
     def build(cls, model_name: str, max_seq_len: int, kv_cache_bytes: int,

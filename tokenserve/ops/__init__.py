@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -33,9 +34,12 @@ def load_kernels() -> ModuleType | None:
     try:
         if dev := os.environ.get("TOKENSERVE_KERNELS_SO"):  # a tools/dev_kernels.py build
             name = Path(dev).name.split(".")[0]
-            spec = importlib.util.spec_from_file_location(name, dev)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
+            mod = sys.modules.get(name)
+            if mod is None:
+                spec = importlib.util.spec_from_file_location(name, dev)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                sys.modules[name] = mod
         else:
             mod = importlib.import_module("tokenserve._C")
     except ImportError:
