@@ -24,6 +24,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from tokenserve.http.api.engine_client import engine_healthy
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Router
 from tokenserve.messages import EngineOverloadedError, FinishReason, GenerateRequest
@@ -118,12 +119,7 @@ def register(router: Router, engine: EngineClient, served: ServedConfig | None) 
             wait_s = parse_wait(request.path_params.get("n"))
         except ValueError as exc:
             raise HttpError(404, str(exc)) from None
-        try:
-            healthy = bool(engine.is_healthy())
-        except Exception:
-            logger.exception("engine health check failed")
-            healthy = False
-        if not healthy:
+        if not engine_healthy(engine):
             await response.send(503, b"", "application/json")
             return
         try:

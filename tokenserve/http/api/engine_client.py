@@ -11,6 +11,7 @@ Implemented by :class:`tokenserve.engine.engine.AsyncEngine` (and the tests' fak
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from tokenserve.engine.info import EngineInfo, EngineStats
@@ -34,3 +35,13 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool: ...
 
     def generate(self, request: GenerateRequest) -> RequestHandle: ...
+
+
+def engine_healthy(engine: EngineClient) -> bool:
+    """``engine.is_healthy()``, with a health check that raises counted (and logged) as
+    unhealthy: a probe answers 503, never 500."""
+    try:
+        return bool(engine.is_healthy())
+    except Exception:  # noqa: BLE001 - any failure of the check means "not healthy"
+        logging.getLogger(__name__).exception("engine health check failed")
+        return False

@@ -38,6 +38,7 @@ from tokenserve.http.api.common import (
     run_stream,
     sse,
 )
+from tokenserve.http.api.engine_client import engine_healthy
 from tokenserve.http.api.fields import (
     INT32_MAX,
     Bounds,
@@ -166,12 +167,7 @@ class TgiApi(FamilyApi):
         ``model_dtype`` the dtype the weights are served in; ``max_input_length`` is
         ``max_model_len - 1`` (the prompt must leave room for one token)."""
         eng = self._engine
-        try:
-            healthy = bool(eng.is_healthy())
-        except Exception:
-            logger.exception("engine health check failed")
-            healthy = False
-        if not healthy:
+        if not engine_healthy(eng):
             await response.send(503, b"", "application/json")
             return
         info = self._info
