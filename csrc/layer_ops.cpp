@@ -22,6 +22,7 @@
 #include "cpu_features.h"
 #include "bf16.h"
 #include "registry.h"
+#include "vec_avx2.h"
 
 // GCC contracts a*b+c into an FMA in C++ by default (-ffp-contract=fast), also across
 // intrinsics; that would make the AVX2 and portable paths (and torch) round differently.
@@ -95,27 +96,7 @@ TS_AVX2 inline float reduce8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));   // (t0+t2)+(t1+t3)
 }
 
-// exp(x) in fp32 (Cephes-style range reduction + degree-5 polynomial, ~1 ulp); exp(x) = inf
-// for x > 88.376, 0 below -88.376, NaN stays NaN.
-TS_AVX2 inline __m256 exp8(__m256 x0) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-  __m256 x = _mm256_min_ps(_mm256_max_ps(x0, lo), hi);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201E-1f));
-  __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x0, hi, _CMP_GT_OQ));
-  return _mm256_blendv_ps(y, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q));
-}
+using tokenserve::exp8;  // csrc/vec_avx2.h
 #endif
 
 // ---------------------------------------------------------------------------------------
