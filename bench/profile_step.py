@@ -85,11 +85,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--no-c", action="store_true", help="torch references only")
+    ap.add_argument("--quantization", default="none", choices=["none", "gguf", "auto"],
+                    help="gguf: the default GGUF's own Q4_1/Q8_0 blocks (csrc/quant.cpp)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     d = resolve_model(None)
     cfg = ModelConfig.from_dir(d)
-    model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, dtype), dtype,
+    model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, dtype, args.quantization), dtype,
                                              torch.device("cpu"), Kernels(use_c=not args.no_c))
     print(f"# {cpu_summary()}")
     print(f"# kernels: {model.kernels.describe()}; GEMM: {model.lm_head.backend}; {args.dtype}")

@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import replace
 
-from tokenserve.config import DTYPES, check_model_path, select_device
+from tokenserve.config import DTYPES, PdConfig, check_model_path, select_device
 from tokenserve.http.tls import CERT_REQS, TlsSettings
 from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
 
@@ -97,12 +97,35 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-cert-reqs", type=int, choices=sorted(CERT_REQS), default=None,
                    help="client certificate on the business and metrics planes: 0 not "
                         "asked, 1 optional, 2 required (default 0)")
+    s.add_argument("--role", choices=["prefill", "decode", "flex"], default=None,
+                   help="PD disaggregation: serve as a prefill, decode or flex instance "
+                        "(implies --infer-mode dmi)")
+    s.add_argument("--infer-mode", choices=["standard", "dmi"], default=None,
+                   help="standard (mixed, default) or dmi (PD; the role may then come from "
+                        "POST /v1/role/{role})")
+    s.add_argument("--advertise-ip", default=None, metavar="IP",
+                   help="PD: the address other hosts reach this instance at (d-target, KV "
+                        "transfer); default --host (required when --host is 0.0.0.0)")
+    s.add_argument("--kv-trans-timeout", type=float, default=None, metavar="S",
+                   help="PD: seconds a prefill instance holds a request's KV blocks for "
+                        "the decode instance (MindIE kv_trans_timeout; default 10)")
+    s.add_argument("--kv-protocol", choices=["tcp", "rdma"], default=None,
+                   help="PD: Mooncake transport for the KV hand-off (default tcp)")
     s.add_argument("--log-level", default="INFO")
+    from tokenserve.pd.coordinator import add_parser as add_coordinator_parser
+
+    add_coordinator_parser(sub)
+    s.add_argument("--quantization", choices=["auto", "none", "gguf"], default=None,
+                   help="gguf: compute with a GGUF model's own Q4_0/Q4_1/Q8_0 blocks; none: "
+                        "--dtype weights; default auto: gguf for a .gguf model (the default "
+                        "model included) at bfloat16 with --max-batch-size <= 8, where it is "
+                        "faster, else none (config.json ModelConfig quantization)")
     return p
 
 
 #: serve flags that override EngineConfig fields of the same name
-_ENGINE_FLAGS = ("model", "served_model_name", "dtype", "device", "max_batch_size",
+_ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device",
+                 "max_batch_size",
                  "max_num_batched_tokens", "max_prefill_batch_size", "kv_cache_bytes",
                  "block_size", "max_seq_len", "max_input_len", "max_iter_times",
                  "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
@@ -132,8 +155,39 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("--timeout-graceful-shutdown must be >= 0 seconds")
         srv["drain_timeout_s"] = args.timeout_graceful_shutdown
     srv.update(_tls_flags(args))
-    out = ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv))
+    pd = _pd_flags(args, cfg.pd, srv.get("host", cfg.server.host))
+    if args.kv_trans_timeout is not None:
+        eng["kv_trans_timeout_s"] = args.kv_trans_timeout
+    out = ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv),
+                      pd=pd)
     check_model_path(out.engine.model)
+    return out
+
+
+def _pd_flags(args: argparse.Namespace, pd: PdConfig, host: str) -> PdConfig:
+    """PD settings: config.json, then ``--infer-mode``, ``--role`` (implies dmi),
+    ``--advertise-ip`` (default: the business host), ``--kv-*``.
+
+    Raises:
+        ValueError: dmi on an all-zeros host without ``--advertise-ip``, or bad values.
+    """
+    changes: dict = {}
+    if args.infer_mode is not None:
+        changes["infer_mode"] = args.infer_mode
+    if args.role is not None:
+        changes["role"] = args.role
+        changes["infer_mode"] = "dmi"
+    if args.kv_trans_timeout is not None:
+        changes["kv_trans_timeout_s"] = args.kv_trans_timeout
+    if args.kv_protocol is not None:
+        changes["kv_protocol"] = args.kv_protocol
+    if args.advertise_ip is not None:
+        changes["ip_address"] = args.advertise_ip
+    elif host not in ("0.0.0.0", "::"):
+        changes["ip_address"] = host
+    out = replace(pd, **changes)
+    if out.pd and out.ip_address in ("0.0.0.0", "::"):
+        raise ValueError("PD needs --advertise-ip when --host listens on all interfaces")
     return out
 
 
@@ -199,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # a signal before the handlers were installed
             pass
         return 0
+    if args.command == "coordinator":
+        from tokenserve.pd.coordinator import main as coordinator_main
+
+        return coordinator_main(args)
     return 2
 
 

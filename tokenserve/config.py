@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 #: dtype names (``torch.<name>``); torch itself is imported only when needed, so the CLI
 #: answers ``--help`` and start-up errors without loading it.
 DTYPES = ("bfloat16", "float32", "float16")
+#: weight quantisation choices (``tokenserve.models.loader.resolve_quantization``)
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ class EngineConfig:
             progress at once (``maxLongPartialPrefills``).
         served_model_name: the name APIs report (MindIE ``modelName``); None = the
             model's own name.
+        quantization: ``gguf`` computes with a GGUF model's own Q4_0/Q4_1/Q8_0 blocks
+            (3x fewer weight bytes than bf16), ``none`` with ``dtype`` weights, ``auto``
+            (default) ``gguf`` for a GGUF model at ``bfloat16`` with ``max_batch_size`` <= 8
+            (where it is faster) and ``none`` otherwise (config.json:
+            ``ModelConfig[0].quantization``).
+        kv_trans_timeout_s: PD prefill: seconds a request's KV blocks are held for the
+            decode instance to pull (MindIE ``kv_trans_timeout``, spec
+            pd_disaggregation.md §8.2).
     """
 
     model: str | None = None
@@ -72,8 +82,13 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_long_partial_prefills: int = 1
     served_model_name: str | None = None
+    quantization: str = "auto"
+    kv_trans_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda", "npu"):
@@ -86,7 +101,7 @@ class EngineConfig:
         for name in ("max_seq_len", "max_input_len"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.token_timeout_s <= 0 or self.e2e_timeout_s <= 0:
+        if self.token_timeout_s <= 0 or self.e2e_timeout_s <= 0 or self.kv_trans_timeout_s <= 0:
             raise ValueError("timeouts must be > 0 seconds")
 
     @property
@@ -159,3 +174,45 @@ def check_model_path(path: str | None) -> None:
                          "no model_type")
     if not any(p.glob("*.safetensors")):
         raise ValueError(f"model path {p} has no *.safetensors weights")
+
+
+#: PD roles (spec/pd_disaggregation.md §1).
+ROLES = ("prefill", "decode", "flex")
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """PD settings (config.md ``ServerConfig.inferMode``, ``interCommPort``; ModelConfig
+    ``kv_trans_timeout``, ``kv_link_timeout``).
+
+    Attributes:
+        infer_mode: ``standard`` (mixed) or ``dmi`` (PD).
+        role: ``prefill``, ``decode`` or ``flex``; None: wait for ``POST /v1/role``.
+        ip_address: the address peers and the coordinator reach this instance at (its
+            ``d-target`` / ``pNodeAddr``; never assume loopback across hosts).
+        p_percentage: flex only: share of work taken as a prefill instance, [0, 100].
+        kv_protocol: Mooncake transport, ``tcp`` (CPU) or ``rdma``.
+        kv_device: RDMA device name(s) for Mooncake; ``""`` for tcp.
+        kv_trans_timeout_s: seconds P holds a request's blocks for D; seconds D waits
+            for a hand-off call.
+    """
+
+    infer_mode: str = "standard"
+    role: str | None = None
+    ip_address: str = "127.0.0.1"
+    p_percentage: int = 50
+    kv_protocol: str = "tcp"
+    kv_device: str = ""
+    kv_trans_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.infer_mode not in ("standard", "dmi"):
+            raise ValueError(f"inferMode must be standard or dmi, got {self.infer_mode!r}")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0 <= self.p_percentage <= 100:
+            raise ValueError("p_percentage must be in [0, 100]")
+
+    @property
+    def pd(self) -> bool:
+        return self.infer_mode == "dmi"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # client disconnected or stopInfer
     TIMEOUT = "timeout"  # client timeout, tokenTimeout or e2eTimeout fired
     ERROR = "error"  # the executor failed
+    #: PD decode instance: the request was evicted (KV blocks ran out) and must be
+    #: recomputed by a prefill instance (spec/pd_disaggregation.md §7.1: ``retry:``)
+    RECOMPUTE = "recompute"
 
 
 # --------------------------------------------------------------------------- HTTP -> engine
@@ -41,6 +45,53 @@ class FinishReason(str, enum.Enum):
 class EngineOverloadedError(RuntimeError):
     """Raised by ``AsyncEngine.generate`` when its waiting queue is full
     (``EngineConfig.max_queue_size``); the HTTP layer answers 503 at once."""
+
+
+@dataclass(frozen=True)
+class KvAdoption:
+    """A request whose first output tokens were generated elsewhere (PD: on a prefill
+    instance, or before a recompute; spec/pd_disaggregation.md §5.2, §7.4).
+
+    The engine starts it with ``prompt + output_token_ids`` and first puts one ``replay``
+    output carrying ``output_token_ids`` and their text (already delivered to the client:
+    the consumer renders it to restore its own state and sends nothing), then continues.
+
+    Attributes:
+        output_token_ids: tokens generated so far, in order (len >= 1 on a decode
+            instance; may be empty only with ``num_computed == 0``).
+        generator_state: ``torch.Generator.get_state()`` bytes after the last draw, so a
+            seeded sampled request continues identically; None: a fresh generator from the
+            seed, advanced one draw per output token (recompute).
+        num_computed: tokens whose K/V are pulled from ``source`` instead of computed here
+            (positions ``[0, num_computed)``); 0: compute everything (recompute on P).
+        source: opaque to the engine: where the K/V are, handed to the engine's KV puller.
+        num_cached_tokens: prompt tokens the first instance found in its prefix cache
+            (reported in usage as if computed here).
+    """
+
+    output_token_ids: tuple[int, ...]
+    generator_state: bytes | None = None
+    num_computed: int = 0
+    source: Any = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KvHandoff:
+    """What a prefill-only request leaves for a decode instance (spec §5.2 ``blockTable``).
+
+    Attributes:
+        block_table: this instance's KV blocks covering positions ``[0, num_computed)``;
+            held until ``AsyncEngine.release`` or the park timeout.
+        num_computed: tokens whose K/V are in those blocks (the prompt, plus any
+            recomputed outputs; the newest sampled token has no K/V yet).
+        generator_state: ``torch.Generator.get_state()`` bytes after the first token's
+            draw (None for a greedy request).
+    """
+
+    block_table: tuple[int, ...]
+    num_computed: int
+    generator_state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +106,10 @@ class GenerateRequest:
         timeout_s: the client's ``timeout`` (seconds), or None; the engine also applies
             the server's ``tokenTimeout`` / ``e2eTimeout`` (spec config.md §1).
         arrival_time: ``time.monotonic()`` when the HTTP request arrived (seconds).
+        prefill_only: PD prefill instance: after the first token the request is parked
+            with its KV blocks held (its output carries a :class:`KvHandoff`) until
+            ``AsyncEngine.release`` or the park timeout (``kv_trans_timeout``).
+        adopt: the request's first tokens were generated elsewhere (:class:`KvAdoption`).
     """
 
     request_id: str
@@ -63,6 +118,8 @@ class GenerateRequest:
     priority: int = 5
     timeout_s: float | None = None
     arrival_time: float = 0.0
+    prefill_only: bool = False
+    adopt: KvAdoption | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +131,18 @@ class AbortRequest:
     request_id: str
     reason: FinishReason = FinishReason.ABORT
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class KvPulled:
+    """The engine's KV puller finished pulling an adopted request's blocks (``error``:
+    why it failed, e.g. ``Pull kv failed irreversibly.``; spec §6.1)."""
+
+    request_id: str
+    error: str | None = None
+    #: the pull timed out: the source may still write into the destination blocks, so
+    #: they are never reused (counted in ``Scheduler.num_quarantined_blocks``)
+    quarantine: bool = False
 
 
 # --------------------------------------------------------------------------- engine -> HTTP
@@ -122,6 +191,9 @@ class RequestOutput:
         queue_time_ms: on the first output: arrival -> first scheduled (ms).
         num_cached_tokens: prompt tokens served from the prefix cache (OpenAI
             ``usage.prompt_tokens_details.cached_tokens``).
+        replay: this output re-delivers tokens generated elsewhere (a
+            :class:`KvAdoption`'s); never merged with other outputs.
+        handoff: on a prefill-only request's first output: its parked KV blocks.
     """
 
     request_id: str
@@ -139,6 +211,8 @@ class RequestOutput:
     stop_reason: str | int | None = None
     queue_time_ms: float | None = None
     num_cached_tokens: int = 0
+    replay: bool = False
+    handoff: KvHandoff | None = None
 
 
 # --------------------------------------------------------------------------- scheduler <-> executor

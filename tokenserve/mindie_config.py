@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tokenserve.config import EngineConfig
+from tokenserve.config import EngineConfig, PdConfig
 from tokenserve.http.listeners import ALL_INTERFACES
 from tokenserve.http.tls import TlsSettings
 
@@ -59,6 +59,7 @@ class ServeConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerOptions = field(default_factory=ServerOptions)
+    pd: PdConfig = field(default_factory=PdConfig)
 
 
 def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str,
@@ -153,11 +154,16 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
     if not isinstance(models, list) or len(models) > 1:
         raise ValueError(f"config {w}.ModelConfig: expected a list of at most one model")
     model, name, kv_bytes = eng.model, eng.served_model_name, eng.kv_cache_bytes
+    quantization = eng.quantization
+    mc_kv_timeout = None
     if models:
         mc, w2 = models[0], f"{w}.ModelConfig[0]"
         if not isinstance(mc, dict):
             raise ValueError(f"config {w2}: expected an object")
         name = _get(mc, "modelName", str, w2, default=name)
+        mc_kv_timeout = _get(mc, "kv_trans_timeout", int, w2, default=None)
+        if mc_kv_timeout is not None and mc_kv_timeout <= 0:
+            mc_kv_timeout = 1  # spec pd §8.1: values <= 0 become 1
         if name is not None and not _valid_model_name(name):
             raise ValueError(f"config {w2}.modelName: {name!r} must match "
                              "^[A-Za-z0-9_.-]{1,256}$ and start/end alphanumeric")
@@ -165,6 +171,8 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
         if model is not None and not model.strip():
             raise ValueError(f"config {w2}.modelWeightPath: must name a model directory, "
                              "got an empty string")
+        # ours (MindIE reads it from the weights): none | gguf | auto, see EngineConfig
+        quantization = _get(mc, "quantization", str, w2, default=quantization)
         npu_gb = _get(mc, "npuMemSize", int, w2, -1, 2**31 - 1, -1)
         cpu_gb = _get(mc, "cpuMemSize", int, w2, 0, None, 0)
         if npu_gb == 0:
@@ -180,6 +188,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
                          eng.max_prefill_batch_size) or max_batch
     eng = replace(
         eng, model=model, served_model_name=name, kv_cache_bytes=kv_bytes,
+        quantization=quantization,
         max_seq_len=max_seq_len, max_input_len=max_input,
         block_size=_get(sch, "cacheBlockSize", int, w, 1, 128, eng.block_size),
         max_batch_size=max_batch, max_prefill_batch_size=prefill_batch,
@@ -194,7 +203,12 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
             sch, "maxLongPartialPrefills", int, w, 1,
             _get(sch, "maxNumPartialPrefills", int, w, 1, 64, 64),
             eng.max_long_partial_prefills))
-    return ServeConfig(engine=eng, server=srv)
+    pd = replace(base.pd, infer_mode=_get(sc, "inferMode", str, w, default=base.pd.infer_mode),
+                 ip_address=host if host not in ("0.0.0.0", "::") else base.pd.ip_address)
+    if mc_kv_timeout is not None:
+        eng = replace(eng, kv_trans_timeout_s=float(mc_kv_timeout))
+        pd = replace(pd, kv_trans_timeout_s=float(mc_kv_timeout))
+    return ServeConfig(engine=eng, server=srv, pd=pd)
 
 
 def _valid_model_name(name: str) -> bool:

@@ -85,3 +85,31 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "integration" in str(item.fspath):
             item.add_marker(pytest.mark.model)
+
+
+@pytest.fixture(scope="session")
+def pd(tmp_path_factory):
+    """Real PD processes (tests/integration/pd_cluster.py), shared by the PD tests: a
+    prefill ``p``, decode ``d`` and ``d2``, a decode ``tiny`` whose KV cache holds 24
+    blocks (long generations get evicted) and a ``mixed`` instance for reference outputs.
+    Stopped at the end. (Coordinators are per module: a decode instance serves one
+    ``/dresult`` consumer.)"""
+    from tests.integration.pd_cluster import instance
+
+    tmp = tmp_path_factory.mktemp("pd")
+    procs = {
+        "p": instance("p", tmp, "--role", "prefill"),
+        "d": instance("d", tmp, "--role", "decode"),
+        "d2": instance("d2", tmp, "--role", "decode"),
+        "tiny": instance("tiny", tmp, "--role", "decode", kv_bytes=24 * 16 * 23040),
+        "mixed": instance("mixed", tmp),
+    }
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()

@@ -67,6 +67,7 @@ class AsyncEngine:
                             cfg.max_prefill_batch_size, cfg.enable_chunked_prefill,
                             cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills,
                             eos_token_ids=eos), self.pool)
+        self.scheduler.park_timeout_s = cfg.kv_trans_timeout_s
         #: longest prompt the KV cache can hold, leaving room for one token
         kv_tokens = runner.num_blocks * cfg.block_size - 1
         self.info = EngineInfo(
@@ -82,6 +83,7 @@ class AsyncEngine:
             device=device or (cfg.device if cfg.device != "auto" else "cpu"),
             dtype=cfg.dtype)
         self.executor = executor if executor is not None else ExecutorActor(runner)
+        self._runner = runner
         self._streams: dict[str, RequestHandle] = {}
         self.actor = SchedulerActor(
             self.scheduler, self.executor, tokenizer, self._streams,
@@ -108,7 +110,8 @@ class AsyncEngine:
 
         def load() -> ModelRunner:
             model = LlamaForCausalLM.from_state_dict(
-                model_cfg, load_weights(model_dir, cfg.torch_dtype), cfg.torch_dtype, device)
+                model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization, cfg.model,
+                                        cfg.max_batch_size), cfg.torch_dtype, device)
             per_block = model.kv_bytes_per_token() * cfg.block_size
             num_blocks = cfg.kv_cache_bytes // per_block
             if num_blocks < 1:
@@ -211,6 +214,29 @@ class AsyncEngine:
             return
         reason = FinishReason.ABORT if error is None else FinishReason.ERROR
         self.actor.inbox.put_nowait(AbortRequest(request_id, reason, error))
+
+    # ------------------------------------------------------------------ PD
+
+    @property
+    def kv_region(self):
+        """The KV cache: one contiguous tensor ``[layers, 2, num_blocks, Hkv, block_size,
+        head_dim]`` (model dtype) for a KV transfer engine to register (PD)."""
+        return self._runner.kv_region
+
+    def set_kv_puller(self, puller) -> None:
+        """PD decode: ``puller(source, dst_blocks, num_tokens)`` fills this instance's
+        ``dst_blocks`` with the K/V of positions ``[0, num_tokens)`` from ``source`` (a
+        ``KvAdoption.source``); blocking, run in a worker thread; raises on failure."""
+        self.actor.kv_puller = puller
+
+    def release(self, request_id: str) -> bool:
+        """PD prefill: the decode instance has the request's K/V: free its parked blocks
+        (spec §8.1 ``ReleaseKVCacheChannel``). False when it is not in the engine."""
+        handle = self._streams.get(request_id)
+        if handle is None:
+            return False
+        self._abort(request_id, None)
+        return True
 
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its KV blocks are freed before the next step."""

@@ -36,6 +36,10 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        #: every layer's K and V in one contiguous tensor ``[layers, 2, num_blocks, Hkv,
+        #: block_size, D]`` (what a KV transfer engine registers, PD)
+        self.kv_region = self.kv_caches[0][0]._base
+        assert self.kv_region is not None and self.kv_region.is_contiguous()
         #: test hook: called with each (sub-)plan's seqs before its forward pass; raising
         #: there injects a fault into the step (tests of per-request failure isolation)
         self.fault_hook: Callable[[list[ScheduledSeq]], None] | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 from tokenserve.messages import RequestOutput
 
@@ -50,6 +51,8 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         stop_reason=last.stop_reason,
         queue_time_ms=first.queue_time_ms,
         num_cached_tokens=last.num_cached_tokens,
+        replay=first.replay,
+        handoff=next((o.handoff for o in outs if o.handoff is not None), None),
     )
 
 
@@ -61,6 +64,9 @@ class Signal(asyncio.Event):
     def __init__(self) -> None:
         super().__init__()
         self._subscribers: list[Callable[[], None]] = []
+        #: PD: what watches the engine outputs of the request this signal belongs to
+        #: (``tokenserve.http.api.engine_stream.StreamObserver``); None outside PD
+        self.observer: Any = None
 
     def subscribe(self, fn: Callable[[], None]) -> None:
         self._subscribers.append(fn)
@@ -128,7 +134,12 @@ class RequestHandle:
         """Everything pending, merged, without waiting; None when nothing is."""
         if not self._pending:
             return None
-        outs, self._pending = self._pending, []
+        # a replay (tokens generated elsewhere, rendered but not sent) is never merged
+        # with fresh outputs: the consumer must see where it ends
+        n = 1
+        while n < len(self._pending) and self._pending[n].replay == self._pending[0].replay:
+            n += 1
+        outs, self._pending = self._pending[:n], self._pending[n:]
         out = merge_outputs(outs)
         self.finished = out.finished
         return out

@@ -6,6 +6,12 @@ States::
        ^                     |
        +----- preempt -------+   (blocks freed, recomputed from scratch on resume)
 
+    PD prefill (prefill_only):  RUNNING --first token--> PARKED (blocks held for the
+                                decode instance) --release/timeout--> FINISHED
+    PD decode (pull_tokens > 0): WAITING --blocks--> PULLING --KV pulled--> RUNNING;
+                                 preempted -> FINISHED (RECOMPUTE: a prefill instance
+                                 recomputes it, spec/pd_disaggregation.md §7)
+
     any state --abort/timeout--> FINISHED
 """
 
@@ -24,6 +30,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue after losing its blocks
+    PARKED = "parked"  # PD prefill done: blocks held until the decode instance pulls them
+    PULLING = "pulling"  # PD decode: blocks allocated, K/V being pulled from the prefill
     FINISHED = "finished"
 
 
@@ -39,6 +47,11 @@ class Request:
         deadline: absolute ``time.monotonic()`` (s) past which the request times out,
             and ``deadline_reason`` the name MindIE gives it (spec §0.4 step 9).
         token_timeout_s: the server's ``tokenTimeout``: max seconds between tokens.
+        prefill_only: park after the first token (PD prefill instance).
+        pull_tokens: K/V of positions ``[0, pull_tokens)`` are pulled from another
+            instance instead of computed (PD decode); 0 once pulled or when none.
+        recompute_elsewhere: on preemption, end with ``RECOMPUTE`` instead of being
+            recomputed here (PD decode: it cannot prefill).
     """
 
     request_id: str
@@ -68,6 +81,9 @@ class Request:
     #: memo of the prefix-cache keys of the prompt's full blocks: (num_tokens, keys);
     #: a waiting request's tokens do not change, so they are hashed once, not per step
     prefix_keys: tuple[int, list] | None = field(default=None, repr=False)
+    prefill_only: bool = False
+    pull_tokens: int = 0
+    recompute_elsewhere: bool = False
 
     @property
     def num_tokens(self) -> int:

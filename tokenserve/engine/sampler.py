@@ -53,6 +53,31 @@ def make_generator(seed: int) -> torch.Generator:
     return gen
 
 
+def generator_state(gen: torch.Generator | None) -> bytes | None:
+    """``gen``'s state as bytes (travels to another instance in PD, spec §5.2); None
+    for None."""
+    return None if gen is None else gen.get_state().numpy().tobytes()
+
+
+def restore_generator(seed: int, state: bytes | None, draws: int = 0) -> torch.Generator:
+    """A generator that continues a request begun elsewhere: ``state`` (from
+    :func:`generator_state`) when given, else seeded with ``seed`` and advanced by
+    ``draws`` uniforms (one per token already sampled: see :func:`sample`).
+
+    Raises:
+        ValueError: a seed out of range or a state of the wrong size.
+    """
+    gen = make_generator(seed)
+    if state is not None:
+        try:
+            gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except RuntimeError as exc:
+            raise ValueError(f"bad generator state: {exc}") from None
+    elif draws:
+        torch.rand(draws, generator=gen)
+    return gen
+
+
 def kernel():
     """``tokenserve._C.sample`` when the extension is loaded and has it, else None
     (``load_kernels`` is a ``sys.modules`` look-up after the first call)."""

@@ -30,6 +30,16 @@ request of strictly higher priority than a running one also preempts it when the
 or the KV cache is full, so urgent work never waits behind a long queue of bulk work
 (but not for a request the long-prefill slots hold back: it could not start anyway).
 
+PD disaggregation (spec/pd_disaggregation.md): on a prefill instance a ``prefill_only``
+request is *parked* after its first token, its blocks held for the decode instance to
+pull, until :meth:`Scheduler.finish` (release) or its park deadline. On a decode instance
+a request with ``pull_tokens`` is admitted by allocating blocks for those tokens and
+moving to PULLING (not computed; the actor pulls them) until :meth:`Scheduler.pulled`
+makes it RUNNING; evicting such a request (``recompute_elsewhere``) ends it with
+``RECOMPUTE`` instead of queueing it again. Blocks of a request that ends while its
+pull is in flight stay reserved until the pull returns (nothing may write into a block
+another request owns).
+
 Admission looks the prompt up in the prefix cache first (see ``block_pool.py``): the
 cached blocks are shared, and only the rest is computed. The hit is capped so at least
 one token is computed, since the last position's logits are needed to sample.
@@ -98,6 +108,19 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []  # in admission order
+        self.parked: dict[str, Request] = {}  # PD prefill: blocks held for a decode
+        self.pulling: dict[str, Request] = {}  # PD decode: K/V being pulled
+        #: blocks of requests that ended while their pull was in flight: freed by pulled()
+        self._pull_orphans: dict[str, list[int]] = {}
+        #: blocks a timed-out pull may still write into: never reused (logged, counted)
+        self.quarantined: list[int] = []
+        #: PD decode: requests that started pulling in the last schedule() (the actor
+        #: starts their pulls) and requests evicted for recompute elsewhere (the actor
+        #: ends them); both drained with take_pd_events()
+        self._new_pulls: list[Request] = []
+        self._evicted: list[Request] = []
+        #: seconds a parked request keeps its blocks (``kv_trans_timeout``)
+        self.park_timeout_s = 10.0
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found there
@@ -135,6 +158,12 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.PARKED:
+            del self.parked[request_id]
+        elif req.status is RequestStatus.PULLING:
+            del self.pulling[request_id]
+            self._pull_orphans[request_id] = req.block_table  # the pull still writes them
+            req.block_table = []
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
@@ -161,7 +190,45 @@ class Scheduler:
         return best
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Anything queued, running, parked for a decode instance or pulling K/V."""
+        return bool(self.running or self.waiting or self.parked or self.pulling
+                    or self._pull_orphans)
+
+    def pulled(self, request_id: str, error: str | None = None,
+               quarantine: bool = False) -> Request | None:
+        """A pull started for ``request_id`` returned. On success the request runs from
+        the next step with ``pull_tokens`` computed. Returns the request when it failed
+        (``error``; the caller ends it) or None (done, or it had ended meanwhile). With
+        ``quarantine`` (a timed-out pull: late writes may still land) its blocks are
+        never reused."""
+        orphan = self._pull_orphans.pop(request_id, None)
+        if orphan is not None:
+            if quarantine:
+                self.quarantined += orphan
+            else:
+                self.pool.free(orphan)
+            return None
+        req = self.pulling.pop(request_id, None)
+        if req is None:
+            return None
+        if quarantine:
+            self.quarantined += req.block_table
+            req.block_table = []
+        if error is not None:
+            req.status = RequestStatus.WAITING  # finish() frees its blocks
+            self.waiting.append(req)
+            return req
+        req.num_computed, req.pull_tokens = req.pull_tokens, 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return None
+
+    def take_pd_events(self) -> tuple[list[Request], list[Request]]:
+        """(requests whose K/V pull must start now, requests evicted for recompute on a
+        prefill instance) since the last call."""
+        pulls, evicted = self._new_pulls, self._evicted
+        self._new_pulls, self._evicted = [], []
+        return pulls, evicted
 
     # ------------------------------------------------------------------ one step
 
@@ -246,6 +313,8 @@ class Scheduler:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.finish(req.request_id, reason)
+            elif req.prefill_only:
+                self._park(req, now)
             out.append((req, [tok]))
         return out
 
@@ -264,9 +333,15 @@ class Scheduler:
         cfg = self.cfg
         busy = self._busy_long_prefills(plan)
         admitted = j = 0
-        while (j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_batch_size
+        while (j < len(self.waiting) and budget > 0
+               and len(self.running) + len(self.pulling) < cfg.max_batch_size
                and prefills < cfg.max_prefill_batch_size):
             req = self.waiting[j]
+            if req.pull_tokens:
+                if not self._start_pull(req):
+                    break  # wait for blocks, in queue order
+                self.waiting.pop(j)
+                continue
             long_ = self._is_long(req)
             if long_ and not self._slot_free(busy, req):
                 if longs_only:
@@ -370,6 +445,19 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
         )
 
+    def _start_pull(self, req: Request) -> bool:
+        """Allocate blocks for an adopted request's pulled K/V (no prefix cache: the K/V
+        come from the other instance); False when they are not free."""
+        need = self.pool.blocks_for(req.pull_tokens)
+        if need > self.pool.num_free:
+            return False
+        req.block_table = self.pool.allocate(need)
+        req.status = RequestStatus.PULLING
+        req.first_scheduled = True
+        self.pulling[req.request_id] = req
+        self._new_pulls.append(req)
+        return True
+
     def _admit(self, req: Request, budget: int) -> bool:
         """Give a waiting request its cached prefix and blocks for its first chunk.
 
@@ -439,7 +527,24 @@ class Scheduler:
             req.block_table += self.pool.allocate(need)
         return True
 
+    def _park(self, req: Request, now: float) -> None:
+        """PD prefill: keep the blocks for the decode instance, stop scheduling."""
+        self.running.remove(req)
+        req.status = RequestStatus.PARKED
+        req.deadline, req.deadline_reason = now + self.park_timeout_s, "kv_trans_timeout"
+        req.token_timeout_s = float("inf")
+        self.parked[req.request_id] = req
+
     def _preempt(self, req: Request) -> None:
+        if req.recompute_elsewhere:  # PD decode: a prefill instance recomputes it
+            self.running.remove(req)
+            del self.requests[req.request_id]
+            self._release(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.RECOMPUTE
+            self.num_preemptions += 1
+            self._evicted.append(req)
+            return
         self.running.remove(req)
         self._release(req)
         req.num_computed = 0

@@ -22,19 +22,23 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
 from tokenserve.engine.executor import ExecutorActor
 from tokenserve.engine.output_stream import RequestHandle
-from tokenserve.engine.request import Request
-from tokenserve.engine.sampler import make_generator
+from tokenserve.engine.request import Request, RequestStatus
+from tokenserve.engine.sampler import generator_state, make_generator, restore_generator
 from tokenserve.engine.scheduler import Scheduler
 from tokenserve.engine.stop_strings import StopStringMatcher
 from tokenserve.messages import (
     AbortRequest,
     FinishReason,
     GenerateRequest,
+    KvHandoff,
+    KvPulled,
     RequestOutput,
     StepPlan,
     TokenLogprob,
@@ -87,7 +91,13 @@ class SchedulerActor:
         self.executor = executor
         self.tokenizer = tokenizer
         self.streams = streams
-        self.inbox: asyncio.Queue[GenerateRequest | AbortRequest] = asyncio.Queue()
+        self.inbox: asyncio.Queue[GenerateRequest | AbortRequest | KvPulled] = asyncio.Queue()
+        #: PD decode: ``kv_puller(source, dst_blocks, num_tokens)`` copies the K/V of
+        #: positions ``[0, num_tokens)`` from ``source`` (a KvAdoption's) into this
+        #: instance's ``dst_blocks``; blocking (run in a worker thread), raises on failure
+        self.kv_puller: Callable[[Any, list[int], int], None] | None = None
+        self._pull_tasks: set[asyncio.Task] = set()
+        self._sources: dict[str, Any] = {}  # request_id -> KvAdoption.source, until pulled
         self.max_iter_times = max_iter_times
         self.token_timeout_s = token_timeout_s
         self.e2e_timeout_s = e2e_timeout_s
@@ -114,6 +124,7 @@ class SchedulerActor:
                 continue
             self.idle.clear()
             seqs = self.scheduler.schedule()
+            self._pd_events()
             if not seqs:  # waiting work that cannot be admitted yet: wait for a message
                 delay = max(0.0, self.scheduler.next_deadline() - time.monotonic())
                 try:
@@ -143,16 +154,24 @@ class SchedulerActor:
 
     def _check_idle(self) -> None:
         pool = self.scheduler.pool
-        assert pool.all_free(), f"idle engine holds {pool.num_blocks - pool.num_free} KV blocks"
+        held = pool.num_blocks - pool.num_free - len(self.scheduler.quarantined)
+        assert held == 0, f"idle engine holds {held} KV blocks"
         self.idle.set()
 
     # ------------------------------------------------------------------ messages
 
-    def _handle(self, msg: GenerateRequest | AbortRequest) -> None:
+    def _handle(self, msg: GenerateRequest | AbortRequest | KvPulled) -> None:
         if isinstance(msg, AbortRequest):
             self._finish(msg.request_id, msg.reason, msg.error)
         elif isinstance(msg, GenerateRequest):
             self._admit(msg)
+        elif isinstance(msg, KvPulled):
+            if msg.quarantine:
+                log.error("KV pull for %s timed out: its blocks are quarantined (never "
+                          "reused)", msg.request_id)
+            failed = self.scheduler.pulled(msg.request_id, msg.error, msg.quarantine)
+            if failed is not None:
+                self._finish(msg.request_id, FinishReason.ERROR, msg.error)
         else:
             raise TypeError(f"unknown message {type(msg).__name__}")
 
@@ -163,22 +182,74 @@ class SchedulerActor:
         params = g.params
         if params.max_new_tokens > self.max_iter_times:
             params = replace(params, max_new_tokens=self.max_iter_times)
+        adopt = g.adopt
+        outputs = list(adopt.output_token_ids) if adopt is not None else []
         arrival = g.arrival_time or time.monotonic()
         deadline, reason = arrival + self.e2e_timeout_s, "server e2eTimeout"
         if g.timeout_s is not None and arrival + g.timeout_s < deadline:
             deadline, reason = arrival + g.timeout_s, "client timeout"
+        generator = None
+        if params.do_sample:
+            generator = (make_generator(params.seed) if adopt is None else restore_generator(
+                params.seed, adopt.generator_state, len(outputs)))
+        pull = adopt.num_computed if adopt is not None else 0
         req = Request(
-            request_id=g.request_id, token_ids=list(g.prompt_token_ids),
+            request_id=g.request_id, token_ids=[*g.prompt_token_ids, *outputs],
             num_prompt_tokens=len(g.prompt_token_ids), params=params, priority=g.priority,
             arrival_time=arrival, arrival_seq=next(self._seq), deadline=deadline,
             deadline_reason=reason, token_timeout_s=self.token_timeout_s,
-            generator=make_generator(params.seed) if params.do_sample else None)
+            generator=generator, prefill_only=g.prefill_only, pull_tokens=pull,
+            recompute_elsewhere=pull > 0,
+            num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0)
         detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids,
                                        params.skip_special_tokens)
-        self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
+        try:
+            self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
+        except ValueError as exc:  # adopted tokens beyond max_seq_len or the KV cache
+            self.streams.pop(g.request_id, None)
+            stream.put(RequestOutput(g.request_id, (), "", True, FinishReason.ERROR,
+                                     len(g.prompt_token_ids), len(outputs), error=str(exc)))
+            return
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)
-        self._tracked[g.request_id] = _Tracked(stream, detok, stop, arrival, params.seed)
+        t = _Tracked(stream, detok, stop, arrival, params.seed)
+        self._tracked[g.request_id] = t
+        if pull:
+            self._sources[g.request_id] = adopt.source
+        if outputs:  # generated elsewhere: one replay output restores the consumer's state
+            text = detok.add(outputs)
+            if stop is not None:
+                text = stop.feed(text)
+            t.emitted_first = True
+            stream.put(RequestOutput(
+                g.request_id, tuple(outputs), text, False, None, req.num_prompt_tokens,
+                req.num_output_tokens, seed=params.seed, replay=True))
+
+    def _pd_events(self) -> None:
+        """Start the K/V pulls the scheduler asked for; end the requests it evicted for
+        recompute on a prefill instance (spec/pd_disaggregation.md §7.1)."""
+        pulls, evicted = self.scheduler.take_pd_events()
+        for req in evicted:
+            self._finish(req.request_id, FinishReason.RECOMPUTE, req=req)
+        for req in pulls:
+            task = asyncio.create_task(self._pull(req), name=f"kv-pull-{req.request_id}")
+            self._pull_tasks.add(task)
+            task.add_done_callback(self._pull_tasks.discard)
+
+    async def _pull(self, req: Request) -> None:
+        """Run the KV puller in a worker thread; its answer is a KvPulled message."""
+        error, quarantine = None, False
+        try:
+            if self.kv_puller is None:
+                raise RuntimeError("this instance cannot pull K/V (not a decode instance)")
+            source = self._sources.pop(req.request_id, None)
+            await asyncio.to_thread(self.kv_puller, source, list(req.block_table),
+                                    req.pull_tokens)
+        except Exception as exc:  # noqa: BLE001 - any failure fails this request alone
+            log.warning("KV pull for %s failed: %s", req.request_id, exc)
+            error = f"Pull kv failed irreversibly. {exc}"
+            quarantine = bool(getattr(exc, "timed_out", False))  # KvTransferError's flag
+        self.inbox.put_nowait(KvPulled(req.request_id, error, quarantine))
 
     def _expire(self, now: float) -> None:
         for rid, why in self.scheduler.expired(now):
@@ -195,6 +266,7 @@ class SchedulerActor:
         output: ``toks`` / ``text`` of its last step plus what was held back."""
         live = self.scheduler.finish(rid, reason, error)
         req = live or req
+        self._sources.pop(rid, None)
         t = self._tracked.pop(rid, None)
         if t is None or req is None:
             return  # unknown or already ended
@@ -257,4 +329,8 @@ class SchedulerActor:
             self._finish(req.request_id, reason, req.error, req=req, toks=toks, text=text,
                          now=now, logprob=logprob, stop_reason=stop_id)
         else:
-            t.stream.put(self._output(req, t, toks, text, now, logprob, finished=False))
+            out = self._output(req, t, toks, text, now, logprob, finished=False)
+            if req.status is RequestStatus.PARKED:  # PD prefill: the decode instance's part
+                out = replace(out, handoff=KvHandoff(
+                    tuple(req.block_table), req.num_computed, generator_state(req.generator)))
+            t.stream.put(out)

@@ -74,6 +74,7 @@ from tokenserve.http.server import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY_BYTES,
 
 if TYPE_CHECKING:
     from tokenserve.mindie_config import ServeConfig
+    from tokenserve.pd.node import PdNode
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -135,7 +136,8 @@ def build_router(
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
     context: ServeContext | None = None,
     served_config: ServedConfig | None = None,
-) -> Router:
+    pd: PdNode | None = None,
+) -> Handler:
     """A router with every family's routes, the shared ``POST /generate`` (spec §3.1),
     ``GET /health`` (spec §3.6; [I] also on the business port, spec §0.1), the native
     extras (``/v1/tokenizer``, ``stopInfer``, spec §2.2-2.3) and ``GET /metrics`` /
@@ -146,7 +148,18 @@ def build_router(
     ``context`` (default: a new one with fresh metrics) is the server's shared state; every
     family gets it, so every ``EngineStream`` registers its request for stopInfer and
     records metrics.
+
+    ``pd`` (default: a mixed-mode node) is the instance's PD identity
+    (spec/pd_disaggregation.md): ``/v1/status``, ``/v2/status``, ``/v1/role/*`` and
+    ``/v2/role/*`` always; with ``inferMode: dmi``, inference requests go through the
+    prefill side (:func:`tokenserve.pd.prefill.serve_prefill`) and ``/dresult`` /
+    ``/v1/pd/decode`` / ``/v1/pd/release`` serve the hand-off. Returns the handler of
+    every route (the router, wrapped for PD).
     """
+    from tokenserve.pd.decode import DecodeServer
+    from tokenserve.pd.node import PdConfig, PdNode
+    from tokenserve.pd.prefill import is_inference, make_release_handler, serve_prefill
+
     if context is None:
         context = ServeContext(metrics=ServerMetrics(engine))
     router = Router()
@@ -162,7 +175,27 @@ def build_router(
     MindIEExtraApi(engine, **kw).register(router)
     if context.metrics is not None:
         context.metrics.register(router)
-    return router
+    node = pd if pd is not None else PdNode(PdConfig(), engine)
+    node.register(router)
+    decode = DecodeServer(node, router)
+    decode.register(router)
+    router.get("/dresult", decode.dresult)
+    router.post("/v1/pd/release", make_release_handler(node))
+    if node.cfg.pd:
+        engine.set_kv_puller(decode.pull)
+    if not node.cfg.pd:
+        return router
+
+    async def handle(request: HttpRequest, response: HttpResponse) -> None:
+        if not is_inference(request):
+            await router(request, response)
+            return
+        handler, params = router.resolve(request.method, request.path)
+        if params:
+            request.path_params = params
+        await serve_prefill(node, handler, request, response)
+
+    return handle
 
 
 async def serve(
@@ -184,6 +217,7 @@ async def serve(
     bound: list[BoundListener] | None = None,
     limits: HttpLimits | None = None,
     served_config: ServedConfig | None = None,
+    pd: PdNode | None = None,
 ) -> None:
     """Serve ``engine`` until cancelled or ``stop`` is set, then drain
     (:func:`tokenserve.http.drain.drain`: in-flight requests get ``shutdown_timeout_s``
@@ -202,9 +236,12 @@ async def serve(
     ``started`` (optional) receives the business plane's :class:`HttpServer` (with
     ``port=0``: read ``server.ports``); ``listeners`` receives every plane's server.
     """
+    from tokenserve.pd.node import PdConfig, PdNode
+
     context = ServeContext(metrics=ServerMetrics(engine))
+    pd = pd if pd is not None else PdNode(PdConfig(), engine)
     router = build_router(engine, max_json_depth=max_json_depth, context=context,
-                          served_config=served_config)
+                          served_config=served_config, pd=pd)
     base = limits or HttpLimits(max_body_bytes=max_body_bytes, keep_alive_s=keep_alive_s)
     base = replace(base, close_whole_responses=True)
     if bound is None:
@@ -229,6 +266,8 @@ async def serve(
             )
             if Plane.MANAGEMENT in spec.planes and context.metrics is not None:
                 context.metrics.instance = f"{spec.host}:{server.ports[0]}"
+            if Plane.MANAGEMENT in spec.planes and pd is not None:
+                pd.inter_comm_port = server.ports[0]  # P <-> D routes live there
         if started is not None and not started.done():
             started.set_result(by_plane[Plane.BUSINESS])
         if listeners is not None and not listeners.done():
@@ -326,6 +365,14 @@ async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None)
         served = ServedConfig.build(
             engine.info.model_name, engine.info.max_model_len, e.kv_cache_bytes,
             select_device(e.device).type != "cpu", e.max_iter_times, e.block_size)
+        from tokenserve.pd.node import PdNode
+
+        node = PdNode(cfg.pd, engine)
+        if cfg.pd.pd:
+            await asyncio.to_thread(node.start_kv)
+            logger.info("PD: inferMode dmi, role %s, address %s, KV transfer %s",
+                        node.role or "none (waiting for POST /v1/role)", cfg.pd.ip_address,
+                        cfg.pd.kv_protocol)
         signals.serving = True
         try:
             await serve(
@@ -337,8 +384,10 @@ async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None)
                 shutdown_timeout_s=srv.drain_timeout_s,
                 bound=bound,
                 served_config=served,
+                pd=node,
             )
         finally:
+            await node.aclose()
             await engine.stop()
     finally:
         signals.close()

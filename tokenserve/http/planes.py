@@ -42,6 +42,7 @@ ALL_PLANES = frozenset(Plane)
 _MANAGEMENT = re.compile(
     r"/(?:health(?:/timed(?:-\w+)?)?|info|metrics-json|stopService|v1/config|v[12]/status"
     r"|v[12]/role/[^/]+|v1/(?:load|unload)_lora_adapter|v1/engine-server/[^/]+"
+    r"|v1/pd/(?:decode|release)"
     rf"|v2/health/(?:live|ready)|v2/models/{PARAM_PATTERN}/(?:ready|getSlotCount))",
     re.ASCII,
 )

@@ -359,6 +359,44 @@ def _convert_tensors(
     return out
 
 
+def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
+                           progress: bool = False) -> dict[str, Any]:
+    """Every tensor of a Llama-family GGUF by its HF name, block-quantised ones kept as raw
+    blocks (for ``--quantization gguf``).
+
+    Tensors whose GGML type is in ``formats`` (e.g. ``{"Q4_0", "Q4_1", "Q8_0"}``) come back as
+    ``(blocks, ggml_type_name, (rows, cols))`` with ``blocks`` a uint8 ``[rows, row_bytes]``
+    array: each row is one output feature's blocks, so llama.cpp's Q/K row permutation is
+    undone on whole rows (:func:`unpermute_qk` works on any trailing shape) and the bytes
+    are otherwise the file's. Every other tensor is dequantised to float32 as in
+    :func:`convert_gguf`.
+
+    Raises:
+        ValueError: an architecture or tensor :func:`convert_gguf` would refuse.
+    """
+    reader = GGUFReader(Path(gguf_path))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    config = _hf_config(meta, reader, name=Path(gguf_path).stem)
+    arch = meta["general.architecture"]
+    unpermute = _ARCHS[arch].unpermute_qk
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out: dict[str, Any] = {}
+    for t in tqdm(reader.tensors, desc="read GGUF", unit="tensor", disable=not progress):
+        shape = tuple(int(d) for d in reversed(t.shape))
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if t.tensor_type.name in formats and len(shape) == 2:
+            arr = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+            if unpermute and kind in heads:
+                arr = unpermute_qk(arr, heads[kind])
+            out[_hf_tensor_name(t.name)] = (np.array(arr, order="C"), t.tensor_type.name, shape)
+            continue
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if unpermute and kind in heads:
+            arr = unpermute_qk(arr, heads[kind])
+        out[_hf_tensor_name(t.name)] = np.array(arr, order="C")  # owned, writable
+    return out
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 

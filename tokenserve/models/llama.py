@@ -23,13 +23,18 @@ the GEMM backends' own invariance is discussed in ``tokenserve/ops/linear.py``).
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import torch
-import torch.nn.functional as F
 
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.loader import ModelConfig, rope_inv_freq
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.linear import Linear
+from tokenserve.ops.quant import QuantWeight, dequantize_ref, repack_x8
+
+log = logging.getLogger("tokenserve.models")
 
 
 class LlamaForCausalLM:
@@ -42,17 +47,32 @@ class LlamaForCausalLM:
                  device: torch.device, kernels: Kernels | None = None) -> None:
         self.cfg = cfg
         self.device = device
-        self.dtype = weights["embed"].dtype
+        self.dtype = weights["norm"].dtype  # activations and KV cache
         self.w = weights
         # the C++ kernels are CPU kernels; CUDA/NPU run the torch references
         self.kernels = kernels if kernels is not None else Kernels(use_c=device.type == "cpu")
+        dt = self.dtype
         # fp32 logits straight out of the GEMM (bf16 logits tie far too often)
-        self.lm_head = Linear(weights["lm_head"], out_dtype=torch.float32)
+        self.lm_head = Linear(weights["lm_head"], out_dtype=torch.float32, fallback_dtype=dt)
         self.layers = [
-            {"qkv": Linear(weights[f"{i}.qkv"], weights.get(f"{i}.qkv_b")),
-             "o": Linear(weights[f"{i}.o"]), "gate_up": Linear(weights[f"{i}.gate_up"]),
-             "down": Linear(weights[f"{i}.down"])}
+            {"qkv": Linear(weights[f"{i}.qkv"], weights.get(f"{i}.qkv_b"), fallback_dtype=dt),
+             "o": Linear(weights[f"{i}.o"], fallback_dtype=dt),
+             "gate_up": Linear(weights[f"{i}.gate_up"], fallback_dtype=dt),
+             "down": Linear(weights[f"{i}.down"], fallback_dtype=dt)}
             for i in range(cfg.num_layers)]
+        embed = weights["embed"]
+        if isinstance(embed, QuantWeight):
+            if self.kernels.c is None:  # torch references
+                weights["embed"] = dequantize_ref(embed).to(dt)
+            elif weights["lm_head"] is embed and self.lm_head.qweight is not None:
+                weights["embed"] = self.lm_head.qweight  # tied: one (x8) copy of the table
+            else:
+                weights["embed"] = repack_x8(embed)
+        # the GEMMs hold their own (packed or quantised) copies of the projections
+        self.w = {k: v for k, v in weights.items()
+                  if k in ("embed", "norm") or k.endswith((".ln1", ".ln2"))}
+        self.weight_bytes, self.weight_formats = self._weight_stats()
+        log.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, self.weight_formats)
         self.num_layers = cfg.num_layers
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -62,17 +82,52 @@ class LlamaForCausalLM:
         freqs = torch.outer(t, inv)  # [max_pos, head_dim / 2]
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()  # fp32
 
+    def _weight_stats(self) -> tuple[int, str]:
+        """(bytes of weights the kernels read, formats with their tensor counts): each
+        GEMM's packed or quantised copy, the embedding table (once when it is the tied
+        quantised lm_head), the norms."""
+        linears = [self.lm_head] + [lin for layer in self.layers for lin in layer.values()]
+        total = sum(lin.nbytes for lin in linears)
+        formats = Counter(lin.qweight.qtype if lin.qweight is not None
+                          else str(lin.weight.dtype).removeprefix("torch.") for lin in linears)
+        embed = self.w["embed"]
+        if isinstance(embed, QuantWeight):
+            if self.lm_head.qweight is not embed:
+                total += embed.nbytes
+        else:
+            total += embed.numel() * embed.element_size()
+        total += sum(v.numel() * v.element_size() for k, v in self.w.items()
+                     if k == "norm" or k.endswith((".ln1", ".ln2")))
+        return total, ", ".join(f"{k} x {n}" for k, n in sorted(formats.items()))
+
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor],
+    def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor | QuantWeight],
                         dtype: torch.dtype, device: torch.device,
                         kernels: Kernels | None = None) -> LlamaForCausalLM:
         """Fuse HF-named weights into this model's layout.
 
+        ``sd`` values may be :class:`~tokenserve.ops.quant.QuantWeight` (GGUF blocks, from
+        ``load_weights(..., quantization="gguf")``): on a CPU they stay quantised (fused
+        projections concatenate their rows when the formats agree, else the group is
+        dequantised to ``dtype``); elsewhere they are dequantised.
+
         Raises:
             KeyError: a required tensor is missing.
         """
-        def g(name: str) -> torch.Tensor:
-            return sd[name].to(device=device, dtype=dtype).contiguous()
+        def g(name: str) -> torch.Tensor | QuantWeight:
+            t = sd[name]
+            if isinstance(t, QuantWeight):
+                if device.type == "cpu":
+                    return t
+                t = dequantize_ref(t)
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        def cat(parts: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
+            if (all(isinstance(p, QuantWeight) for p in parts)
+                    and len({(p.qtype, p.shape[1]) for p in parts}) == 1):
+                return QuantWeight.cat(parts)
+            return torch.cat([dequantize_ref(p).to(dtype) if isinstance(p, QuantWeight) else p
+                              for p in parts])
 
         w: dict[str, torch.Tensor] = {"embed": g("model.embed_tokens.weight"),
                                       "norm": g("model.norm.weight")}
@@ -80,12 +135,11 @@ class LlamaForCausalLM:
                         else g("lm_head.weight"))
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            w[f"{i}.qkv"] = torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            w[f"{i}.qkv"] = cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             if cfg.attention_bias:
                 w[f"{i}.qkv_b"] = torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             w[f"{i}.o"] = g(p + "self_attn.o_proj.weight")
-            w[f"{i}.gate_up"] = torch.cat([g(p + "mlp.gate_proj.weight"),
-                                           g(p + "mlp.up_proj.weight")])
+            w[f"{i}.gate_up"] = cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")])
             w[f"{i}.down"] = g(p + "mlp.down_proj.weight")
             w[f"{i}.ln1"] = g(p + "input_layernorm.weight")
             w[f"{i}.ln2"] = g(p + "post_attention_layernorm.weight")
@@ -121,7 +175,7 @@ class LlamaForCausalLM:
         """
         cfg, w, ops = self.cfg, self.w, self.kernels
         T = input_ids.shape[0]
-        residual = F.embedding(input_ids, w["embed"])  # [T, hidden]
+        residual = ops.embedding(input_ids, w["embed"], self.dtype)  # [T, hidden]
         x = ops.rms_norm(residual, w["0.ln1"], cfg.rms_norm_eps)
         for i, lin in enumerate(self.layers):
             qkv = lin["qkv"](x)  # [T, (H + 2 Hkv) D]

@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tokenserve.models.gguf_convert import convert_gguf, is_complete_conversion
+from tokenserve.config import QUANTIZATIONS
+from tokenserve.models.gguf_convert import (
+    convert_gguf,
+    is_complete_conversion,
+    read_quantized_tensors,
+)
+from tokenserve.ops.quant import FROM_GGML, QuantWeight
 
 logger = logging.getLogger("tokenserve.models")
 
@@ -331,7 +337,51 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 # --------------------------------------------------------------------------- weights
 
 
-def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file behind a ``--model`` argument (None: the default model), or None when
+    the model is a Hugging Face directory."""
+    if model is None:
+        return default_gguf_path()
+    p = Path(model).expanduser()
+    return p if p.is_file() and p.suffix.lower() == ".gguf" else None
+
+
+#: ``auto`` picks ``gguf`` only up to this many running requests: on AVX2 (no VNNI) the
+#: quantised GEMMs of one decode step are 1.9x faster than bf16 at batch 1, 1.3x at 4,
+#: 1.06x at 8 and slower beyond (0.7x at 16-64; bench/README.md "Quantised weights"). The
+#: choice is per engine, never per step: two arithmetics would break batch invariance.
+AUTO_GGUF_MAX_BATCH = 8
+
+
+def resolve_quantization(quantization: str, model: str | None,
+                         dtype: torch.dtype = torch.bfloat16,
+                         max_batch_size: int | None = None) -> str:
+    """``gguf`` or ``none`` for a ``--quantization`` choice.
+
+    ``auto`` -> ``gguf`` for a GGUF model served at the default bfloat16 with at most
+    :data:`AUTO_GGUF_MAX_BATCH` running requests (``max_batch_size``; None: not limited
+    here), where reading its blocks beats 3x more bf16 bytes; ``none`` for a Hugging Face
+    directory, an explicit ``float32`` (asked-for precision gets the dequantised weights) or
+    larger batches. ``gguf`` needs a GGUF model.
+
+    Raises:
+        ValueError: an unknown choice, or ``gguf`` for a model that is not a GGUF file.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "none" or (quantization == "auto" and (
+            dtype != torch.bfloat16
+            or (max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH))):
+        return "none"
+    src = gguf_source(model)
+    if quantization == "gguf" and src is None:
+        raise ValueError(f"--quantization gguf needs a .gguf model, got {model!r}")
+    return "gguf" if src is not None else "none"
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = "none",
+                 model: str | None = None, max_batch_size: int | None = None,
+                 ) -> dict[str, torch.Tensor | QuantWeight]:
     """Every tensor of the checkpoint, by its Hugging Face name, on CPU.
 
     Reads the shards listed in ``model.safetensors.index.json`` when present, else every
@@ -339,10 +389,18 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
     keep theirs. A tied LM head is *not* materialised: ``lm_head.weight`` is absent when
     :attr:`ModelConfig.tie_word_embeddings` holds.
 
+    With ``quantization`` ``gguf`` (or ``auto`` resolving to it, :func:`resolve_quantization`,
+    with ``max_batch_size``) the weights come from the GGUF file behind ``model`` (the
+    ``--model`` argument; None is the default model) instead: its Q4_0 / Q4_1 / Q8_0 tensors as
+    :class:`~tokenserve.ops.quant.QuantWeight` (the file's blocks), the rest dequantised and
+    cast to ``dtype``.
+
     Raises:
         FileNotFoundError: no safetensors file.
-        ValueError: a tensor name appears in two shards.
+        ValueError: a tensor name appears in two shards; a bad ``quantization``.
     """
+    if resolve_quantization(quantization, model, dtype, max_batch_size) == "gguf":
+        return _load_gguf_blocks(gguf_source(model), dtype)
     model_dir = Path(model_dir)
     index = _read_json(model_dir / "model.safetensors.index.json")
     if index is not None:
@@ -359,6 +417,23 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
                     raise ValueError(f"tensor {name!r} appears in more than one shard")
                 t = f.get_tensor(name)
                 weights[name] = t.to(dtype) if t.is_floating_point() else t
+    return weights
+
+
+def _load_gguf_blocks(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor | QuantWeight]:
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
+    for name, v in read_quantized_tensors(path, frozenset(FROM_GGML)).items():
+        if isinstance(v, tuple):
+            blocks, ggml, shape = v
+            weights[name] = QuantWeight(torch.from_numpy(blocks), FROM_GGML[ggml], shape)
+        else:
+            weights[name] = torch.from_numpy(v).to(dtype)
+    counts: dict[str, int] = {}
+    for v in weights.values():
+        key = v.qtype if isinstance(v, QuantWeight) else str(v.dtype).removeprefix("torch.")
+        counts[key] = counts.get(key, 0) + 1
+    logger.info("GGUF blocks kept from %s: %s", path,
+                ", ".join(f"{k} x {n}" for k, n in sorted(counts.items())))
     return weights
 
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from tokenserve.ops import layer_ref, load_kernels, reference
+from tokenserve.ops.quant import QTYPE_IDS, QuantWeight, dequantize_rows_ref
 
 
 class Kernels:
@@ -67,6 +69,18 @@ class Kernels:
                                                  block_size)
 
     # ----------------------------------------------------------------- one decoder layer
+
+    def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor | QuantWeight,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``input_ids`` (int64 [T]) of the embedding table, [T, hidden] in ``dtype``.
+        A quantised table (GGUF blocks) is dequantised row by row, as
+        :func:`tokenserve.ops.quant.dequantize_rows_ref` does."""
+        if not isinstance(weight, QuantWeight):
+            return F.embedding(input_ids, weight)
+        if self.c is not None and hasattr(self.c, "quant_dequant_rows") and weight.layout == "x8":
+            return self.c.quant_dequant_rows(input_ids, weight.data, QTYPE_IDS[weight.qtype],
+                                             weight.shape[0], weight.shape[1], dtype)
+        return dequantize_rows_ref(input_ids, weight, dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of [T, hidden] rows (HF Llama numerics); returns a new [T, hidden]."""

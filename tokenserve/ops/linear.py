@@ -13,8 +13,14 @@ says which, for the start-up log):
     our AVX2+FMA kernel (``csrc/gemm.cpp``): the weight is stored prepacked in its own dtype
     (bf16: half the bytes of fp32) and computed with fp32 FMAs. Any out dtype (bf16/fp32),
     so the lm_head produces fp32 logits straight from the fp32 accumulators.
+``"tokenserve.quant_gemm"``
+    a :class:`~tokenserve.ops.quant.QuantWeight` (the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks,
+    regrouped 8 rows per block once: ``repack_x8``) on our AVX2 kernel (``csrc/quant.cpp``):
+    activations quantised to int16 per 32-block, exact integer block dots, fp32
+    accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
 ``"torch"``
-    ``F.linear`` (then ``.to(out_dtype)``): non-CPU devices, other dtypes, or no extension.
+    ``F.linear`` (then ``.to(out_dtype)``): non-CPU devices, other dtypes, or no extension
+    (a quantised weight is then dequantised once, to ``fallback_dtype``).
 
 Batch invariance: with ``tokenserve.gemm`` every output element is the same sequential fp32
 FMA chain over k (k = 0..K-1, from 0), plus the bias, rounded once, whatever the number of
@@ -36,10 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from tokenserve.ops import load_kernels
+from tokenserve.ops.quant import QTYPE_IDS, QuantWeight, dequantize_ref, repack_x8
 
 log = logging.getLogger("tokenserve.ops")
 
-BACKENDS = ("onednn", "tokenserve.gemm", "torch")
+BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "torch")
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -86,18 +93,39 @@ class Linear:
     """``y = x @ W.T (+ b)`` with the weight prepared once for the chosen backend.
 
     Args:
-        weight: [N, K] (out_features, in_features), bf16 or fp32 (any float on ``"torch"``).
+        weight: [N, K] (out_features, in_features), bf16 or fp32 (any float on ``"torch"``),
+            or a :class:`~tokenserve.ops.quant.QuantWeight` (GGUF blocks).
         bias: [N] or None.
         out_dtype: dtype of the result; None means x's dtype (the lm_head passes
             ``torch.float32`` for fp32 logits).
+        fallback_dtype: dtype a quantised weight is dequantised to when the quantised
+            kernel cannot run (no extension, not a CPU).
 
     Attributes:
-        backend: ``"onednn"``, ``"tokenserve.gemm"`` or ``"torch"`` (see the module doc).
-        weight, bias, out_dtype: as given.
+        backend: ``"onednn"``, ``"tokenserve.gemm"``, ``"tokenserve.quant_gemm"`` or
+            ``"torch"`` (see the module doc).
+        weight, bias, out_dtype: as given (``weight`` is None on ``tokenserve.quant_gemm``,
+            the dequantised weight on ``"torch"`` for a quantised one).
+        qweight: the x8-packed :class:`~tokenserve.ops.quant.QuantWeight` on
+            ``tokenserve.quant_gemm``, else None.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None,
+                 fallback_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.qweight: QuantWeight | None = None
+        if isinstance(weight, QuantWeight):
+            c = load_kernels()
+            if (c is not None and hasattr(c, "quant_gemm")
+                    and os.environ.get("TOKENSERVE_GEMM", "") in ("", "c")):
+                self.qweight, self.bias, self.out_dtype = repack_x8(weight), bias, out_dtype
+                self.weight = None
+                self.out_features, self.in_features = weight.shape
+                self._c, self._packed = c, None
+                self._bias_f32 = None if bias is None else bias.float().contiguous()
+                self.backend = "tokenserve.quant_gemm"
+                return
+            weight = dequantize_ref(weight).to(fallback_dtype)
         if weight.dim() != 2:
             raise ValueError(f"Linear: weight must be [N, K], got {tuple(weight.shape)}")
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -132,6 +160,14 @@ class Linear:
         Raises:
             RuntimeError: x's last dimension is not K (from the backend).
         """
+        if self.backend == "tokenserve.quant_gemm":
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if x2.dtype not in (torch.bfloat16, torch.float32):
+                x2 = x2.float()
+            q = self.qweight
+            y = self._c.quant_gemm(x2, q.data, QTYPE_IDS[q.qtype], self.out_features,
+                                   self._bias_f32, self.out_dtype or x.dtype)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.backend == "tokenserve.gemm":
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             if x2.dtype not in (torch.bfloat16, torch.float32):
@@ -144,6 +180,18 @@ class Linear:
         y = F.linear(x, self.weight, self.bias)
         return y if self.out_dtype is None else y.to(self.out_dtype)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight (and bias) the backend reads: the packed or quantised copy."""
+        if self.qweight is not None:
+            w = self.qweight.nbytes
+        elif self.backend == "tokenserve.gemm":
+            w = self._packed.numel() * self._packed.element_size()
+        else:
+            w = self.weight.numel() * self.weight.element_size()
+        return w + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
     def __repr__(self) -> str:
+        dtype = self.qweight.qtype if self.qweight is not None else self.weight.dtype
         return (f"Linear(N={self.out_features}, K={self.in_features}, "
-                f"dtype={self.weight.dtype}, backend={self.backend})")
+                f"dtype={dtype}, backend={self.backend})")

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from tokenserve.engine.output_stream import RequestHandle, Signal
 from tokenserve.http.api.engine_client import EngineClient
@@ -30,6 +30,28 @@ logger = logging.getLogger(__name__)
 
 #: What a stream that ended without a final output is answered with.
 NO_FINAL_OUTPUT = "Engine stream ended without a final output."
+
+
+class RequestHandedOff(ClientDisconnected):
+    """Raised out of the family handler when its request continues on another instance
+    (PD prefill -> decode, spec/pd_disaggregation.md §5): the handler stops, and the engine
+    request is NOT aborted (its KV blocks wait for the decode instance)."""
+
+
+class StreamObserver(Protocol):
+    """PD: watches the engine side of one HTTP request (``HttpRequest.disconnected.
+    observer``) so the family handler can run unchanged on a prefill or decode instance."""
+
+    def admit(self, request: GenerateRequest) -> GenerateRequest:
+        """The engine request to submit instead of ``request`` (id, prompt, PD fields);
+        raises HttpError to refuse (e.g. a second request of a fan-out)."""
+
+    async def before_wait(self) -> None:
+        """Called before the handler waits for the next output; may raise
+        :class:`RequestHandedOff`."""
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Called with every output, before the handler renders it."""
 
 
 class EngineStream:
@@ -58,6 +80,9 @@ class EngineStream:
         context: ServeContext | None = None,
         aliases: Iterable[str] = (),
     ) -> None:
+        self._observer: StreamObserver | None = disconnected.observer
+        if self._observer is not None:
+            request = self._observer.admit(request)
         self._engine = engine
         self._request = request
         self._disconnected = disconnected
@@ -97,6 +122,8 @@ class EngineStream:
     async def __anext__(self) -> RequestOutput:
         if self._handle is None or self.finished:
             raise StopAsyncIteration
+        if self._observer is not None:
+            await self._observer.before_wait()
         out = await self._handle.get(self._disconnected)
         if out is None:
             self._handle.abort()
@@ -105,6 +132,8 @@ class EngineStream:
         return out
 
     def _record(self, out: RequestOutput) -> None:
+        if self._observer is not None:
+            self._observer.on_output(out)
         self.last = out
         if out.finished:
             self.finished = True
@@ -144,7 +173,8 @@ class EngineStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if self._handle is not None and not self.finished:
+        if self._handle is not None and not self.finished \
+                and not isinstance(exc, RequestHandedOff):
             self._handle.abort()
         ctx = self._context
         if ctx is not None:
@@ -243,6 +273,8 @@ class FanOut:
                 return list(items)
             if self._disconnected.is_set():
                 raise ClientDisconnected()
+            if self._disconnected.observer is not None:
+                await self._disconnected.observer.before_wait()
             self._wake.clear()
             await self._wake.wait()
 

@@ -1,0 +1,97 @@
+"""Micro-benchmark of the quantised GEMM (``csrc/quant.cpp``) against our bf16 GEMM.
+
+    python bench/kernels_quant.py [--ms 1,16,64] [--qtype q4_1]
+    python -m bench.kernels quant
+
+One decode step's GEMMs of SmolLM2-135M with the default GGUF's formats: 30 layers x (qkv
+[960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]) in ``--qtype`` (Q4_1 in the
+file) plus the tied lm_head [49152, 576] in Q8_0 (fp32 logits), against the same shapes as
+bf16 ``gemm``. Every layer has its own weights, so the step streams them from memory as a
+real one does (92 MB quantised, 270 MB bf16). Times are the best of several runs (the host
+is shared; the minimum is the least noisy). Weights are random, quantised with
+``gguf.quants.quantize`` (llama.cpp's reference quantisers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tokenserve.ops import load_kernels
+from tokenserve.ops.quant import QTYPE_IDS, quantize_ref, repack_x8
+
+LAYER_SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+VOCAB, HIDDEN, LAYERS = 49152, 576, 30
+MS = (1, 16, 64)
+
+
+def _best_ms(fn, reps: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
+    """One ``step`` row per M: ``ms_ours`` (quantised), ``ms_bf16`` (our bf16 GEMM), ratio
+    bf16 / quantised (> 1: quantised faster), and the weight bytes each streams."""
+    c = load_kernels()
+    if c is None or not hasattr(c, "quant_gemm") or not hasattr(c, "gemm"):
+        raise RuntimeError("tokenserve._C with quant_gemm and gemm is not built")
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, generator=g) * k ** -0.5
+
+    q_layers, b_layers = [], []
+    for _ in range(LAYERS):
+        ws = [(rand(n, k), n) for _, n, k in LAYER_SHAPES]
+        q_layers.append([(repack_x8(quantize_ref(w, qtype)), n) for w, n in ws])
+        b_layers.append([(c.gemm_prepack(w.bfloat16()), n) for w, n in ws])
+    head = rand(VOCAB, HIDDEN)
+    q_head, b_head = repack_x8(quantize_ref(head, "q8_0")), c.gemm_prepack(head.bfloat16())
+    q_bytes = sum(w.nbytes for layer in q_layers for w, _ in layer) + q_head.nbytes
+    b_bytes = sum(p.numel() * 2 for layer in b_layers for p, _ in layer) + b_head.numel() * 2
+    rows = []
+    for m in ms:
+        x = torch.randn(m, HIDDEN, generator=g).bfloat16()
+        x2 = torch.randn(m, 1536, generator=g).bfloat16()
+        ins = (x, x, x, x2)
+
+        def q_step(x=x, ins=ins) -> None:
+            for layer in q_layers:
+                for (w, n), xi in zip(layer, ins):
+                    c.quant_gemm(xi, w.data, QTYPE_IDS[w.qtype], n, None, None)
+            c.quant_gemm(x, q_head.data, QTYPE_IDS["q8_0"], VOCAB, None, torch.float32)
+
+        def b_step(x=x, ins=ins) -> None:
+            for layer in b_layers:
+                for (p, n), xi in zip(layer, ins):
+                    c.gemm(xi, p, n, None, None)
+            c.gemm(x, b_head, VOCAB, None, torch.float32)
+
+        tq, tb = _best_ms(q_step), _best_ms(b_step)
+        rows.append({"name": "step", "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tq,
+                     "ms_bf16": tb, "ratio": tb / tq, "MB_ours": q_bytes / 1e6,
+                     "MB_bf16": b_bytes / 1e6})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--qtype", default="q4_1", choices=sorted(QTYPE_IDS))
+    args = p.parse_args()
+    for r in bench(tuple(int(v) for v in args.ms.split(",")), args.qtype):
+        print(f"M={r['shape'][0]:<3} {r['shape'][1]}: quantised {r['ms_ours']:.2f} ms "
+              f"({r['MB_ours']:.0f} MB), bf16 {r['ms_bf16']:.2f} ms ({r['MB_bf16']:.0f} MB), "
+              f"bf16/quantised {r['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

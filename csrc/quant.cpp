@@ -1,0 +1,430 @@
+// GEMM on GGUF block-quantised weights (Q4_0, Q4_1, Q8_0): y = x @ W^T (+ b).
+// Pure-torch oracle: tokenserve.ops.quant (quant_linear_ref, repack_x8, dequantize_ref).
+//
+// Weights: the GGUF's own blocks (fp16 scale d, Q4_1 also fp16 offset m, 32 quants), with
+// their bytes regrouped once at load ("x8" layout, as llama.cpp's CPU repack does for Q4_0):
+// 8 output rows interleaved per 32-block, so one vector holds 8 rows' partial sums and one
+// load brings 8 rows' scales. Per group g of 8 rows and block b, GB bytes:
+//
+//     | d[8] fp16 | (Q4_1) m[8] fp16 | quants |                 Q4_0 144, Q4_1 160, Q8_0 272
+//     Q4 quants:  chunk p = 0..7, 16 bytes: row r's GGUF qs bytes 2p, 2p+1 at 2r, 2r+1
+//                 (a qs byte holds element i in its low nibble and 16 + i in its high one)
+//     Q8 quants:  chunk p = 0..15, 16 bytes: row r's int8 quants 2p, 2p+1 at 2r, 2r+1
+//
+// Rows past N are zero (d = 0). Widened to int16, a chunk is 8 rows x 2 elements, so
+// vpmaddwd against a broadcast activation pair gives 8 rows' dot products at once.
+//
+// Activations are quantised per row and 32-block to int16 (d = amax / 32767,
+// q = round_half_even(x / d), s = d * sum(q)). llama.cpp uses int8; on the default Q4_1
+// model that turns the README's chat answer into French word salad (as llama.cpp's own
+// output on the file does), int16 keeps the bf16 answer at no cost here (vpmaddwd either way).
+//
+// Per output element y[m, n], in every path (AVX2 tiles of any shape, the portable code),
+// whatever the batch and thread partition (batch invariance):
+//
+//     w = dw * qw + mw      (Q4_0: qw = nibble 0..15, mw = -8 dw; Q4_1: mw = m; Q8_0: mw = 0)
+//     acc = 0; summ = 0
+//     for b in 0..nb-1:  isum = sum_{32} qw * qx                 (exact int32, any order)
+//                        acc  = fma(fl(dw_b * dx_b), float(isum), acc)
+//                        summ = fma(mw_b, sx_b, summ)           (Q4 formats only)
+//     y = round(acc + summ (+ b[n]))
+//
+// float(isum) is exact for Q4 (|isum| <= 32 * 15 * 32767 < 2^24) and correctly rounded for
+// Q8_0; either way a fixed function of the row's own data.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TS_X86 1
+#endif
+
+#include "bf16.h"
+#include "cpu_features.h"
+#include "registry.h"
+
+namespace tokenserve {
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t RG = 8;  // rows per interleaved group
+enum QType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int64_t kGroupBytes[3] = {144, 160, 272};
+constexpr int64_t kQuantOffset[3] = {16, 32, 16};  // where the quants start in a group-block
+
+std::atomic<bool> g_force_portable{false};
+
+inline float fp16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  // IEEE half -> float (normals, subnormals, inf/nan), no F16C needed
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400));
+      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Row r (0..7) of a group-block: scale, offset, and its 32 quants in element order.
+inline void unpack_row(int qt, const uint8_t* gb, int r, float& d, float& m, int32_t* q) {
+  d = fp16_to_f32(gb + 2 * r);
+  m = qt == Q4_0 ? -8.f * d : qt == Q4_1 ? fp16_to_f32(gb + 16 + 2 * r) : 0.f;
+  const uint8_t* qs = gb + kQuantOffset[qt];
+  if (qt == Q8_0) {
+    for (int p = 0; p < 16; ++p)
+      for (int j = 0; j < 2; ++j) q[2 * p + j] = int8_t(qs[16 * p + 2 * r + j]);
+  } else {
+    for (int p = 0; p < 8; ++p)
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t byte = qs[16 * p + 2 * r + j];
+        q[2 * p + j] = byte & 0x0f;
+        q[16 + 2 * p + j] = byte >> 4;
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Activation quantisation: x [M, K] fp32 -> q int16 [M, K], ds fp32 [M, K / 32, 2] = (d, s).
+// ---------------------------------------------------------------------------------------
+void quantize_row_scalar(const float* x, int64_t K, int16_t* q, float* ds) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
+      q[b * QK + i] = int16_t(v);
+      sum += v;
+    }
+    ds[2 * b] = db;
+    ds[2 * b + 1] = db * float(sum);
+  }
+}
+
+// Portable: one output element (row n = lane r of a group), the header's arithmetic.
+float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const uint8_t* wg, int r) {
+  const int64_t nb = K / QK, GB = kGroupBytes[qt];
+  float acc = 0.f, summ = 0.f;
+  int32_t q[QK];
+  for (int64_t b = 0; b < nb; ++b) {
+    float dw, mw;
+    unpack_row(qt, wg + b * GB, r, dw, mw, q);
+    const int16_t* xb = xq + b * QK;
+    int32_t isum = 0;
+    for (int i = 0; i < QK; ++i) isum += q[i] * int32_t(xb[i]);
+    acc = std::fma(dw * xds[2 * b], float(isum), acc);
+    if (qt != Q8_0) summ = std::fma(mw, xds[2 * b + 1], summ);
+  }
+  return acc + summ;
+}
+
+#ifdef TS_X86
+#define TS_QAVX2 __attribute__((target("avx2,fma,f16c")))
+
+TS_QAVX2 void quantize_row_avx2(const float* x, int64_t K, int16_t* q, float* ds) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i iv[4];
+    for (int i = 0; i < 4; ++i)
+      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    // 32 x i32 -> 32 x i16 in element order (packs works per 128-bit lane: fix with a permute)
+    const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
+    const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), p01);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK + 16), p23);
+    ds[2 * b] = db;
+    ds[2 * b + 1] = db * float(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// One pair of activations (int16 x[e], x[e+1]) broadcast to every int32 lane.
+TS_QAVX2 inline __m256i xpair(const int16_t* x, int e) {
+  int32_t v;
+  std::memcpy(&v, x + e, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// MR activation rows x one group of 8 weight rows over all nb blocks:
+// out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
+template <int QT, int MR>
+TS_QAVX2 void tile_avx2(const int16_t* __restrict xq, const float* __restrict xds, int64_t K,
+                        const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
+  const int64_t nb = K / QK;
+  constexpr int64_t GB = kGroupBytes[QT], QO = kQuantOffset[QT];
+  __m256 acc[MR], summ[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), summ[r] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi16(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = wg + b * GB;
+    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB + 128), _MM_HINT_T0);
+    if constexpr (QT == Q8_0) _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB + 192), _MM_HINT_T0);
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+    if constexpr (QT == Q8_0) {
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + QO + 16 * p)));
+        for (int r = 0; r < MR; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, xpair(xq + r * K + b * QK, 2 * p)));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + QO + 16 * p)));
+        const __m256i wl = _mm256_and_si256(t, lo4), wh = _mm256_srli_epi16(t, 4);
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* xb = xq + r * K + b * QK;
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(wl, xpair(xb, 2 * p)),
+                                                               _mm256_madd_epi16(wh, xpair(xb, 16 + 2 * p))));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (QT == Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
+    if constexpr (QT == Q4_0) mw = _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    for (int r = 0; r < MR; ++r) {
+      const float* xp = xds + (r * nb + b) * 2;
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xp)), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      if constexpr (QT != Q8_0) summ[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xp + 1), summ[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], summ[r]));
+}
+
+using TileFn = void (*)(const int16_t*, const float*, int64_t, const uint8_t*, float*, int64_t);
+
+template <int QT>
+TileFn pick_tile(int mr) {
+  switch (mr) {
+    case 1: return &tile_avx2<QT, 1>;
+    case 2: return &tile_avx2<QT, 2>;
+    case 3: return &tile_avx2<QT, 3>;
+    case 4: return &tile_avx2<QT, 4>;
+    case 5: return &tile_avx2<QT, 5>;
+    default: return &tile_avx2<QT, 6>;
+  }
+}
+#endif  // TS_X86
+
+constexpr int64_t MR_MAX = 6;
+
+// Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
+void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, int64_t K, int64_t m0,
+                   int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
+                   bool y_bf16, int64_t N) {
+  const int64_t nb = K / QK, gstride = nb * kGroupBytes[qt];
+  float tile[MR_MAX * RG];
+  // balanced row blocks (e.g. 7 rows: 4 + 3), any split gives the same bits
+  const int64_t nblk = (rows + MR_MAX - 1) / MR_MAX;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * gstride;
+    const int64_t ncols = std::min<int64_t>(RG, N - g * RG);
+    for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
+      const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
+      bool done = false;
+#ifdef TS_X86
+      if (avx2) {
+        TileFn fn = qt == Q4_0 ? pick_tile<Q4_0>(mr) : qt == Q4_1 ? pick_tile<Q4_1>(mr) : pick_tile<Q8_0>(mr);
+        fn(xq + m * K, xds + m * nb * 2, K, wg, tile, RG);
+        done = true;
+      }
+#endif
+      if (!done)
+        for (int r = 0; r < mr; ++r)
+          for (int j = 0; j < ncols; ++j)
+            tile[r * RG + j] = dot_scalar(qt, xq + (m + r) * K, xds + (m + r) * nb * 2, K, wg, j);
+      for (int r = 0; r < mr; ++r)
+        for (int64_t j = 0; j < ncols; ++j) {
+          const int64_t n = g * RG + j;
+          float v = tile[r * RG + j];
+          if (bias) v += bias[n];
+          const int64_t o = (m + r) * N + n;
+          if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
+          else static_cast<float*>(y)[o] = v;
+        }
+      m += mr;
+    }
+  }
+}
+
+void check_packed(const char* fn, const torch::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, fn, ": qtype must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  TORCH_CHECK(K % QK == 0, fn, ": K=", K, " is not a multiple of 32");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(0) == (N + RG - 1) / RG && w.size(1) == K / QK && w.size(2) == kGroupBytes[qtype],
+              fn, ": w must be contiguous uint8 [", (N + RG - 1) / RG, ", ", K / QK, ", ", kGroupBytes[qtype],
+              "] (tokenserve.ops.quant.repack_x8), got ", w.sizes());
+}
+
+}  // namespace
+
+// y = x @ W^T (+ bias) on x8-packed GGUF blocks.
+//   x:     [M, K] bf16 or fp32 (K a multiple of 32)
+//   w:     uint8 [ceil(N / 8), K / 32, group_bytes] (repack_x8 of the GGUF rows)
+//   qtype: 0 Q4_0, 1 Q4_1, 2 Q8_0
+//   bias:  [N] or None (used as fp32);  out_dtype: bf16 | fp32 (None: x's dtype)
+// Returns [M, N].
+torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                         const std::optional<torch::Tensor>& bias,
+                         std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_gemm: x must be a 2-D CPU tensor [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "quant_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  check_packed("quant_gemm", w, qtype, N, K);
+  const auto odt = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, "quant_gemm: out dtype must be bf16 or fp32");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_gemm: bias must be [N=", N, "]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(odt));
+  if (M == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  auto xf = x.to(at::kFloat).contiguous();
+  auto xq = torch::empty({M, std::max<int64_t>(K, 1)}, x.options().dtype(at::kShort));
+  auto xds = torch::empty({M, std::max<int64_t>(nb, 1), 2}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  int16_t* qp = xq.data_ptr<int16_t>();
+  float* dp = xds.data_ptr<float>();
+  const bool avx2 =
+#ifdef TS_X86
+      cpu_features().avx2_fma && !g_force_portable.load();
+#else
+      false;
+#endif
+  // Serial below ~4M elements (about 1 ms): a parallel region costs a barrier, and on a
+  // shared host a descheduled worker makes every barrier wait for it.
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+#ifdef TS_X86
+      if (avx2) {
+        quantize_row_avx2(xp + m * K, K, qp + m * K, dp + m * nb * 2);
+        continue;
+      }
+#endif
+      quantize_row_scalar(xp + m * K, K, qp + m * K, dp + m * nb * 2);
+    }
+  });
+  // Work units: (row chunk, 2 groups of 8 weight rows). Threads pull batches of units from a
+  // shared counter (a descheduled thread does not hold the others back); which thread
+  // computes a unit never changes its arithmetic.
+  const int64_t mc = std::max<int64_t>(MR_MAX, (131072 / std::max<int64_t>(K * 2, 1)) / MR_MAX * MR_MAX);
+  const int64_t nchunks = (M + mc - 1) / mc;
+  const int64_t NG = (N + RG - 1) / RG, GPU = 2;
+  const int64_t ngroups = (NG + GPU - 1) / GPU;
+  const int64_t units = nchunks * ngroups;
+  const int64_t work = std::max<int64_t>(1, std::min(M, mc) * GPU * RG * K);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
+  const int64_t batch = std::max<int64_t>(1, units / (ntasks * 8));
+  std::atomic<int64_t> next{0};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  void* yp = y.data_ptr();
+  const bool ybf = odt == at::kBFloat16;
+  at::parallel_for(0, ntasks, 1, [&](int64_t, int64_t) {
+    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch))
+      for (int64_t u = u0, u1 = std::min(units, u0 + batch); u < u1; ++u) {
+        const int64_t chunk = u / ngroups, gi = u % ngroups;
+        const int64_t m_lo = chunk * M / nchunks, m_hi = (chunk + 1) * M / nchunks;
+        compute_block(int(qtype), avx2, qp, dp, K, m_lo, m_hi - m_lo, wp, gi * GPU,
+                      std::min(NG, (gi + 1) * GPU), bp, yp, ybf, N);
+      }
+  });
+  return y;
+}
+
+// Embedding lookup on an x8-packed quantised table w (V rows): rows ids [T], dequantised as
+// tokenserve.ops.quant.dequantize_ref does (fp32 d * (q - 8), d * q + m, d * q), [T, K].
+torch::Tensor quant_dequant_rows(const torch::Tensor& ids, const torch::Tensor& w, int64_t qtype,
+                                 int64_t V, int64_t K, at::ScalarType out_dtype) {
+  check_packed("quant_dequant_rows", w, qtype, V, K);
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_dequant_rows: bf16 or fp32 out");
+  auto idx = ids.to(at::kLong).contiguous();
+  const int64_t T = idx.numel(), nb = K / QK, GB = kGroupBytes[qtype];
+  auto y = torch::empty({T, K}, w.options().dtype(out_dtype));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "quant_dequant_rows: id ", ip[t], " out of range [0, ", V, ")");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bool bf = out_dtype == at::kBFloat16;
+  void* yp = y.data_ptr();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    int32_t q[QK];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = ip[t] / RG, r = ip[t] % RG;
+      for (int64_t b = 0; b < nb; ++b) {
+        float d, m;
+        unpack_row(int(qtype), wp + (g * nb + b) * GB, int(r), d, m, q);
+        for (int i = 0; i < QK; ++i) {
+          // Q4_0: (q - 8) * d; Q4_1: q * d + m (two roundings); Q8_0: q * d
+          const float v = qtype == Q4_0 ? float(q[i] - 8) * d : qtype == Q4_1 ? float(q[i]) * d + m
+                                                                                 : float(q[i]) * d;
+          const int64_t o = t * K + b * QK + i;
+          if (bf) reinterpret_cast<uint16_t*>(yp)[o] = f32_to_bf16(v);
+          else static_cast<float*>(yp)[o] = v;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace tokenserve
+
+TOKENSERVE_REGISTER(quant) {
+  m.def("quant_gemm", &tokenserve::quant_gemm, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+        pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
+        "quant_gemm(x: Tensor[M, K] bf16|fp32, w: uint8 [ceil(N/8), K/32, group_bytes] x8-packed GGUF blocks, "
+        "qtype: 0 Q4_0 | 1 Q4_1 | 2 Q8_0, N, bias=None, out_dtype=None) -> Tensor[M, N]: x @ W^T (+ bias), "
+        "int16 activations per 32-block, exact integer block dots, fp32 accumulation, row-invariant bits.");
+  m.def("quant_dequant_rows", &tokenserve::quant_dequant_rows, pybind11::arg("ids"), pybind11::arg("w"),
+        pybind11::arg("qtype"), pybind11::arg("V"), pybind11::arg("K"), pybind11::arg("out_dtype"),
+        "quant_dequant_rows(ids: int [T], w: x8-packed table of V rows, qtype, V, K, out_dtype) -> "
+        "Tensor[T, K]: an embedding lookup on a quantised table.");
+  m.def("_quant_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
+        "Test hook: True forces the portable (non-AVX2) path of quant_gemm; returns the old value.");
+}

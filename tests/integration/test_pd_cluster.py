@@ -1,0 +1,217 @@
+"""PD end to end on real processes (issue: coordinator + P + D with the real model): every
+family, stream and non-stream, through the coordinator gives what a mixed instance gives
+(ids, timings and random seeds aside); a seeded sampled request too; requests spread over
+two decode instances, and killing one mid-stream loses and repeats nothing; a decode
+instance too small for its requests sends ``retry:`` and the outputs stay identical; after
+every scenario each instance's KV blocks are all free. The processes come from the
+session fixture ``pd`` (tests/integration/conftest.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.integration.pd_cluster import coordinator
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+#: fields that differ between two runs of the same request (ids, clocks, random seeds)
+VOLATILE = frozenset({"id", "created", "prefill_time", "decode_time", "seed",
+                      "firstTokenCost", "decodeTime", "system_fingerprint", "request_id"})
+
+CASES = [  # (path, body) pairs; each runs as stream and non-stream where the family can
+    ("/infer", {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 12,
+                                                                      "details": True}}),
+    ("/generate", {"inputs": "The capital of France is",
+                   "parameters": {"max_new_tokens": 12, "details": True}}),
+    ("/generate", {"prompt": "The capital of France is", "max_tokens": 12}),
+    ("/v1/chat/completions", {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": CHAT,
+                              "max_tokens": 16, "temperature": 0}),
+    ("/v1/completions", {"model": "SmolLM2-135M-Instruct.Q4_1",
+                         "prompt": "The capital of France is", "max_tokens": 12,
+                         "temperature": 0}),
+    ("/v2/models/SmolLM2-135M-Instruct.Q4_1/generate",
+     {"text_input": "The capital of France is", "parameters": {"max_new_tokens": 12}}),
+]
+
+
+@pytest.fixture(scope="module")
+def pd(pd, tmp_path_factory):
+    """The session's PD processes plus this module's coordinators: ``coord`` (p; d, d2)
+    and ``coord_tiny`` (p; tiny), stopped at the end of the module (each decode instance
+    has one /dresult consumer)."""
+    tmp = tmp_path_factory.mktemp("coord")
+    coords = {
+        "coord": coordinator(tmp, [pd["p"]], [pd["d"], pd["d2"]], name="coord"),
+        "coord_tiny": coordinator(tmp, [pd["p"]], [pd["tiny"]], "--max-retry", "20",
+                                  name="coord_tiny"),
+    }
+    try:
+        for c in coords.values():
+            c.start()
+        for c in coords.values():
+            c.wait_ready("/v1/health")
+        yield {**pd, **coords}
+    finally:
+        for c in coords.values():
+            c.stop()
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def normalise(raw: bytes) -> list[Any]:
+    """A response body as a list of JSON documents without the volatile fields: SSE
+    events (``data: {...}``), vLLM's NUL-separated chunks, or one whole document."""
+    text = raw.decode()
+    if text.startswith("data:"):
+        out = []
+        for event in text.split("\n\n"):
+            if event:
+                payload = event.removeprefix("data:").strip()
+                out.append(payload if payload == "[DONE]" else _clean(orjson.loads(payload)))
+        return out
+    return [_clean(orjson.loads(c)) for c in text.split("\0") if c]
+
+
+def _stream_variant(path: str, body: dict) -> tuple[str, dict]:
+    if path == "/generate" and "inputs" in body:
+        return "/generate_stream", body
+    if path.startswith("/v2/models/"):
+        return path + "_stream", body
+    return path, {**body, "stream": True}
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=180)
+
+
+def _assert_all_free(pd) -> None:
+    for name in ("p", "d", "d2", "tiny"):
+        proc = pd[name]
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.assert_leak_free()
+
+
+@pytest.mark.parametrize(("path", "body"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_coordinator_equals_mixed(pd, path, body, stream):
+    if stream:
+        path, body = _stream_variant(path, body)
+    got = _post(pd["coord"].url, path, body)
+    want = _post(pd["mixed"].url, path, body)
+    assert got.status_code == want.status_code == 200, got.text
+    assert normalise(got.content) == normalise(want.content)
+    _assert_all_free(pd)
+
+
+def test_seeded_sampled_request_equals_mixed(pd):
+    body = {"inputs": "Tell me a story.", "stream": True,
+            "parameters": {"max_new_tokens": 24, "do_sample": True, "temperature": 0.9,
+                           "top_p": 0.9, "seed": 42}}
+    got = _post(pd["coord"].url, "/infer", body)
+    want = _post(pd["mixed"].url, "/infer", body)
+    assert normalise(got.content) == normalise(want.content)
+    _assert_all_free(pd)
+
+
+def test_bad_request_is_answered_by_p_in_its_family_shape(pd):
+    bad = {"inputs": "x", "parameters": {"max_new_tokens": -3}}
+    got, want = _post(pd["coord"].url, "/infer", bad), _post(pd["mixed"].url, "/infer", bad)
+    assert got.status_code == want.status_code == 422
+    assert got.json() == want.json()
+
+
+def test_openai_client_through_the_coordinator(pd):
+    import openai
+
+    client = openai.OpenAI(base_url=pd["coord"].url + "/v1", api_key="x", max_retries=0)
+    model = CASES[3][1]["model"]
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8,
+                                       temperature=0)
+    ref = openai.OpenAI(base_url=pd["mixed"].url + "/v1", api_key="x").chat.completions \
+        .create(model=model, messages=CHAT, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].message.content
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8,
+                                            temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == ref.choices[0].message.content
+
+
+def _stream_text(url: str, body: dict, started: threading.Event | None = None) -> str:
+    """A vLLM ``/generate`` stream's text (NUL-framed incremental chunks); ``started`` is
+    set after 3 chunks."""
+    texts = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        buf = b""
+        for chunk in r.iter_bytes():
+            buf += chunk
+            while b"\0" in buf:
+                piece, buf = buf.split(b"\0", 1)
+                texts.append(orjson.loads(piece)["text"][0])
+                if len(texts) == 3 and started is not None:
+                    started.set()
+    return "".join(texts)
+
+
+def _long(prompt: str, n: int) -> dict:
+    return {"prompt": prompt, "stream": True, "max_tokens": n, "ignore_eos": True}
+
+
+def test_small_decode_instance_recomputes_and_outputs_stay_identical(pd):
+    """coord_tiny's only D holds 24 KV blocks: two 250-token generations do not fit, the
+    later one is evicted (``retry:``), resubmitted to P with ``is-recompute``, and both
+    streams still equal the mixed instance's."""
+    bodies = [_long(p, 250)
+              for p in ("The capital of France is", "Write a long story about a dragon.")]
+    evicted_before = _metric(pd["tiny"], "num_preemptions")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda b: _stream_text(pd["coord_tiny"].url, b), bodies))
+        want = list(pool.map(lambda b: _stream_text(pd["mixed"].url, b), bodies))
+    assert got == want and all(len(t) > 500 for t in got)
+    assert _metric(pd["tiny"], "num_preemptions") > evicted_before
+    _assert_all_free(pd)
+
+
+def _metric(proc, name: str) -> float:
+    """A counter from the instance's Prometheus ``/metrics`` (0 when absent)."""
+    text = httpx.get(proc.url + "/metrics", timeout=10).text
+    m = re.search(rf"^\S*{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_requests_spread_and_a_dying_decode_instance_loses_nothing(pd):
+    """Six long streams through coord spread over d and d2; d2 is killed once every stream
+    is under way: its requests are recomputed on d and every stream's text still equals
+    the mixed instance's. (Runs last: d2 stays dead.)"""
+    prompts = [f"Write a story number {i} about a cat." for i in range(6)]
+    bodies = [_long(p, 120) for p in prompts]
+    running_before = {n: pd[n].status()["resource"]["totalNpuBlockNums"] for n in ("d", "d2")}
+    assert all(running_before.values())
+    events = [threading.Event() for _ in bodies]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_stream_text, pd["coord"].url, b, e)
+                   for b, e in zip(bodies, events, strict=True)]
+        for e in events:
+            assert e.wait(120)
+        used = {n: pd[n].status()["resource"]["runningRequestNum"] for n in ("d", "d2")}
+        assert used["d"] > 0 and used["d2"] > 0, used  # spread over both
+        pd["d2"].kill()
+        got = [f.result(timeout=300) for f in futures]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        want = list(pool.map(lambda b: _stream_text(pd["mixed"].url, b), bodies))
+    assert got == want
+    time.sleep(0.5)
+    _assert_all_free(pd)

@@ -1,0 +1,211 @@
+"""csrc/quant.cpp (``quant_gemm``, ``quant_dequant_rows``) on GGUF Q4_0 / Q4_1 / Q8_0 blocks,
+against the pure-torch references of tokenserve/ops/quant.py, with ``gguf.quants`` (llama.cpp's
+own reference code) as a second oracle for the block formats.
+
+* ``dequantize_ref`` equals ``gguf.quants.dequantize`` bit for bit; ``repack_x8`` (the
+  kernel's 8-row interleave) round-trips;
+* ``quant_gemm`` equals ``quant_linear_ref`` (the bit-level emulation: int16 activations,
+  exact integer block dots, one fp32 fma per block) to a rounding of the emulated fma, and is
+  within the activation rounding (half an int16 step of each block's max) of the fp32
+  product with the dequantised weight;
+* the AVX2 path and the portable path give the same bits;
+* a row's result is the same bits alone, in any batch, at any thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenserve.ops import load_kernels
+from tokenserve.ops.linear import Linear
+from tokenserve.ops.quant import (
+    BLOCK_BYTES,
+    QTYPE_IDS,
+    QuantWeight,
+    dequantize_ref,
+    dequantize_rows_ref,
+    quant_linear_fp32_ref,
+    quant_linear_ref,
+    quantize_act_ref,
+    quantize_ref,
+    repack_x8,
+    unpack_x8,
+)
+
+C = load_kernels()
+needs_c = pytest.mark.skipif(C is None or not hasattr(C, "quant_gemm"),
+                             reason="tokenserve._C (quant_gemm) not built")
+QTYPES = ["q4_0", "q4_1", "q8_0"]
+
+
+def _weight(N: int, K: int, qtype: str, seed: int = 0) -> tuple[torch.Tensor, QuantWeight]:
+    g = torch.Generator().manual_seed(seed * 7919 + N * 31 + K)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    w[:, :32] += 0.3  # a block with an offset (Q4_1's m matters)
+    return w, quantize_ref(w, qtype)
+
+
+def _x(M: int, K: int, dtype=torch.float32, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 104729 + M * 13 + K)
+    x = torch.randn(M, K, generator=g)
+    if M > 1:
+        x[M // 2, :32] = 0.0  # an all-zero block (d = 0)
+    return x.to(dtype)
+
+
+def _gemm(x, qw: QuantWeight, bias=None, out_dtype=torch.float32):
+    p = repack_x8(qw)
+    return C.quant_gemm(x, p.data, QTYPE_IDS[qw.qtype], qw.shape[0], bias, out_dtype)
+
+
+# ------------------------------------------------------------------ references vs gguf
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("N,K", [(1, 32), (3, 96), (17, 576), (5, 1536)])
+def test_dequantize_ref_equals_gguf(qtype, N, K):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    _, qw = _weight(N, K, qtype)
+    assert tuple(qw.data.shape) == (N, K // 32 * BLOCK_BYTES[qtype])
+    theirs = dequantize(qw.data.numpy(), GGMLQuantizationType[qtype.upper()])
+    assert torch.equal(dequantize_ref(qw), torch.from_numpy(np.ascontiguousarray(theirs)).reshape(N, K))
+    packed = repack_x8(qw)
+    assert packed.layout == "x8" and tuple(packed.data.shape)[:2] == ((N + 7) // 8, K // 32)
+    assert torch.equal(unpack_x8(packed).data, qw.data)
+    assert torch.equal(dequantize_ref(packed), dequantize_ref(qw))
+
+
+def test_quantize_act_ref_bounds():
+    x = _x(5, 96)
+    q, d, s = quantize_act_ref(x)
+    back = (q.float().reshape(5, 3, 32) * d.unsqueeze(-1)).reshape(5, 96)
+    assert ((back - x).abs() <= (d.repeat_interleave(32, 1) / 2) * 1.001 + 1e-6).all()
+    assert q.dtype == torch.int16 and q.abs().max() <= 32767
+    assert torch.allclose(s, d * q.reshape(5, 3, 32).float().sum(-1))
+
+
+def test_k_not_a_multiple_of_the_block_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantWeight(torch.zeros(2, 18, dtype=torch.uint8), "q4_0", (2, 31))
+    if C is not None and hasattr(C, "quant_gemm"):
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            C.quant_gemm(torch.zeros(1, 33), torch.zeros(1, 1, 144, dtype=torch.uint8), 0, 2)
+        with pytest.raises(RuntimeError, match="repack_x8"):  # GGUF rows, not x8
+            C.quant_gemm(torch.zeros(1, 32), torch.zeros(2, 18, dtype=torch.uint8), 0, 2)
+
+
+# ------------------------------------------------------------------ kernel vs references
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M", [0, 1, 3, 17, 64])
+@pytest.mark.parametrize("N,K", [(1, 32), (3, 96), (17, 576), (960, 576), (19, 1536)])
+def test_quant_gemm_vs_reference(qtype, M, N, K):
+    _, qw = _weight(N, K, qtype)
+    x = _x(M, K)
+    bias = torch.randn(N) if N % 2 else None
+    y = _gemm(x, qw, bias)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    if M == 0:
+        return
+    emu = quant_linear_ref(x, qw, bias, torch.float32)
+    # the emulation rounds its fma in fp64 then fp32: equal up to a rare double rounding
+    torch.testing.assert_close(y, emu, rtol=1e-6, atol=1e-6)
+    exact = quant_linear_fp32_ref(x, qw, bias, torch.float32)
+    # activation rounding (int16): |x - x_q| <= d / 2 per element, so the error is at most
+    # sum_b (dx_b / 2) * sum_k |w_k| in a block; check against that bound
+    _, dx, _ = quantize_act_ref(x)
+    wabs = dequantize_ref(qw).abs().reshape(N, K // 32, 32).sum(-1)  # [N, nb]
+    bound = (dx / 2) @ wabs.T * 1.01 + 1e-5
+    assert ((y - exact).abs() <= bound).all()
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quant_gemm_bf16_in_and_out(qtype):
+    _, qw = _weight(33, 192, qtype)
+    x = _x(5, 192, torch.bfloat16)
+    y = _gemm(x, qw, None, torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, _gemm(x.float(), qw, None, torch.float32).to(torch.bfloat16))
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_portable_path_same_bits(qtype):
+    _, qw = _weight(37, 320, qtype)
+    x = _x(9, 320)
+    fast = _gemm(x, qw)
+    old = C._quant_force_portable(True)
+    try:
+        slow = _gemm(x, qw)
+    finally:
+        C._quant_force_portable(old)
+    assert torch.equal(fast, slow)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_row_invariance_batch_and_threads(qtype):
+    """Bit for bit: a row alone == the same row at every position of batches of 1..65 rows,
+    and with 1 or 2 threads."""
+    _, qw = _weight(131, 576, qtype)
+    x = _x(65, 576)
+    alone = torch.cat([_gemm(x[i:i + 1], qw) for i in range(65)])
+    for m in (2, 3, 5, 17, 65):
+        assert torch.equal(_gemm(x[:m], qw), alone[:m]), m
+    assert torch.equal(_gemm(x.flip(0), qw), alone.flip(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _gemm(x, qw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone)
+
+
+@needs_c
+def test_vocab_49152_lm_head_q8_0_fp32_logits():
+    _, qw = _weight(49152, 576, "q8_0")
+    x = _x(3, 576, torch.bfloat16)
+    y = _gemm(x, qw, None, torch.float32)
+    assert y.shape == (3, 49152) and y.dtype == torch.float32
+    torch.testing.assert_close(y, quant_linear_ref(x, qw, None, torch.float32),
+                               rtol=1e-6, atol=1e-6)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dequant_rows_equals_reference(qtype, out_dtype):
+    _, qw = _weight(300, 96, qtype)
+    ids = torch.tensor([0, 299, 7, 7, 150])
+    p = repack_x8(qw)
+    got = C.quant_dequant_rows(ids, p.data, QTYPE_IDS[qtype], 300, 96, out_dtype)
+    assert torch.equal(got, dequantize_rows_ref(ids, qw, out_dtype))
+    with pytest.raises(RuntimeError, match="out of range"):
+        C.quant_dequant_rows(torch.tensor([300]), p.data, QTYPE_IDS[qtype], 300, 96, out_dtype)
+
+
+# ------------------------------------------------------------------ Linear
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_linear_picks_quant_backend_or_dequantises(qtype, monkeypatch):
+    _, qw = _weight(17, 64, qtype)
+    x = _x(3, 64, torch.bfloat16)
+    lin = Linear(qw, out_dtype=torch.float32)
+    if C is not None and hasattr(C, "quant_gemm"):
+        assert lin.backend == "tokenserve.quant_gemm" and lin.qweight.layout == "x8"
+        assert lin.nbytes == lin.qweight.nbytes <= qw.nbytes * 24 // 17  # N padded to 8
+        assert torch.equal(lin(x), _gemm(x, qw, None, torch.float32))
+    monkeypatch.setenv("TOKENSERVE_DISABLE_C", "1")
+    ref = Linear(qw, out_dtype=torch.float32, fallback_dtype=torch.float32)
+    assert ref.backend == "torch"
+    torch.testing.assert_close(ref(x.float()), quant_linear_fp32_ref(x.float(), qw, None,
+                                                                     torch.float32))

@@ -1,0 +1,170 @@
+"""What the coordinator decides about a request before any instance sees it
+(spec/pd_disaggregation.md §3.1-§3.2, §4.1): its family, whether it streams, the minimal
+validation MindIE Motor does, its cost, and the headers forwarded to P.
+
+Stream detection (§3.1)::
+
+    TGI     path has generate_stream -> stream; has generate -> not; POST / -> body stream
+    vLLM, OpenAI, MindIE native      -> body ``stream`` (default false)
+    Triton  path has infer -> not; has generate_stream -> stream; else not ([I] we
+            look at the last segment only, so a model name cannot match)
+
+Everything beyond the checks here (types, ranges, the model name, ...) is P's to
+validate: P's non-200 answer reaches the client unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+#: §3.2: the admission errors' bodies (text/plain, each followed by CRLF on the wire).
+NOT_READY = "MindIE-MS Coordinator is not ready"
+TOO_MANY = "Too many requests"
+BAD_FORMAT = "Request format is invalid"
+OPENAI_BAD_FORMAT = "Invalid request format: Missing both 'prompt' or 'messages'"
+CONNECT_P_FAILED = "Connect to p instance failed"
+SEND_P_FAILED = "Send messges to p instance failed"  # sic, MindIE's spelling
+RECV_P_FAILED = "Receive messages from p instance failed"
+P_ERROR = "P instance error"
+RETRY_FAILED = "Request retry failed"
+SCHEDULE_TIMEOUT = "Request schedule timeout"
+FIRST_TOKEN_TIMEOUT = "Request first token timeout"
+INFER_TIMEOUT = "Request inference timeout"
+TOKENIZER_TIMEOUT = "Request tokenizer timeout"
+
+#: RFC 9110 §7.6.1 hop-by-hop fields, plus what the upstream client sets itself.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+    "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    "host", "content-length", "expect",
+})
+#: §4.1: the headers the coordinator owns; a client's values are never forwarded.
+PD_HEADERS = frozenset({"req-type", "req-id", "d-target", "d-port", "is-recompute"})
+
+
+class AdmissionError(Exception):
+    """A request refused by the coordinator itself (§3.2): ``status`` with the plain-text
+    ``message``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Ingress:
+    """One admitted request.
+
+    Attributes:
+        family: ``mindie``, ``tgi``, ``vllm``, ``openai`` or ``triton``.
+        stream: whether the client gets ``text/event-stream`` (§3.1).
+        body: the parsed JSON body (the recompute body is built from it).
+        cost: estimated prompt tokens (text: characters / ``chars_per_token``).
+    """
+
+    family: str
+    stream: bool
+    body: dict[str, Any]
+    cost: int
+
+
+def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
+    """Family, stream flag, validation and cost of an inference request on ``path``.
+
+    Raises:
+        AdmissionError: 400 ``Request format is invalid`` (OpenAI: the missing-prompt
+            message) for a body that is not a JSON object or lacks its prompt field.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        raise AdmissionError(400, BAD_FORMAT)
+    family = _family(path, body)
+    prompt = _prompt(family, body)
+    return Ingress(family, _is_stream(family, path, body), body,
+                   _cost(prompt, chars_per_token))
+
+
+def _family(path: str, body: dict[str, Any]) -> str:
+    if path in ("/infer", "/infer_token"):
+        return "mindie"
+    if path.startswith("/v1/"):
+        return "openai"
+    if path.startswith("/v2/"):
+        return "triton"
+    if path == "/generate" and body.get("inputs") is None:
+        if body.get("prompt") is None:
+            raise AdmissionError(400, BAD_FORMAT)
+        return "vllm"
+    return "tgi"
+
+
+def _is_stream(family: str, path: str, body: dict[str, Any]) -> bool:
+    if family == "triton":  # [I] the route's last segment, so a model name cannot match
+        return path.rsplit("/", 1)[-1] == "generate_stream"
+    if family == "tgi" and "generate" in path:
+        return "generate_stream" in path
+    return body.get("stream") is True
+
+
+def _prompt(family: str, body: dict[str, Any]) -> Any:
+    """The prompt value §3.1 requires, or AdmissionError(400)."""
+    if family == "mindie":
+        has_text, has_ids = "inputs" in body, "input_id" in body
+        if has_text == has_ids:
+            raise AdmissionError(400, BAD_FORMAT)
+        return _string(body["inputs"]) if has_text else body["input_id"]
+    if family in ("tgi", "vllm"):
+        return _string(body.get("inputs" if family == "tgi" else "prompt"))
+    if family == "openai":
+        for key in ("messages", "prompt"):
+            if body.get(key) is not None:
+                return body[key]
+        raise AdmissionError(400, OPENAI_BAD_FORMAT)
+    text = body.get("text_input")
+    if isinstance(text, str):
+        return text
+    inputs = body.get("inputs")
+    first = inputs[0] if isinstance(inputs, list) and inputs else None
+    if isinstance(first, dict) and first.get("datatype") == "UINT32" and "data" in first:
+        return first["data"]
+    raise AdmissionError(400, BAD_FORMAT)
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):  # §3.1: multimodal list inputs are refused in PD
+        raise AdmissionError(400, BAD_FORMAT)
+    return value
+
+
+def _cost(prompt: Any, chars_per_token: float) -> int:
+    """Estimated prompt tokens: ids count one each, text ``len / chars_per_token``,
+    chat messages the text of their contents; at least 1."""
+    if isinstance(prompt, str):
+        return max(1, math.ceil(len(prompt) / chars_per_token))
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+        chars = sum(len(str(m.get("content", ""))) for m in prompt)
+        return max(1, math.ceil(chars / chars_per_token))
+    if isinstance(prompt, list):
+        return max(1, len(prompt))
+    return 1
+
+
+def forward_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The client's headers to forward to P (§4.1): all but the hop-by-hop ones (and
+    those the client's ``Connection`` names) and the PD headers the coordinator sets."""
+    named = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+    drop = HOP_BY_HOP | PD_HEADERS | named
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
+
+
+def plain_error(message: str) -> bytes:
+    """A §3.2 body: the message and CRLF."""
+    return message.encode() + b"\r\n"

@@ -1,0 +1,342 @@
+"""The decode (D) side of PD disaggregation (spec/pd_disaggregation.md §6, §7.1, §8).
+
+``POST /v1/pd/decode`` (management plane; our stand-in for MindIE's gRPC
+``DecodeRequestChannel``) carries the request P started (its ``DecodeParameters``, §5.2:
+the client's method, path and body, the prompt ids, the tokens generated so far, the
+generator state, P's block ids and KV region). D then runs the SAME family handler on
+the client's body, so every byte it sends is what a mixed instance would send::
+
+    handler admits its engine request   -> observer: id = reqId, prompt = P's ids,
+                                           adopt (tokens so far, generator, KV source)
+    engine: allocate blocks, pull K/V   -> puller (worker thread): Mooncake read of P's
+                                           blocks, then POST /v1/pd/release to P
+    engine: replay output (P's tokens)  -> handler renders it; muted (P sent it already)
+    engine: each decode step            -> handler renders -> ``data:`` on /dresult
+    final output                        -> everything rendered after it -> one ``lastData:``
+    evicted (KV ran out)                -> ``retry:`` with the recompute body (§7.2)
+    failure (pull, engine, timeout)     -> ``error:``
+
+Every request message is preceded, in the same chunk, by an ``ids:`` message with the
+token ids it carries (and D's first message for a request is ``ids:L,p..,o..``), so the
+coordinator can recompute the request elsewhere if this D dies (plan, [I]).
+
+``GET /dresult`` (business plane) is served by :class:`DresultHub`: one consumer, a new
+one closes the old (§6.2), ``ka:heartbeat`` after 5 s idle, messages kept while no
+consumer is connected (bounded) instead of dropped [I].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import orjson
+
+from tokenserve.engine.output_stream import Signal
+from tokenserve.http.api.common import FAILED_FINISH, failure_text, parse_json_object
+from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.http.errors import HttpError
+from tokenserve.http.router import Handler, Router
+from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
+from tokenserve.pd.dresult import HEARTBEAT, close_message, encode
+from tokenserve.pd.node import PdNode
+from tokenserve.pd.recompute import build_recompute_body, encode_history
+from tokenserve.pd.sinks import CaptureResponse
+
+logger = logging.getLogger(__name__)
+
+#: §6.2: heartbeat after this many idle seconds.
+HEARTBEAT_S = 5.0
+#: [I] messages kept while no /dresult consumer is connected.
+BACKLOG = 100_000
+_CLOSE = object()
+
+
+class DresultHub:
+    """The one ``GET /dresult`` stream of a decode instance (§6.2)."""
+
+    def __init__(self, heartbeat_s: float = HEARTBEAT_S, backlog: int = BACKLOG) -> None:
+        self.heartbeat_s = heartbeat_s
+        self._queue: asyncio.Queue | None = None  # the connected consumer's
+        self._backlog: collections.deque[bytes] = collections.deque(maxlen=backlog)
+
+    def publish(self, msg: bytes) -> None:
+        """Queue one chunk (whole messages) for the consumer; never blocks."""
+        if self._queue is not None:
+            self._queue.put_nowait(msg)
+        else:
+            self._backlog.append(msg)
+
+    @property
+    def connected(self) -> bool:
+        return self._queue is not None
+
+    async def serve(self, request: HttpRequest, response: HttpResponse) -> None:
+        """Stream messages to this consumer until it leaves or a newer one replaces it."""
+        if self._queue is not None:
+            self._queue.put_nowait(_CLOSE)
+        queue: asyncio.Queue = asyncio.Queue()
+        while self._backlog:
+            queue.put_nowait(self._backlog.popleft())
+        self._queue = queue
+        gone = asyncio.Event()
+        request.disconnected.subscribe(gone.set)
+        request.disconnected.subscribe(lambda: queue.put_nowait(_CLOSE))
+        try:
+            await response.start_stream(200, "text/event-stream")
+            while not gone.is_set():
+                try:
+                    msg = await asyncio.wait_for(queue.get(), self.heartbeat_s)
+                except TimeoutError:
+                    msg = HEARTBEAT
+                if msg is _CLOSE:
+                    if not gone.is_set():
+                        await response.write(close_message())
+                        await response.end()
+                    return
+                try:
+                    await response.write(msg)
+                except ClientDisconnected:
+                    self._backlog.appendleft(msg)
+                    return
+        finally:
+            if self._queue is queue:
+                self._queue = None
+                while not queue.empty():  # keep what this consumer did not get
+                    m = queue.get_nowait()
+                    if m is not _CLOSE:
+                        self._backlog.append(m)
+
+
+class DecodeObserver:
+    """The engine side of one D request (module docstring)."""
+
+    def __init__(self, node: PdNode, hub: DresultHub, params: dict[str, Any],
+                 body: dict[str, Any]) -> None:
+        self.node, self.hub, self.params, self.body = node, hub, params, body
+        self.req_id: str = params["reqId"]
+        self.prompt: list[int] = params["tokens"]
+        self.delivered: list[int] = list(params["firstToken"])
+        self.admitted = asyncio.Event()
+        # what the handler writes before the replay output ends (e.g. OpenAI's role
+        # chunk) was sent by P already
+        self.muted = True
+        self.final = False
+        self.done = False  # the request's last message (lastData/error/retry) is out
+        self.pending_ids: tuple[int, ...] = ()
+        self.error_message = "refused"  # why the handler refused it (before admission)
+
+    def admit(self, greq: GenerateRequest) -> GenerateRequest:
+        if self.admitted.is_set():
+            raise HttpError(400, "PD serves one sequence per request (n = 1, best_of = 1).")
+        p = self.params
+        state = p.get("generatorState")
+        source = {"reqId": self.req_id, "kv": p.get("kv"), "blocks": p["blockTable"][0],
+                  "pNodeAddr": p["pNodeAddr"]}
+        self.admitted.set()
+        params = greq.params
+        if isinstance(p.get("seed"), int):  # the seed P drew (or the client gave)
+            params = replace(params, seed=p["seed"])
+        return replace(greq, request_id=self.req_id, prompt_token_ids=tuple(self.prompt),
+                       params=params,
+                       arrival_time=time.monotonic(), adopt=KvAdoption(
+                           tuple(p["firstToken"]),
+                           base64.b64decode(state) if state is not None else None,
+                           int(p["numComputed"]), source,
+                           int(p.get("prefixCachedTokenNums") or 0)))
+
+    async def before_wait(self) -> None:
+        return
+
+    def on_output(self, out: RequestOutput) -> None:
+        self.muted = out.replay
+        if out.replay:
+            return
+        # an output that writes nothing (text held back) leaves its ids for the next write
+        self.pending_ids += out.new_token_ids
+        if not out.finished:
+            self.delivered.extend(out.new_token_ids)
+            return
+        self.final = True
+        if out.finish_reason is FinishReason.RECOMPUTE:
+            rb = build_recompute_body(self.params["path"], self.body,
+                                      [*self.prompt, *self.delivered], len(self.prompt))
+            self.send_last("retry", orjson.dumps(rb).decode())
+        elif out.finish_reason in FAILED_FINISH:
+            self.send_last("error", failure_text(out))
+
+    def _ids(self) -> bytes:
+        ids, self.pending_ids = self.pending_ids, ()
+        return encode(self.req_id, "ids", ",".join(map(str, ids))) if ids else b""
+
+    def send_data(self, chunk: bytes) -> None:
+        if self.done or self.muted:
+            return
+        self.hub.publish(self._ids() + encode(self.req_id, "data", _body(chunk)))
+
+    def send_last(self, kind: str, body: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        ids = self._ids() if kind == "lastData" else b""
+        self.hub.publish(ids + encode(self.req_id, kind, body or " "))
+
+
+class DecodeSink(CaptureResponse):
+    """Where the family handler's writes go on D (module docstring)."""
+
+    def __init__(self, obs: DecodeObserver) -> None:
+        super().__init__()
+        self.obs = obs
+        self.tail: list[bytes] = []
+
+    def on_chunk(self, chunk: bytes) -> None:
+        if self.obs.final:
+            self.tail.append(chunk)  # the final events: all in the one lastData
+        else:
+            self.obs.send_data(chunk)
+
+    def on_end(self) -> None:
+        self.obs.send_last("lastData", _body(b"".join(self.tail)))
+
+    def on_whole(self, status: int, body: bytes) -> None:
+        text = body.decode("utf-8", errors="replace")
+        if status == 200:
+            self.obs.send_last("lastData", text)
+        else:
+            self.obs.send_last("error", _error_text(text))
+
+
+def _body(chunk: bytes) -> str:
+    """A /dresult body never holds NUL (spec §6.3): [I] the NUL that ends each vLLM
+    stream chunk (``{json}\\0``) travels as a newline (JSON never holds a raw one); the
+    coordinator turns them back (:func:`tokenserve.pd.dresult.vllm_body`)."""
+    return chunk.decode("utf-8").replace("\0", "\n")
+
+
+def _error_text(body: str) -> str:
+    try:
+        obj = orjson.loads(body)
+        return str(obj.get("error", body)) if isinstance(obj, dict) else body
+    except orjson.JSONDecodeError:
+        return body
+
+
+class DecodeServer:
+    """D's routes and request runner."""
+
+    def __init__(self, node: PdNode, router: Router) -> None:
+        self.node = node
+        self.router = router
+        self.hub = DresultHub()
+        self._tasks: set[asyncio.Task] = set()
+        self._release = httpx.Client(timeout=node.cfg.kv_trans_timeout_s)
+
+    def register(self, router: Router) -> None:
+        router.post("/v1/pd/decode", self.decode)
+
+    def close(self) -> None:
+        self._release.close()
+
+    # ------------------------------------------------------------------ KV pull (thread)
+
+    def pull(self, source: dict[str, Any], dst_blocks: list[int], num_tokens: int) -> None:
+        """The engine's KV puller (worker thread): read P's blocks with the transfer
+        engine, then release them on P whatever happened (spec §6.1, §8.1)."""
+        p_addr = source["pNodeAddr"]
+        try:
+            if self.node.kv is None:
+                raise RuntimeError("no KV transfer engine")
+            from tokenserve.pd.kv_transfer import KvRegion
+
+            src = KvRegion.from_dict(source["kv"])
+            self.node.kv.pull(src, list(source["blocks"][:len(dst_blocks)]), dst_blocks)
+            self.node.links[p_addr] = "ok"
+        except Exception:
+            self.node.links[p_addr] = "failed : pull kv failed."
+            raise
+        finally:
+            ip, _, port = p_addr.partition(";")
+            host = f"[{ip}]" if ":" in ip else ip
+            try:
+                self._release.post(f"http://{host}:{port}/v1/pd/release",
+                                   json={"reqId": source["reqId"]})
+            except httpx.HTTPError as exc:
+                logger.warning("release of %s on %s failed: %s", source["reqId"], p_addr, exc)
+
+    # ------------------------------------------------------------------ routes
+
+    async def dresult(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``GET /dresult`` (spec §6.2)."""
+        node = self.node
+        if not node.cfg.pd:
+            raise HttpError(400, "Non DMI does not support dresult request")
+        if not node.is_decode:
+            raise HttpError(400, "Only the Decode node supports dresult but you send to "
+                            f"{node.role or 'none'}")
+        await self.hub.serve(request, response)
+
+    async def decode(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /v1/pd/decode``: accept a request from P; answers
+        ``{"isValidDecodeParameters", "errorMessage"}`` once the engine admitted it."""
+        if not self.node.is_decode:
+            raise HttpError(400, f"not a decode instance (role {self.node.role or 'none'})")
+        try:
+            params = parse_json_object(request.body, 64)
+            body = parse_json_object(params["body"].encode(), 64)
+            for key in ("reqId", "tokens", "firstToken", "path", "blockTable", "pNodeAddr",
+                        "numComputed"):
+                params[key]
+            handler, path_params = self.router.resolve(params.get("method", "POST"),
+                                                       params["path"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            await response.send_json(200, {"isValidDecodeParameters": False,
+                                           "errorMessage": f"bad DecodeParameters: {exc}"})
+            return
+        except HttpError as exc:
+            await response.send_json(200, {"isValidDecodeParameters": False,
+                                           "errorMessage": exc.message})
+            return
+        obs = DecodeObserver(self.node, self.hub, params, body)
+        signal = Signal()
+        signal.observer = obs
+        inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
+                            query=params.get("query", ""), headers=params.get("headers", {}),
+                            body=params["body"].encode(), disconnected=signal,
+                            arrival_time=time.monotonic(), path_params=path_params)
+        # the coordinator learns the request's history first (plan: ids)
+        self.hub.publish(encode(obs.req_id, "ids", encode_history(obs.prompt, obs.delivered)))
+        task = asyncio.create_task(self._run(handler, inner, obs), name=f"pd-decode-{obs.req_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        admitted = asyncio.create_task(obs.admitted.wait())
+        await asyncio.wait({task, admitted}, return_when=asyncio.FIRST_COMPLETED)
+        admitted.cancel()
+        if obs.admitted.is_set():
+            await response.send_json(200, {"isValidDecodeParameters": True, "errorMessage": ""})
+        else:
+            await response.send_json(200, {"isValidDecodeParameters": False,
+                                           "errorMessage": obs.error_message})
+
+    async def _run(self, handler: Handler, request: HttpRequest, obs: DecodeObserver) -> None:
+        sink = DecodeSink(obs)
+        try:
+            await handler(request, sink)
+        except HttpError as exc:
+            obs.error_message = exc.message
+            if obs.admitted.is_set():
+                obs.send_last("error", exc.message)
+        except Exception as exc:
+            logger.exception("decode of %s failed", obs.req_id)
+            obs.error_message = str(exc)
+            if obs.admitted.is_set():
+                obs.send_last("error", "Failed forward in for infer engine.")
+        finally:
+            if obs.admitted.is_set() and not obs.done:
+                obs.send_last("error", "Failed to get token id from infer response.")

@@ -1,0 +1,264 @@
+"""The prefill (P) side of PD disaggregation (spec/pd_disaggregation.md §4, §5, §7.4).
+
+An inference request from the coordinator carries ``req-type: prefill``, ``req-id``,
+``d-target`` (and ``is-recompute: true`` on a resubmission). :func:`prefill_gate` checks
+them in the spec's order (§4.2); then the family's own handler runs unchanged, writing into
+a :class:`~tokenserve.pd.sinks.CaptureResponse`, with a :class:`PrefillObserver` on the
+engine side::
+
+    handler admits its engine request   -> observer: id = req-id, prefill_only (+ the
+                                           recompute history, §7.4)
+    engine: prefill, first token, park  -> handler renders the first output (captured)
+    handler waits for the next output   -> observer: POST the decode request to D (§5.2),
+                                           raise RequestHandedOff (the request stays parked)
+    P answers the coordinator           -> {"reqId","isStream","isLastResp","output"} (§5.3)
+
+A request that finishes on P (EOS or max_new_tokens on the first token) never goes to D:
+P answers ``isLastResp: true`` with the whole output. D pulls the parked KV blocks and then
+calls ``POST /v1/pd/release`` (management plane); P frees them then, or after
+``kv_trans_timeout``.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import logging
+import re
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from tokenserve.engine.output_stream import Signal
+from tokenserve.http.api.common import parse_json_object
+from tokenserve.http.api.engine_stream import RequestHandedOff
+from tokenserve.http.cycle import HttpRequest, HttpResponse
+from tokenserve.http.errors import HttpError
+from tokenserve.http.router import Handler
+from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
+from tokenserve.pd.node import PdNode, RoleStatus
+from tokenserve.pd.recompute import parse_recompute_body
+from tokenserve.pd.sinks import CaptureResponse
+
+logger = logging.getLogger(__name__)
+
+_HEX = re.compile(r"[0-9a-fA-F]+")
+MAX_REQ_ID = 1024
+#: hop-by-hop and PD headers not carried to D with the request
+_DROP_HEADERS = frozenset({"connection", "content-length", "transfer-encoding", "keep-alive",
+                           "req-type", "req-id", "d-target", "d-port", "is-recompute", "host"})
+
+
+def is_inference(request: HttpRequest) -> bool:
+    """Whether ``request`` is an inference call of one of the five families (§3.1)."""
+    if request.method != "POST":
+        return False
+    p = request.path
+    return (p in ("/infer", "/infer_token", "/generate", "/generate_stream", "/",
+                  "/v1/chat/completions", "/v1/completions")
+            or (p.startswith("/v2/models/")
+                and p.endswith(("/infer", "/generate", "/generate_stream"))))
+
+
+def prefill_gate(node: PdNode, headers: dict[str, str]) -> tuple[str, str, bool]:
+    """spec §4.2 checks, in order; returns (req-id, d-target, is-recompute).
+
+    Raises:
+        HttpError: 503 (unknown role status) or 400 with the spec's messages.
+    """
+    if node.role_status is RoleStatus.UNKNOWN or node.role is None:
+        raise HttpError(503, "The server cannot process the inference request due to an "
+                        "unknown status. ")
+    if not node.is_prefill:
+        raise HttpError(400, "DMI inference requests can be sent only to the prefill node "
+                        "or p_percentage of the flex node == 0")
+    req_type, req_id, target = (headers.get("req-type"), headers.get("req-id"),
+                                headers.get("d-target"))
+    if req_type is None or req_id is None or target is None:
+        raise HttpError(400, "DMI request must have req-type, req-id, d-target headers")
+    if not _HEX.fullmatch(req_id):
+        raise HttpError(400, "Invalid req-id, the character of req-id should be hex char "
+                        f"[0-9, a-f, A-F], but got {req_id}")
+    if len(req_id) > MAX_REQ_ID:
+        raise HttpError(400, f"The length of req-id cannot exceed {MAX_REQ_ID}")
+    if req_type != "prefill":
+        raise HttpError(400, f"Parameter req-type must be prefill but got {req_type}")
+    try:
+        ipaddress.ip_address(target.partition(";")[0])
+    except ValueError:
+        raise HttpError(400, "Parameter d-target must be an IPv4 address") from None
+    recompute = headers.get("is-recompute")
+    if recompute not in (None, "true", "false"):
+        raise HttpError(400, "Parameter is-recompute is an optional parameter. When it is "
+                        "set, it must be true or false.")
+    return req_id, target, recompute == "true"
+
+
+class PrefillObserver:
+    """The engine side of one P request (see the module docstring)."""
+
+    def __init__(self, node: PdNode, req_id: str, target: str, request: HttpRequest,
+                 body: bytes, history: tuple[list[int], list[int]] | None,
+                 sink: CaptureResponse) -> None:
+        self.node = node
+        self.sink = sink
+        # recompute: the client already has what the handler writes before the replay
+        # ends (e.g. OpenAI's role chunk)
+        sink.muted = history is not None
+        self.req_id = req_id
+        self.target = target
+        self.request = request
+        self.body = body  # what D renders from: the client's body (recompute: restored)
+        self.history = history
+        self.greq: GenerateRequest | None = None
+        self.output_ids: list[int] = []  # every output token so far (replayed included)
+        self.delivered = 0  # of which already shown to the client before this P
+        self.text = ""  # text this P rendered (postsingletext)
+        self.handoff: KvHandoff | None = None
+        self.num_cached_tokens = 0
+        self.handed_off = False
+        self.error: str | None = None
+
+    def admit(self, greq: GenerateRequest) -> GenerateRequest:
+        if self.greq is not None:
+            raise HttpError(400, "PD serves one sequence per request (n = 1, best_of = 1).")
+        prompt = greq.prompt_token_ids
+        adopt = None
+        if self.history is not None:
+            prompt = tuple(self.history[0])
+            adopt = KvAdoption(tuple(self.history[1]))
+            self.delivered = len(self.history[1])
+        self.greq = replace(greq, request_id=self.req_id, prompt_token_ids=prompt,
+                            prefill_only=True, adopt=adopt)
+        return self.greq
+
+    def on_output(self, out: RequestOutput) -> None:
+        self.sink.muted = out.replay  # recompute: the client has these tokens' text
+        self.output_ids.extend(out.new_token_ids)
+        if not out.replay:
+            self.text += out.new_text
+        if out.handoff is not None:
+            self.handoff = out.handoff
+            self.num_cached_tokens = out.num_cached_tokens
+
+    async def before_wait(self) -> None:
+        if self.handoff is None or self.handed_off:
+            return
+        self.handed_off = True
+        try:
+            await self._send_decode()
+        except Exception as exc:  # noqa: BLE001 - any failure: 500 to the coordinator
+            self.error = f"[P Node] Send D request failed:{exc}"
+            logger.warning("request %s: %s", self.req_id, self.error)
+            self.node.engine.release(self.req_id)
+        raise RequestHandedOff()
+
+    def decode_parameters(self) -> dict[str, Any]:
+        """Our ``DecodeParameters`` (spec §5.2 field names where one exists)."""
+        assert self.greq is not None and self.handoff is not None
+        h, g, node = self.handoff, self.greq, self.node
+        kv = node.kv.descriptor().to_dict() if node.kv is not None else None
+        headers = {k: v for k, v in self.request.headers.items() if k not in _DROP_HEADERS}
+        return {
+            "reqId": self.req_id,
+            "tokens": list(g.prompt_token_ids),
+            "firstToken": self.output_ids,
+            "method": self.request.method,
+            "path": self.request.path,
+            "query": self.request.query,
+            "headers": headers,
+            "body": self.body.decode("utf-8"),
+            "generatorState": (base64.b64encode(h.generator_state).decode()
+                               if h.generator_state is not None else None),
+            "numComputed": h.num_computed,
+            "seed": g.params.seed,
+            "prefixCachedTokenNums": self.num_cached_tokens,
+            "blockTable": [list(h.block_table)],
+            "pNodeAddr": node.address,
+            "kv": kv,
+            "postsingletext": self.text,
+            "prefillTokenNum": len(self.output_ids) - self.delivered,
+            "preOutputTokenNum": self.delivered,
+            "e2eStartTime": int(time.time() * 1e6),
+        }
+
+    async def _send_decode(self) -> None:
+        ip, _, port = self.target.partition(";")
+        host = f"[{ip}]" if ":" in ip else ip
+        url = f"http://{host}:{port or 1121}/v1/pd/decode"
+        r = await self.node.http().post(url, content=orjson.dumps(self.decode_parameters()),
+                                        headers={"content-type": "application/json"})
+        if r.status_code != 200:
+            raise RuntimeError(f"D answered {r.status_code}: {r.text[:200]}")
+        ans = r.json()
+        if not ans.get("isValidDecodeParameters"):
+            raise RuntimeError(ans.get("errorMessage") or "D refused the request")
+
+
+def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
+    """spec §5.3 body, key order reqId, isStream, isLastResp, output."""
+    body: dict[str, Any] = {"reqId": req_id, "isStream": sink.is_stream}
+    if sink.is_stream or last:
+        body["isLastResp"] = last
+        body["output"] = sink.text
+    return orjson.dumps(body)
+
+
+async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
+                        response: HttpResponse) -> None:
+    """Run one coordinator request on this prefill instance (module docstring)."""
+    req_id, target, recompute = prefill_gate(node, request.headers)
+    if node.is_self(target):  # spec §4.3: flex-local, an ordinary mixed request
+        await handler(request, response)
+        return
+    body = request.body
+    history = None
+    if recompute:
+        try:
+            restored, prompt, outputs = parse_recompute_body(
+                request.path, parse_json_object(request.body))
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        body, history = orjson.dumps(restored), (prompt, outputs)
+    signal = Signal()
+    request.disconnected.subscribe(signal.set)
+    sink = CaptureResponse()
+    obs = PrefillObserver(node, req_id, target, request, body, history, sink)
+    signal.observer = obs
+    inner = replace(request, body=body, disconnected=signal)
+    try:
+        await handler(inner, sink)
+    except RequestHandedOff:
+        if obs.error is not None:
+            raise HttpError(500, obs.error) from None
+        if not obs.handed_off:
+            raise  # the coordinator went away
+        await response.send(200, _answer(req_id, sink, last=False))
+        return
+    finally:
+        request.disconnected.unsubscribe(signal.set)
+    if sink.status is not None and sink.status != 200:  # forwarded as is (spec §5.3)
+        await response.send(sink.status, b"".join(sink.chunks), sink.content_type)
+        return
+    if not sink.finished:
+        raise HttpError(500, "[P Node] Failed to get tokenIds from inferResponse.")
+    await response.send(200, _answer(req_id, sink, last=True))
+
+
+def make_release_handler(node: PdNode) -> Handler:
+    """``POST /v1/pd/release`` ``{"reqId": ...}`` (management plane): D has pulled the
+    request's KV blocks (spec §8.1 ``ReleaseKVCacheChannel``); 200 ``{}`` either way."""
+
+    async def release(request: HttpRequest, response: HttpResponse) -> None:
+        try:
+            rid = parse_json_object(request.body).get("reqId")
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        if not isinstance(rid, str):
+            raise HttpError(400, "reqId must be a string")
+        node.engine.release(rid)
+        await response.send_json(200, {})
+
+    return release

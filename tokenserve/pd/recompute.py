@@ -1,0 +1,143 @@
+"""The recompute body (spec/pd_disaggregation.md §7.2, §7.4): how a request evicted from a
+decode instance (or lost with it) is sent to a prefill instance again.
+
+The prompt history travels as the comma-separated decimal string ``"L,p1,..,pL,o1,..,oK"``
+(L prompt token ids, then the K output tokens already delivered to the client) in the
+family's prompt field. [I] Unlike MindIE, which rebuilds each family's body from its
+parameters, we keep the client's ORIGINAL body and replace only the prompt field; the
+original prompt value travels in ``origin_inputs`` (MindIE does that for TGI and vLLM; we
+do it for every family), so the prefill instance validates and renders exactly what the
+client sent::
+
+    family (path)                          prompt field
+    /infer, /infer_token                   inputs (input_id removed)
+    /generate, /generate_stream, /         inputs (TGI) or prompt (vLLM /generate)
+    /v1/chat/completions                   messages (a string here)
+    /v1/completions                        prompt
+    /v2/models/{m}/generate[_stream]       text_input
+    /v2/models/{m}/infer                   inputs[0].data = [L, p.., o..] (UINT32);
+                                           origin_inputs = the original inputs[0]
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+#: where the original prompt value is kept (spec §7.2, TGI/vLLM ``origin_inputs``).
+ORIGIN = "origin_inputs"
+#: [I] for /infer bodies that used ``input_id``: which field held the original prompt.
+ORIGIN_FIELD = "origin_field"
+
+
+def prompt_field(path: str, body: dict[str, Any]) -> str:
+    """The name of ``body``'s prompt field for the family served at ``path``.
+
+    Raises:
+        ValueError: ``path`` is not an inference route.
+    """
+    if path in ("/infer", "/infer_token"):
+        return "inputs"
+    if path in ("/generate_stream", "/"):
+        return "inputs"
+    if path == "/generate":
+        return "prompt" if body.get("prompt") is not None else "inputs"
+    if path == "/v1/chat/completions":
+        return "messages"
+    if path == "/v1/completions":
+        return "prompt"
+    if path.startswith("/v2/models/"):
+        if path.endswith("/infer"):
+            return "inputs"
+        if path.endswith(("/generate", "/generate_stream")):
+            return "text_input"
+    raise ValueError(f"{path} is not an inference route")
+
+
+def encode_history(prompt_ids: list[int], output_ids: list[int]) -> str:
+    """``"L,p1,..,pL,o1,..,oK"`` (spec §7.2)."""
+    return ",".join(map(str, [len(prompt_ids), *prompt_ids, *output_ids]))
+
+
+def decode_history(value: Any) -> tuple[list[int], list[int]]:
+    """(prompt ids, output ids) from ``"L,p..,o.."`` or the Triton list ``[L, p.., o..]``.
+
+    Raises:
+        ValueError: not that shape (non-integers, L < 1 or longer than the list).
+    """
+    if isinstance(value, str):
+        try:
+            nums = [int(x) for x in value.split(",")]
+        except ValueError:
+            raise ValueError("recompute prompt must be 'L,p1,...,pL,o1,...'") from None
+    elif isinstance(value, list) and all(type(x) is int for x in value):
+        nums = list(value)
+    else:
+        raise ValueError("recompute prompt must be 'L,p1,...,pL,o1,...'")
+    if not nums or not 1 <= nums[0] <= len(nums) - 1 or any(x < 0 for x in nums):
+        raise ValueError("recompute prompt must be 'L,p1,...,pL,o1,...' with 1 <= L")
+    n = nums[0]
+    return nums[1:1 + n], nums[1 + n:]
+
+
+def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
+                         num_prompt: int) -> dict[str, Any]:
+    """The recompute body for the client's original ``body`` at ``path``: prompt field =
+    ``"L,..."`` of ``history`` (prompt ids then delivered output ids; the first
+    ``num_prompt`` are the prompt), original prompt kept in ``origin_inputs``.
+
+    Raises:
+        ValueError: not an inference route, or ``num_prompt`` outside ``[1, len(history)]``.
+    """
+    if not 1 <= num_prompt <= len(history):
+        raise ValueError(f"num_prompt {num_prompt} outside [1, {len(history)}]")
+    field = prompt_field(path, body)
+    out = copy.deepcopy(body)
+    prompt, outputs = history[:num_prompt], history[num_prompt:]
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        inputs = out.get("inputs")
+        if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
+            raise ValueError("Triton infer body without inputs[0]")
+        out[ORIGIN] = copy.deepcopy(inputs[0])
+        data = [num_prompt, *prompt, *outputs]
+        inputs[0]["data"] = data
+        inputs[0]["shape"] = [1, len(data)]
+        return out
+    if field == "inputs" and path in ("/infer", "/infer_token") and "input_id" in out \
+            and out.get("inputs") is None:
+        out[ORIGIN] = out.pop("input_id")
+        out[ORIGIN_FIELD] = "input_id"
+    else:
+        out[ORIGIN] = out.get(field)
+    out[field] = encode_history(prompt, outputs)
+    return out
+
+
+def parse_recompute_body(path: str, body: dict[str, Any]
+                         ) -> tuple[dict[str, Any], list[int], list[int]]:
+    """Undo :func:`build_recompute_body`: (the original body, prompt ids, output ids).
+
+    Raises:
+        ValueError: no ``origin_inputs``, or the prompt field is not ``"L,..."``.
+    """
+    if ORIGIN not in body:
+        raise ValueError(f"recompute body must carry {ORIGIN}")
+    field = prompt_field(path, body)
+    out = copy.deepcopy(body)
+    origin = out.pop(ORIGIN)
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        inputs = out.get("inputs")
+        if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
+            raise ValueError("Triton infer body without inputs[0]")
+        prompt, outputs = decode_history(inputs[0].get("data"))
+        if not isinstance(origin, dict):
+            raise ValueError(f"{ORIGIN} of a Triton infer body must be its inputs[0]")
+        inputs[0] = origin
+        return out, prompt, outputs
+    prompt, outputs = decode_history(out.get(field))
+    if out.pop(ORIGIN_FIELD, None) == "input_id":
+        del out[field]
+        out["input_id"] = origin
+    else:
+        out[field] = origin
+    return out, prompt, outputs
