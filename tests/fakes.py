@@ -64,6 +64,14 @@ class FakeEngine:
         default_factory=dict, repr=False)
     _produced: dict[str, int] = field(default_factory=dict, repr=False)
 
+    def set_kv_puller(self, puller: Any) -> None:
+        """PD decode: the engine's K/V puller (kept, never called here)."""
+        self.kv_puller = puller
+
+    def release(self, request_id: str) -> bool:
+        """PD prefill: free a parked request (nothing is parked here)."""
+        return False
+
     async def wait_aborted_early(self, timeout: float = 1.0) -> str:
         """Wait until the latest request is aborted with its stream closed before the end
         (a client disconnect); it must never complete. Returns its request_id."""

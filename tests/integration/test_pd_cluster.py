@@ -192,6 +192,21 @@ def _metric(proc, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def test_client_disconnect_stops_the_request_on_p_and_d(pd):
+    """A client that hangs up mid-stream: the coordinator stops the request on P and D
+    (stopInfer) and D frees its KV blocks at once, long before the 400 tokens would end."""
+    with httpx.stream("POST", pd["coord"].url + "/generate", json=_long("Tell me", 400),
+                      timeout=60) as r:
+        assert r.status_code == 200
+        got = 0
+        for chunk in r.iter_bytes():
+            got += chunk.count(b"\0")
+            if got >= 3:
+                break
+    for name in ("d", "d2", "p"):
+        pd[name].assert_leak_free(timeout=3.0)
+
+
 def test_requests_spread_and_a_dying_decode_instance_loses_nothing(pd):
     """Six long streams through coord spread over d and d2; d2 is killed once every stream
     is under way: its requests are recomputed on d and every stream's text still equals

@@ -188,8 +188,11 @@ class PrefillObserver:
         ip, _, port = self.target.partition(";")
         host = f"[{ip}]" if ":" in ip else ip
         url = f"http://{host}:{port or 1121}/v1/pd/decode"
+        t0 = time.perf_counter()
         r = await self.node.http().post(url, content=orjson.dumps(self.decode_parameters()),
                                         headers={"content-type": "application/json"})
+        logger.debug("request %s handed to %s in %.1f ms", self.req_id, self.target,
+                     (time.perf_counter() - t0) * 1e3)
         if r.status_code != 200:
             raise RuntimeError(f"D answered {r.status_code}: {r.text[:200]}")
         ans = r.json()
