@@ -116,6 +116,23 @@ def test_coordinator_equals_mixed(pd, path, body, stream):
     _assert_all_free(pd)
 
 
+def test_triton_token_infer_and_tgi_root_equal_mixed(pd):
+    """The routes the table above leaves out: Triton ``infer`` (token ids in and out, no
+    stream) and TGI's ``POST /`` (stream chosen by the body)."""
+    ids = [504, 3575, 282, 4649, 314]
+    triton = {"id": "r1", "inputs": [{"name": "input0", "datatype": "UINT32",
+                                      "shape": [1, len(ids)], "data": ids,
+                                      "parameters": {"max_new_tokens": 8}}],
+              "outputs": [{"name": "output0"}]}
+    path = "/v2/models/SmolLM2-135M-Instruct.Q4_1/infer"
+    tgi = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
+    for p, body in ((path, triton), ("/", tgi), ("/", {**tgi, "stream": True})):
+        got, want = _post(pd["coord"].url, p, body), _post(pd["mixed"].url, p, body)
+        assert got.status_code == want.status_code == 200, got.text
+        assert normalise(got.content) == normalise(want.content)
+    _assert_all_free(pd)
+
+
 def test_seeded_sampled_request_equals_mixed(pd):
     body = {"inputs": "Tell me a story.", "stream": True,
             "parameters": {"max_new_tokens": 24, "do_sample": True, "temperature": 0.9,
