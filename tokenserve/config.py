@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 #: answers ``--help`` and start-up errors without loading it.
 DTYPES = ("bfloat16", "float32", "float16")
 #: weight quantisation choices (``tokenserve.models.loader.resolve_quantization``)
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class EngineConfig:
         quantization: ``gguf`` computes with a GGUF model's own Q4_0/Q4_1/Q8_0 blocks
             (3x fewer weight bytes than bf16), ``none`` with ``dtype`` weights, ``auto``
             (default) ``gguf`` for a GGUF model at ``bfloat16`` with ``max_batch_size`` <= 8
-            (where it is faster) and ``none`` otherwise (config.json:
-            ``ModelConfig[0].quantization``).
+            (where it is faster) and ``none`` otherwise; ``int8``: weight-only int8 per
+            output channel from any model (config.json: ``ModelConfig[0].quantization``).
         kv_trans_timeout_s: PD prefill: seconds a request's KV blocks are held for the
             decode instance to pull (MindIE ``kv_trans_timeout``, spec
             pd_disaggregation.md §8.2).

@@ -81,7 +81,8 @@ class AsyncEngine:
             num_blocks=runner.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
             model_path=str(cfg.model or ""),
             device=device or (cfg.device if cfg.device != "auto" else "cpu"),
-            dtype=cfg.dtype)
+            dtype=cfg.dtype,
+            weights_bytes=getattr(getattr(runner, "model", None), "weight_bytes", 0))
         self.executor = executor if executor is not None else ExecutorActor(runner)
         self._runner = runner
         self._streams: dict[str, RequestHandle] = {}

@@ -29,6 +29,8 @@ class EngineInfo:
         kv_cache_bytes: the KV cache budget, bytes.
         device: ``cpu`` / ``cuda`` / ``npu``: where the model and its KV cache live.
         dtype: the dtype the weights are served in (``bfloat16``, ``float32``).
+        weights_bytes: bytes of model weights the kernels read (packed or quantised copies,
+            embedding table, norms); 0 when unknown.
     """
 
     model_name: str
@@ -45,6 +47,7 @@ class EngineInfo:
     model_path: str = ""
     device: str = "cpu"
     dtype: str = "bfloat16"
+    weights_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -312,6 +312,10 @@ class _Collector(Collector):
         prompt_rate, gen_rate = m.throughput()
         yield gauge("avg_prompt_throughput_toks_per_s", "Prompt throughput", prompt_rate)
         yield gauge("avg_generation_throughput_toks_per_s", "Generation throughput", gen_rate)
+        weights = getattr(m.engine.info, "weights_bytes", 0)
+        if weights:
+            yield gauge("model_weights_bytes", "Bytes of model weights the kernels read "
+                        "(quantised or packed copies, embedding table, norms)", weights)
 
         st = m.stats()
         if st is None:

@@ -34,6 +34,7 @@ from tokenserve.models.gguf_convert import (
     read_quantized_tensors,
 )
 from tokenserve.ops.quant import FROM_GGML, QuantWeight
+from tokenserve.ops.quant_int8 import quantize_int8
 
 logger = logging.getLogger("tokenserve.models")
 
@@ -356,7 +357,10 @@ AUTO_GGUF_MAX_BATCH = 8
 def resolve_quantization(quantization: str, model: str | None,
                          dtype: torch.dtype = torch.bfloat16,
                          max_batch_size: int | None = None) -> str:
-    """``gguf`` or ``none`` for a ``--quantization`` choice.
+    """``gguf``, ``int8`` or ``none`` for a ``--quantization`` choice.
+
+    ``int8`` (weight-only, per output channel) applies to any model and is never chosen by
+    ``auto``.
 
     ``auto`` -> ``gguf`` for a GGUF model served at the default bfloat16 with at most
     :data:`AUTO_GGUF_MAX_BATCH` running requests (``max_batch_size``; None: not limited
@@ -369,6 +373,8 @@ def resolve_quantization(quantization: str, model: str | None,
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "int8":
+        return "int8"
     if quantization == "none" or (quantization == "auto" and (
             dtype != torch.bfloat16
             or (max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH))):
@@ -395,11 +401,17 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = 
     :class:`~tokenserve.ops.quant.QuantWeight` (the file's blocks), the rest dequantised and
     cast to ``dtype``.
 
+    With ``int8`` every projection (``*_proj.weight``) and the lm_head become an
+    :class:`~tokenserve.ops.quant_int8.Int8Weight` quantised from the checkpoint's own values
+    (one fp32 scale per output row); embeddings, norms and biases are cast to ``dtype``. A
+    tied embedding becomes the int8 lm_head with the ``dtype`` table kept for lookups.
+
     Raises:
         FileNotFoundError: no safetensors file.
         ValueError: a tensor name appears in two shards; a bad ``quantization``.
     """
-    if resolve_quantization(quantization, model, dtype, max_batch_size) == "gguf":
+    resolved = resolve_quantization(quantization, model, dtype, max_batch_size)
+    if resolved == "gguf":
         return _load_gguf_blocks(gguf_source(model), dtype)
     model_dir = Path(model_dir)
     index = _read_json(model_dir / "model.safetensors.index.json")
@@ -410,14 +422,45 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = 
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     weights: dict[str, torch.Tensor] = {}
+    raw_embed = None
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name in weights:
                     raise ValueError(f"tensor {name!r} appears in more than one shard")
                 t = f.get_tensor(name)
-                weights[name] = t.to(dtype) if t.is_floating_point() else t
+                if resolved == "int8" and _int8_target(name, t):
+                    weights[name] = quantize_int8(t)
+                else:
+                    weights[name] = t.to(dtype) if t.is_floating_point() else t
+                if resolved == "int8" and name == _EMBED:
+                    raw_embed = t
+    if resolved == "int8":
+        _tie_int8_head(model_dir, weights, raw_embed)
     return weights
+
+
+def _int8_target(name: str, t: torch.Tensor) -> bool:
+    """A projection or the lm_head: what ``--quantization int8`` quantises."""
+    return (t.is_floating_point() and t.dim() == 2
+            and (name.endswith("_proj.weight") or name == "lm_head.weight"))
+
+
+_EMBED = "model.embed_tokens.weight"
+
+
+def _tie_int8_head(model_dir: Path, weights: dict[str, torch.Tensor | QuantWeight],
+                   raw_embed: torch.Tensor | None) -> None:
+    """A tied lm_head (tied as ``LlamaForCausalLM.from_state_dict`` ties it) is the embedding
+    quantised from the checkpoint's values, keeping the loaded table for lookups; logs what
+    was quantised."""
+    cfg = _read_json(model_dir / "config.json") or {}
+    tied = cfg.get("tie_word_embeddings") or "lm_head.weight" not in weights
+    if raw_embed is not None and tied:
+        weights[_EMBED] = quantize_int8(raw_embed, table=weights[_EMBED])
+    n = sum(isinstance(v, QuantWeight) for v in weights.values())
+    logger.info("int8 weight-only: %d tensors quantised per output channel%s", n,
+                " (the tied lm_head; embedding table kept as loaded)" if tied else "")
 
 
 def _load_gguf_blocks(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor | QuantWeight]:

@@ -18,6 +18,12 @@ says which, for the start-up log):
     regrouped 8 rows per block once: ``repack_x8``) on our AVX2 kernel (``csrc/quant.cpp``):
     activations quantised to int16 per 32-block, exact integer block dots, fp32
     accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
+``"tokenserve.int8_gemm"``
+    an :class:`~tokenserve.ops.quant_int8.Int8Weight` (``--quantization int8``: int8 quants,
+    one fp32 scale per output row), packed 16 rows per k once (``pack_int8``), on our AVX2
+    kernel (``csrc/int8_gemm.cpp``): the weight is dequantised in registers and multiplied
+    with fp32 FMAs against unquantised activations, the row scale applied last. Row-invariant
+    like ``tokenserve.gemm`` (the same sequential FMA chain over k).
 ``"torch"``
     ``F.linear`` (then ``.to(out_dtype)``): non-CPU devices, other dtypes, or no extension
     (a quantised weight is then dequantised once, to ``fallback_dtype``).
@@ -46,7 +52,7 @@ from tokenserve.ops.quant import QTYPE_IDS, QuantWeight, dequantize_ref, repack_
 
 log = logging.getLogger("tokenserve.ops")
 
-BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "torch")
+BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.int8_gemm", "torch")
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -94,7 +100,8 @@ class Linear:
 
     Args:
         weight: [N, K] (out_features, in_features), bf16 or fp32 (any float on ``"torch"``),
-            or a :class:`~tokenserve.ops.quant.QuantWeight` (GGUF blocks).
+            or a :class:`~tokenserve.ops.quant.QuantWeight` (GGUF blocks, or an
+            :class:`~tokenserve.ops.quant_int8.Int8Weight`).
         bias: [N] or None.
         out_dtype: dtype of the result; None means x's dtype (the lm_head passes
             ``torch.float32`` for fp32 logits).
@@ -102,12 +109,12 @@ class Linear:
             kernel cannot run (no extension, not a CPU).
 
     Attributes:
-        backend: ``"onednn"``, ``"tokenserve.gemm"``, ``"tokenserve.quant_gemm"`` or
-            ``"torch"`` (see the module doc).
+        backend: ``"onednn"``, ``"tokenserve.gemm"``, ``"tokenserve.quant_gemm"``,
+            ``"tokenserve.int8_gemm"`` or ``"torch"`` (see the module doc).
         weight, bias, out_dtype: as given (``weight`` is None on ``tokenserve.quant_gemm``,
             the dequantised weight on ``"torch"`` for a quantised one).
-        qweight: the x8-packed :class:`~tokenserve.ops.quant.QuantWeight` on
-            ``tokenserve.quant_gemm``, else None.
+        qweight: the packed :class:`~tokenserve.ops.quant.QuantWeight` on
+            ``tokenserve.quant_gemm`` (x8) or ``tokenserve.int8_gemm`` (x16), else None.
     """
 
     def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
@@ -116,14 +123,16 @@ class Linear:
         self.qweight: QuantWeight | None = None
         if isinstance(weight, QuantWeight):
             c = load_kernels()
-            if (c is not None and hasattr(c, "quant_gemm")
+            op = "int8_gemm" if weight.qtype == "int8" else "quant_gemm"
+            if (c is not None and hasattr(c, op)
                     and os.environ.get("TOKENSERVE_GEMM", "") in ("", "c")):
+                # GGUF blocks -> x8 groups; Int8Weight -> x16 panels (quant_int8.pack_int8)
                 self.qweight, self.bias, self.out_dtype = repack_x8(weight), bias, out_dtype
                 self.weight = None
                 self.out_features, self.in_features = weight.shape
                 self._c, self._packed = c, None
                 self._bias_f32 = None if bias is None else bias.float().contiguous()
-                self.backend = "tokenserve.quant_gemm"
+                self.backend = f"tokenserve.{op}"
                 return
             weight = dequantize_ref(weight).to(fallback_dtype)
         if weight.dim() != 2:
@@ -160,13 +169,17 @@ class Linear:
         Raises:
             RuntimeError: x's last dimension is not K (from the backend).
         """
-        if self.backend == "tokenserve.quant_gemm":
+        if self.qweight is not None:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             if x2.dtype not in (torch.bfloat16, torch.float32):
                 x2 = x2.float()
             q = self.qweight
-            y = self._c.quant_gemm(x2, q.data, QTYPE_IDS[q.qtype], self.out_features,
-                                   self._bias_f32, self.out_dtype or x.dtype)
+            if q.qtype == "int8":
+                y = self._c.int8_gemm(x2, q.data, q.scale, self.out_features, self._bias_f32,
+                                      self.out_dtype or x.dtype)
+            else:
+                y = self._c.quant_gemm(x2, q.data, QTYPE_IDS[q.qtype], self.out_features,
+                                       self._bias_f32, self.out_dtype or x.dtype)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.backend == "tokenserve.gemm":
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

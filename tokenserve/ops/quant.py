@@ -89,6 +89,8 @@ class QuantWeight:
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Rows of ``parts`` (same format and K) one after the other (a fused projection)."""
+        if parts and parts[0].qtype == "int8":  # Int8Weight (quant_int8.py)
+            return type(parts[0]).cat(parts)
         qtypes = {p.qtype for p in parts}
         ks = {p.shape[1] for p in parts}
         if len(qtypes) != 1 or len(ks) != 1 or any(p.layout != "rows" for p in parts):
@@ -121,6 +123,10 @@ def repack_x8(w: QuantWeight) -> QuantWeight:
     (16 bytes), then the quants in 16-byte chunks, chunk p holding each row's bytes
     ``2p, 2p+1`` of its quants (``qs``) at ``2r, 2r+1``. Rows past N are zeros.
     """
+    if w.qtype == "int8":  # Int8Weight: its kernel's own layout (quant_int8.pack_int8)
+        from tokenserve.ops.quant_int8 import pack_int8
+
+        return pack_int8(w)
     if w.layout == "x8":
         return w
     n, k = w.shape
@@ -175,7 +181,12 @@ def _block_parts(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def dequantize_ref(w: QuantWeight) -> torch.Tensor:
-    """The fp32 ``[N, K]`` weight the blocks stand for (ggml's dequantize_row_*)."""
+    """The fp32 ``[N, K]`` weight the blocks stand for (ggml's dequantize_row_*; for an
+    ``Int8Weight``, ``s[n] * q[n, k]``)."""
+    if w.qtype == "int8":
+        from tokenserve.ops.quant_int8 import dequantize_int8
+
+        return dequantize_int8(w)
     n, k = w.shape
     b = _blocks(w)
     d = _f16(b[..., 0:2]).unsqueeze(-1)
@@ -261,7 +272,12 @@ def quant_linear_fp32_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
 
 def dequantize_rows_ref(ids: torch.Tensor, w: QuantWeight,
                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Embedding lookup on a quantised table: rows ``ids`` (int [T]) dequantised, [T, K]."""
+    """Embedding lookup on a quantised table: rows ``ids`` (int [T]) dequantised, [T, K]
+    (an ``Int8Weight`` with a kept ``table`` reads the table as loaded)."""
+    if w.qtype == "int8":
+        from tokenserve.ops.quant_int8 import embedding_rows_int8
+
+        return embedding_rows_int8(ids, w, out_dtype)
     return dequantize_ref(w.rows(ids.long())).to(out_dtype)
 
 
