@@ -1,5 +1,7 @@
-"""``tokenserve`` command line: ``serve`` (a model over MindIE-compatible HTTP APIs) and
-``bench`` (the serving benchmark of a repository checkout)."""
+"""``tokenserve`` command line: ``serve`` (a model over MindIE-compatible HTTP APIs; with
+``--role``, a prefill or decode instance of a PD cluster), ``coordinator`` (the PD
+coordinator in front of prefill and decode instances) and ``bench`` (the serving benchmark
+of a repository checkout)."""
 
 from __future__ import annotations
 
@@ -111,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the decode instance (MindIE kv_trans_timeout; default 10)")
     s.add_argument("--kv-protocol", choices=["tcp", "rdma"], default=None,
                    help="PD: Mooncake transport for the KV hand-off (default tcp)")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO; DEBUG logs every step)")
     from tokenserve.pd.coordinator import add_parser as add_coordinator_parser
 
     add_coordinator_parser(sub)
@@ -182,13 +185,15 @@ def _pd_flags(args: argparse.Namespace, pd: PdConfig, host: str) -> PdConfig:
         changes["kv_trans_timeout_s"] = args.kv_trans_timeout
     if args.kv_protocol is not None:
         changes["kv_protocol"] = args.kv_protocol
+    all_zeros = host in ("0.0.0.0", "::")
     if args.advertise_ip is not None:
         changes["ip_address"] = args.advertise_ip
-    elif host not in ("0.0.0.0", "::"):
+    elif not all_zeros:
         changes["ip_address"] = host
     out = replace(pd, **changes)
-    if out.pd and out.ip_address in ("0.0.0.0", "::"):
-        raise ValueError("PD needs --advertise-ip when --host listens on all interfaces")
+    if out.pd and all_zeros and args.advertise_ip is None:
+        raise ValueError("PD needs --advertise-ip (the address peers reach this instance "
+                         "at) when --host listens on all interfaces")
     return out
 
 
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:  # one line per P<->D call otherwise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "serve":
         try:
             cfg = serve_config(args)

@@ -292,7 +292,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="in-flight requests before 429 (default 10000)")
     c.add_argument("--max-retry", type=int, default=5,
                    help="resubmissions per request and /dresult re-links (default 5)")
-    c.add_argument("--log-level", default="INFO")
+    c.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return c
 
 
