@@ -45,7 +45,7 @@ from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Handler, Router
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
 from tokenserve.pd.dresult import HEARTBEAT, close_message, encode
-from tokenserve.pd.node import PdNode
+from tokenserve.pd.node import PdNode, inter_comm_url
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
 
@@ -124,9 +124,10 @@ class DecodeObserver:
         self.prompt: list[int] = params["tokens"]
         self.delivered: list[int] = list(params["firstToken"])
         self.admitted = asyncio.Event()
+        self.sink = DecodeSink(self)  # where the family handler writes
         # what the handler writes before the replay output ends (e.g. OpenAI's role
         # chunk) was sent by P already
-        self.muted = True
+        self.sink.muted = True
         self.final = False
         self.done = False  # the request's last message (lastData/error/retry) is out
         self.pending_ids: tuple[int, ...] = ()
@@ -155,7 +156,7 @@ class DecodeObserver:
         return
 
     def on_output(self, out: RequestOutput) -> None:
-        self.muted = out.replay
+        self.sink.muted = out.replay
         if out.replay:
             return
         # an output that writes nothing (text held back) leaves its ids for the next write
@@ -176,7 +177,7 @@ class DecodeObserver:
         return encode(self.req_id, "ids", ",".join(map(str, ids))) if ids else b""
 
     def send_data(self, chunk: bytes) -> None:
-        if self.done or self.muted:
+        if self.done:
             return
         self.hub.publish(self._ids() + encode(self.req_id, "data", _body(chunk)))
 
@@ -262,10 +263,8 @@ class DecodeServer:
             self.node.links[p_addr] = "failed : pull kv failed."
             raise
         finally:
-            ip, _, port = p_addr.partition(";")
-            host = f"[{ip}]" if ":" in ip else ip
             try:
-                self._release.post(f"http://{host}:{port}/v1/pd/release",
+                self._release.post(inter_comm_url(p_addr, "/v1/pd/release"),
                                    json={"reqId": source["reqId"]})
             except httpx.HTTPError as exc:
                 logger.warning("release of %s on %s failed: %s", source["reqId"], p_addr, exc)
@@ -325,9 +324,8 @@ class DecodeServer:
                                            "errorMessage": obs.error_message})
 
     async def _run(self, handler: Handler, request: HttpRequest, obs: DecodeObserver) -> None:
-        sink = DecodeSink(obs)
         try:
-            await handler(request, sink)
+            await handler(request, obs.sink)
         except HttpError as exc:
             obs.error_message = exc.message
             if obs.admitted.is_set():

@@ -29,6 +29,18 @@ from tokenserve.http.router import Router
 
 logger = logging.getLogger(__name__)
 
+#: spec config.md ``interCommPort`` default, when a ``d-target`` carries no port.
+DEFAULT_INTER_COMM_PORT = 1121
+
+
+def inter_comm_url(addr: str, path: str) -> str:
+    """``http://ip:port<path>`` for a P/D address ``ip[;port]`` (spec §4.1 ``d-target``,
+    §5.2 ``pNodeAddr``); IPv6 addresses get brackets."""
+    ip, _, port = addr.partition(";")
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port or DEFAULT_INTER_COMM_PORT}{path}"
+
+
 class RoleStatus(str, enum.Enum):
     """spec §9.1 ``roleStatus``."""
 

@@ -38,7 +38,7 @@ from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
 from tokenserve.http.router import Handler
 from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
-from tokenserve.pd.node import PdNode, RoleStatus
+from tokenserve.pd.node import PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
 
@@ -185,9 +185,7 @@ class PrefillObserver:
         }
 
     async def _send_decode(self) -> None:
-        ip, _, port = self.target.partition(";")
-        host = f"[{ip}]" if ":" in ip else ip
-        url = f"http://{host}:{port or 1121}/v1/pd/decode"
+        url = inter_comm_url(self.target, "/v1/pd/decode")
         t0 = time.perf_counter()
         r = await self.node.http().post(url, content=orjson.dumps(self.decode_parameters()),
                                         headers={"content-type": "application/json"})
