@@ -14,10 +14,9 @@ Messages are plain frozen dataclasses: no behaviour, no references to actor stat
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from tokenserve.sampling_params import SamplingParams
 
@@ -218,7 +217,33 @@ class RequestOutput:
 # --------------------------------------------------------------------------- scheduler <-> executor
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class SeqStart:
+    """What the model thread builds a request's sampling state from, the first time a
+    step holds the request (the scheduler sends it once; the model thread keeps the state,
+    keyed by request id, until a :attr:`StepPlan.drop` names the request).
+
+    The state is a ``torch.Generator`` (sampled requests only: seeded with
+    ``params.seed``, or restored from ``generator_state``, else advanced ``draws``
+    uniforms) and the token history the penalties read (``token_ids``, then every token
+    the model thread samples for the request).
+
+    Attributes:
+        token_ids: prompt followed by any tokens generated elsewhere (PD adoption).
+        num_prompt_tokens: length of the prompt prefix of ``token_ids``.
+        generator_state: ``KvAdoption.generator_state`` (bytes of
+            ``torch.Generator.get_state()``), or None.
+        draws: without ``generator_state``: uniforms already drawn for this request
+            elsewhere (one per generated token in ``token_ids``), skipped on restore.
+    """
+
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    generator_state: bytes | None = None
+    draws: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One request's share of a step.
 
@@ -232,20 +257,23 @@ class ScheduledSeq:
 
     ``sample`` is True when this step reaches the end of the known tokens (the last
     prefill chunk, or a decode step), so a next token is sampled.
+
+    ``start`` is set the first time the request is scheduled (see :class:`SeqStart`);
+    the model thread ignores it for a request whose state it holds. A request preempted
+    by recompute keeps its state (its generator is not rewound, its history keeps its
+    tokens), so it is not sent again. ``export_state``: return the generator's state
+    after this step's draw in :attr:`StepResult.generator_states` (PD prefill: the
+    decode instance continues from it).
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     num_computed: int
-    block_table: list[int]
+    block_table: tuple[int, ...]
     sample: bool
     params: SamplingParams
-    generator: torch.Generator | None
-    # prompt + output ids so far; read by the penalties
-    history: list[int] = field(default_factory=list)
-    # length of the prompt prefix of ``history`` (presence/frequency penalties count
-    # generated tokens only)
-    num_prompt_tokens: int = 0
+    start: SeqStart | None = None
+    export_state: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -253,15 +281,21 @@ class ScheduledSeq:
         return len(self.token_ids) == 1 and self.num_computed > 0
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """Everything the executor needs for one forward pass (a continuous-batching step)."""
+    """Everything the executor needs for one forward pass (a continuous-batching step).
+
+    ``drop``: requests that ended (finished, aborted, evicted) since the last plan; the
+    model thread discards their sampling state before running ``seqs``. A plan with no
+    seqs only drops (the scheduler actor sends one before it goes idle).
+    """
 
     step_id: int
-    seqs: list[ScheduledSeq]
+    seqs: tuple[ScheduledSeq, ...]
+    drop: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """The executor's answer to a :class:`StepPlan`.
 
@@ -271,12 +305,15 @@ class StepResult:
     ``error`` carries the exception text when the step failed (every seq of the plan
     then fails with FinishReason.ERROR). ``failed`` maps request_id -> message for rows
     that could not be computed alone (the rest of the step stands): those requests
-    fail with FinishReason.ERROR, the others continue.
+    fail with FinishReason.ERROR, the others continue. ``generator_states`` maps
+    request_id -> ``torch.Generator.get_state()`` bytes after this step's draw, for
+    sampled seqs with ``export_state`` (greedy requests have none).
     """
 
     step_id: int
-    sampled: dict[str, int]
+    sampled: Mapping[str, int]
     forward_ms: float
     error: str | None = None
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
+    logprobs: Mapping[str, TokenLogprob] = field(default_factory=dict)
+    failed: Mapping[str, str] = field(default_factory=dict)
+    generator_states: Mapping[str, bytes] = field(default_factory=dict)

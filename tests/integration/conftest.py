@@ -54,6 +54,7 @@ class LiveServer:
         st = self.engine.stats()
         assert st.num_running == 0 and st.num_waiting == 0
         assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
+        assert self.engine.executor.runner.states == {}, "sampling state leaked"
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -24,7 +24,7 @@ import torch
 from tokenserve.config import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.messages import GenerateRequest, ScheduledSeq, StepPlan
+from tokenserve.messages import GenerateRequest, ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
@@ -55,9 +55,9 @@ class _Seq:
         """The next ``n`` unknown tokens (all of them by default)."""
         left = len(self.ids) - self.computed
         n = left if n is None else min(n, left)
-        s = ScheduledSeq(self.rid, self.ids[self.computed:self.computed + n], self.computed,
-                         self.blocks, self.computed + n == len(self.ids),
-                         SamplingParams(seed=0), None, self.ids, self.num_prompt)
+        s = ScheduledSeq(self.rid, tuple(self.ids[self.computed:self.computed + n]),
+                         self.computed, tuple(self.blocks), self.computed + n == len(self.ids),
+                         SamplingParams(seed=0), SeqStart(tuple(self.ids), self.num_prompt))
         self.computed += n
         return s
 

@@ -33,8 +33,9 @@ async def test_fault_in_one_request_fails_it_alone(live, client):
     bad_ids = live.engine.tokenizer.encode(BAD, add_special_tokens=False)
     runner = live.engine.executor.runner
 
-    def hook(seqs):
-        if any(list(s.history[:len(bad_ids)]) == bad_ids for s in seqs):
+    def hook(seqs):  # the poisoned prompt's prefill
+        if any(s.num_computed == 0 and list(s.token_ids[:len(bad_ids)]) == bad_ids
+               for s in seqs):
             raise RuntimeError("injected fault")
 
     runner.fault_hook = hook

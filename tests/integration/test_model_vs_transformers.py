@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.messages import ScheduledSeq, StepPlan
+from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
@@ -67,8 +67,8 @@ def test_greedy_continuation_matches_transformers(models):
     out = []
     for step in range(32):
         start = 0 if step == 0 else len(hist) - 1
-        plan = StepPlan(step, [ScheduledSeq("r", hist[start:], start, table, True, params,
-                                            None, hist)])
+        plan = StepPlan(step, [ScheduledSeq("r", tuple(hist[start:]), start, tuple(table),
+                                            True, params, SeqStart(tuple(hist), len(ids)))])
         tok_id = runner.step(plan).sampled["r"]
         hist.append(tok_id)
         out.append(tok_id)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.messages import ScheduledSeq, StepPlan
+from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
@@ -29,12 +29,12 @@ def _greedy(model: LlamaForCausalLM, ids: list[int]) -> list[int]:
     hist, out = list(ids), []
     greedy = SamplingParams(do_sample=False)
     half = len(ids) // 2
-    runner.step(StepPlan(0, [ScheduledSeq("r", hist[:half], 0, table, False, greedy, None,
-                                          hist)]))
+    runner.step(StepPlan(0, [ScheduledSeq("r", tuple(hist[:half]), 0, tuple(table), False,
+                                          greedy, SeqStart(tuple(hist), len(hist)))]))
     start = half
     for step in range(STEPS):
-        res = runner.step(StepPlan(step + 1, [ScheduledSeq("r", hist[start:], start, table,
-                                                           True, greedy, None, hist)]))
+        res = runner.step(StepPlan(step + 1, [ScheduledSeq("r", tuple(hist[start:]), start,
+                                                           tuple(table), True, greedy)]))
         start = len(hist)
         hist.append(res.sampled["r"])
         out.append(res.sampled["r"])

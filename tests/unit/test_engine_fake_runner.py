@@ -34,8 +34,18 @@ class FakeRunner:
         self.delay = delay
         self.fail_next = False
         self.steps = 0
+        #: request_id -> token history, owned here as the real model thread owns it
+        self.states: dict[str, list[int]] = {}
 
     def step(self, plan: StepPlan) -> StepResult:
+        for rid in plan.drop:
+            self.states.pop(rid, None)
+        for s in plan.seqs:
+            if s.request_id not in self.states:
+                assert s.start is not None
+                self.states[s.request_id] = list(s.start.token_ids)
+        if not plan.seqs:
+            return StepResult(plan.step_id, {}, 0.0)
         time.sleep(self.delay)
         self.steps += 1
         if self.fail_next:
@@ -44,8 +54,10 @@ class FakeRunner:
         out = {}
         for s in plan.seqs:
             if s.sample:
-                nxt = (s.history[-1] + 1) % VOCAB
-                out[s.request_id] = nxt if nxt != EOS or s.history[0] == 0 else nxt + 1
+                hist = self.states[s.request_id]
+                nxt = (hist[-1] + 1) % VOCAB
+                out[s.request_id] = nxt if nxt != EOS or hist[0] == 0 else nxt + 1
+                hist.append(out[s.request_id])
         return StepResult(plan.step_id, out, 0.0)
 
 
@@ -94,6 +106,8 @@ async def assert_leak_free(engine):
     await engine.wait_idle(timeout=5)
     st = engine.stats()
     assert st.num_free_blocks == st.num_blocks and st.num_running == st.num_waiting == 0
+    # idle: the model thread holds no request's sampling state either
+    assert engine.executor.runner.states == {}
 
 
 async def test_generates_and_finishes(engine):

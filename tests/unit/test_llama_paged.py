@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.messages import ScheduledSeq, StepPlan
+from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights
 from tokenserve.sampling_params import SamplingParams
@@ -56,8 +56,8 @@ class Capture:
 
 
 def seq(rid, ids, start, n, table, sample=True):
-    return ScheduledSeq(rid, ids[start:start + n], start, table, sample,
-                        SamplingParams(seed=0), None, ids)
+    return ScheduledSeq(rid, tuple(ids[start:start + n]), start, tuple(table), sample,
+                        SamplingParams(seed=0), SeqStart(tuple(ids), len(ids)))
 
 
 def test_prefill_logits_match_transformers(tiny):
@@ -122,7 +122,8 @@ def test_decodes_of_very_different_lengths_in_any_order(tiny):
                              for i, (p, t) in enumerate(zip(prompts, tables)) if len(p) > 1]))
     greedy = SamplingParams(do_sample=False)
     res = runner.step(StepPlan(1, [
-        ScheduledSeq(f"r{i}", p[-1:], len(p) - 1, t, True, greedy, None, p)
+        ScheduledSeq(f"r{i}", tuple(p[-1:]), len(p) - 1, tuple(t), True, greedy,
+                     SeqStart(tuple(p), len(p)))
         for i, (p, t) in enumerate(zip(prompts, tables))]))
     assert res.sampled == {f"r{i}": int(hf_logits(hf, p)[-1].argmax())
                            for i, p in enumerate(prompts)}

@@ -95,7 +95,7 @@ def test_random_workloads_respect_the_budget_finish_and_free_every_block(
         for q in seqs:
             req = s.requests[q.request_id]
             assert q.token_ids and q.num_computed == req.num_computed
-            assert q.token_ids == req.token_ids[q.num_computed:q.num_computed + len(q.token_ids)]
+            assert list(q.token_ids) == req.token_ids[q.num_computed:q.num_computed + len(q.token_ids)]
             assert len(req.block_table) * block_size >= q.num_computed + len(q.token_ids)
             if not chunked and req.first_token_time is None:
                 assert q.sample, "without chunked prefill a prompt is prefilled whole"

@@ -21,9 +21,9 @@ import time
 
 from tokenserve.config import EngineConfig, select_device
 from tokenserve.engine.block_pool import BlockPool
-from tokenserve.engine.executor import ExecutorActor
+from tokenserve.engine.finish import aborted
 from tokenserve.engine.info import EngineInfo, EngineStats
-from tokenserve.engine.model_runner import ModelRunner
+from tokenserve.engine.model_runner import ExecutorActor, ModelRunner
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import SchedulerActor
@@ -121,7 +121,7 @@ class AsyncEngine:
             return ModelRunner(model, num_blocks, cfg.block_size)
 
         # the model thread loads the model too: it stays the process's only OpenMP master
-        # (see executor.py)
+        # (see model_runner.py)
         executor = ExecutorActor.start(load)
         runner = executor.runner
         model = runner.model
@@ -180,7 +180,9 @@ class AsyncEngine:
         one that has ``finished`` set.
 
         This is the engine's one admission check (the HTTP layer answers 4xx before it
-        gets here, from the same :attr:`info` limits).
+        gets here, from the same :attr:`info` limits); the scheduler only asserts it held.
+        An adopted request (PD) whose prompt plus adopted tokens do not fit gets a handle
+        that has already ended, with an ERROR output.
 
         Raises (at once, before anything is queued):
             RuntimeError: the engine is not running.
@@ -200,9 +202,28 @@ class AsyncEngine:
                 f"too many requests: {len(self._streams)} in the engine, limit "
                 f"{self.cfg.max_batch_size} running + {self.cfg.max_queue_size} waiting")
         handle = RequestHandle(request.request_id, self._abort)
+        too_long = self._adoption_too_long(request)
+        if too_long is not None:  # the handle ends at once, as the stream of a PD decode
+            handle.put(RequestOutput(request.request_id, (), "", True, FinishReason.ERROR,
+                                     len(request.prompt_token_ids),
+                                     len(request.adopt.output_token_ids), error=too_long))
+            return handle
         self._streams[request.request_id] = handle
         self.actor.inbox.put_nowait(request)
         return handle
+
+    def _adoption_too_long(self, request: GenerateRequest) -> str | None:
+        """Why the tokens of an adopted request (prompt + those generated elsewhere) do not
+        fit ``max_model_len`` or the whole KV cache with room for one more; None if they
+        do (always, for a request that adopts nothing: ``max_input_len`` is tighter)."""
+        if request.adopt is None:
+            return None
+        n = len(request.prompt_token_ids) + len(request.adopt.output_token_ids)
+        if n >= self.max_model_len:
+            return f"prompt has {n} tokens; max_seq_len is {self.max_model_len}"
+        if self.pool.blocks_for(n + 1) > self.pool.num_blocks:
+            return f"prompt of {n} tokens exceeds the whole KV cache"
+        return None
 
     def _abort(self, request_id: str, error: str | None) -> None:
         """A handle's ``abort()``: the actor ends the request with a final output; with
@@ -213,8 +234,8 @@ class AsyncEngine:
                 handle.put(RequestOutput(request_id, (), "", True, FinishReason.ERROR, 0, 0,
                                          error=error or self._failure or "engine stopped"))
             return
-        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
-        self.actor.inbox.put_nowait(AbortRequest(request_id, reason, error))
+        fin = aborted(error)
+        self.actor.inbox.put_nowait(AbortRequest(request_id, fin.reason, fin.error))
 
     # ------------------------------------------------------------------ PD
 

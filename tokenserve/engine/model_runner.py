@@ -1,19 +1,36 @@
-"""ModelRunner: turns a StepPlan into input tensors, runs the forward pass, samples.
+"""The model thread: :class:`ModelRunner` turns a StepPlan into input tensors, runs the
+forward pass and samples; :class:`ExecutorActor` is its async shell.
 
-Synchronous and thread-confined: only the executor's worker thread calls :meth:`step`.
-It owns the model and the KV cache tensors; the scheduler owns the block *ids*.
+ModelRunner is synchronous and thread-confined: only the executor's worker thread calls
+:meth:`ModelRunner.step`. It owns the model, the KV cache tensors and every request's
+sampling state (generator, token history); the scheduler owns the block *ids* and the
+request's tokens.
+
+ExecutorActor runs ModelRunner.step() on that worker thread, one step in flight. The
+forward pass never runs on the event loop: torch releases the GIL inside its ops, so HTTP
+stays responsive while a step computes.
+
+The worker thread (the *model thread*) should also load the model
+(:meth:`ExecutorActor.start`): it is then the process's only OpenMP master. Every thread
+that enters an OpenMP parallel region gets a team of its own, and once libgomp manages
+more threads than there are CPUs it stops spinning and puts idle workers to sleep after
+each region; with ~300 short parallel regions per decode step the wake-ups cost more than
+the kernels (measured on 2 cores: a batch-1 step 15 ms with one master, 23-27 ms once a
+second thread had used OpenMP).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tokenserve.engine.sampler import sample
+from tokenserve.engine.sampler import SamplingState, generator_state, sample
 from tokenserve.messages import ScheduledSeq, StepPlan, StepResult, TokenLogprob
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
@@ -43,6 +60,8 @@ class ModelRunner:
         #: test hook: called with each (sub-)plan's seqs before its forward pass; raising
         #: there injects a fault into the step (tests of per-request failure isolation)
         self.fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
+        #: request_id -> its sampling state (generator, history); the model thread's alone
+        self.states: dict[str, SamplingState] = {}
 
     def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Input ids [T] int64 and the step's attention metadata, seqs in plan order."""
@@ -53,58 +72,89 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64, device=self.device), meta
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Forward + sample for every seq in ``plan``.
+        """Drop the state of ``plan.drop``, then forward + sample every seq in ``plan``.
+
+        The model thread owns each request's sampling state (:class:`SamplingState`,
+        generator and history), created from the seq's ``start`` the first time a request
+        is seen and kept until a plan drops it; a token sampled here is appended to the
+        request's history when the step stands.
 
         One bad request never fails the others: a row that cannot be sampled
-        (non-finite logits) fails alone, and when the step raises, every seq is run again
-        on its own (generators rewound first, so seeded requests draw the same numbers;
-        KV rows are rewritten with the same values), and only the seqs that still raise
-        fail, in ``StepResult.failed``. A one-seq step that raises raises.
+        (non-finite logits) or whose state cannot be built fails alone, and when the step
+        raises, every seq is run again on its own (generators rewound first, so seeded
+        requests draw the same numbers; KV rows are rewritten with the same values), and
+        only the seqs that still raise fail, in ``StepResult.failed``. A one-seq step that
+        raises raises.
         """
         t0 = time.perf_counter()
-        states = {s.request_id: s.generator.get_state() for s in plan.seqs
-                  if s.generator is not None}
+        for rid in plan.drop:
+            self.states.pop(rid, None)
+        failed: dict[str, str] = {}
+        seqs = []
+        for s in plan.seqs:
+            if s.request_id not in self.states:
+                assert s.start is not None, f"first step of {s.request_id!r} without a SeqStart"
+                try:
+                    self.states[s.request_id] = SamplingState(s.params, s.start)
+                except ValueError as exc:  # a bad adopted generator state: this row alone
+                    failed[s.request_id] = str(exc)
+                    continue
+            seqs.append(s)
+        if not seqs:
+            return StepResult(plan.step_id, {}, (time.perf_counter() - t0) * 1e3,
+                              failed=failed)
+        gens = {s.request_id: g for s in seqs
+                if (g := self.states[s.request_id].generator) is not None}
+        rewind = {rid: g.get_state() for rid, g in gens.items()}
         try:
-            return self._step(plan.step_id, plan.seqs, t0)
+            sampled, logprobs, bad = self._step(plan.step_id, seqs)
         except Exception as exc:
-            if len(plan.seqs) == 1:
+            if len(seqs) == 1:
                 raise
             log.warning("step %d failed (%s: %s); re-running its %d requests one by one",
-                        plan.step_id, type(exc).__name__, exc, len(plan.seqs))
-        merged = StepResult(plan.step_id, {}, 0.0)
-        for s in plan.seqs:
-            if s.generator is not None:
-                s.generator.set_state(states[s.request_id])
-            try:
-                r = self._step(plan.step_id, [s], t0)
-            except Exception as exc:  # noqa: BLE001 - this request alone fails
-                log.warning("request %s fails alone: %s: %s", s.request_id,
-                            type(exc).__name__, exc)
-                merged.failed[s.request_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            merged.sampled.update(r.sampled)
-            merged.logprobs.update(r.logprobs)
-            merged.failed.update(r.failed)
-        merged.forward_ms = (time.perf_counter() - t0) * 1e3
-        return merged
+                        plan.step_id, type(exc).__name__, exc, len(seqs))
+            sampled, logprobs, bad = {}, {}, {}
+            for s in seqs:
+                if s.request_id in gens:
+                    gens[s.request_id].set_state(rewind[s.request_id])
+                try:
+                    r = self._step(plan.step_id, [s])
+                except Exception as exc:  # noqa: BLE001 - this request alone fails
+                    log.warning("request %s fails alone: %s: %s", s.request_id,
+                                type(exc).__name__, exc)
+                    bad[s.request_id] = f"{type(exc).__name__}: {exc}"
+                    continue
+                sampled.update(r[0])
+                logprobs.update(r[1])
+                bad.update(r[2])
+        for rid, tok in sampled.items():
+            self.states[rid].history.append(tok)
+        exported = {s.request_id: generator_state(gens[s.request_id]) for s in seqs
+                    if s.export_state and s.request_id in sampled and s.request_id in gens}
+        return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
+                          logprobs=logprobs, failed={**failed, **bad},
+                          generator_states=exported)
 
-    def _step(self, step_id: int, seqs: list[ScheduledSeq], t0: float) -> StepResult:
+    def _step(self, step_id: int, seqs: list[ScheduledSeq]
+              ) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
+        """One forward + sample over ``seqs`` (their states exist); histories untouched.
+        Returns (sampled, logprobs, failed rows)."""
         if self.fault_hook is not None:
             self.fault_hook(seqs)
-        plan = StepPlan(step_id, seqs)
-        input_ids, meta = self.prepare(plan.seqs)
+        input_ids, meta = self.prepare(seqs)
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        rows = [i for i, s in enumerate(plan.seqs) if s.sample]
+        rows = [i for i, s in enumerate(seqs) if s.sample]
         if rows:
-            to_sample = [plan.seqs[i] for i in rows]
+            to_sample = [seqs[i] for i in rows]
+            states = [self.states[s.request_id] for s in to_sample]
             last = meta.query_start_loc[1:].to(torch.int64)[rows] - 1  # each seq's last token
             logits = self.model.compute_logits(hidden.index_select(0, last)).cpu()
             toks = sample(logits, [s.params for s in to_sample],
-                          [s.generator for s in to_sample], [s.history for s in to_sample],
-                          num_prompt_tokens=[s.num_prompt_tokens for s in to_sample]).tolist()
+                          [st.generator for st in states], [st.history for st in states],
+                          num_prompt_tokens=[st.num_prompt_tokens for st in states]).tolist()
             for s, t in zip(to_sample, toks):
                 if t < 0:
                     failed[s.request_id] = ("the model produced non-finite logits for this "
@@ -115,8 +165,7 @@ class ModelRunner:
                     if s.params.logprobs is not None and toks[i] >= 0]
             if want:
                 logprobs = token_logprobs(logits, torch.tensor(toks), want, to_sample)
-        return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
-                          logprobs=logprobs, failed=failed)
+        return sampled, logprobs, failed
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
@@ -143,3 +192,39 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
         top = tuple(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
         out[seqs[r].request_id] = TokenLogprob(int(tokens[r]), chosen[j], top)
     return out
+
+
+class ExecutorActor:
+    """Owns the ModelRunner and its single worker thread."""
+
+    def __init__(self, runner: ModelRunner, thread: ThreadPoolExecutor | None = None) -> None:
+        self.runner = runner
+        self._thread = thread or ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix="tokenserve-executor")
+
+    @classmethod
+    def start(cls, load: Callable[[], ModelRunner]) -> ExecutorActor:
+        """Run ``load`` (blocking) on a new model thread and keep that thread for the steps.
+
+        Raises:
+            whatever ``load`` raises (the thread is shut down first).
+        """
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenserve-executor")
+        try:
+            runner = thread.submit(load).result()
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
+        return cls(runner, thread)
+
+    async def run(self, plan: StepPlan) -> StepResult:
+        """Execute ``plan``; a failure comes back as ``StepResult.error``, never raises."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._thread, self.runner.step, plan)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step_id)
+            return StepResult(plan.step_id, {}, 0.0, error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from tokenserve.messages import FinishReason
 from tokenserve.sampling_params import SamplingParams
 
@@ -52,6 +50,9 @@ class Request:
             instance instead of computed (PD decode); 0 once pulled or when none.
         recompute_elsewhere: on preemption, end with ``RECOMPUTE`` instead of being
             recomputed here (PD decode: it cannot prefill).
+
+    Sampling state (the generator, the penalties' history) is not here: the model thread
+    owns it, keyed by request id (``messages.SeqStart``).
     """
 
     request_id: str
@@ -69,7 +70,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
+    #: the stop token id that ended it (``finish.after_token``), else None
+    stop_reason: str | int | None = None
+    #: PD adoption: ``KvAdoption.generator_state``, handed to the model thread with the
+    #: request's first step (:class:`~tokenserve.messages.SeqStart`)
+    adopted_state: bytes | None = None
+    #: the model thread holds this request's sampling state (its SeqStart was sent), so
+    #: it must be told to drop it when the request ends
+    on_runner: bool = False
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
@@ -104,12 +112,3 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Waiting-queue order: priority (1 first), then arrival."""
         return (self.priority, self.arrival_seq)
-
-    def expiry(self, now: float) -> str | None:
-        """The timeout that has fired at ``now`` (its MindIE name), or None."""
-        if now >= self.deadline:
-            return self.deadline_reason
-        since = self.last_token_time if self.last_token_time is not None else self.arrival_time
-        if now - since >= self.token_timeout_s:
-            return "server tokenTimeout"
-        return None

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tokenserve.messages import SeqStart
 from tokenserve.ops import load_kernels
 from tokenserve.ops.sampling import (  # noqa: F401 - re-exported for tests and callers
     History,
@@ -76,6 +77,27 @@ def restore_generator(seed: int, state: bytes | None, draws: int = 0) -> torch.G
     elif draws:
         torch.rand(draws, generator=gen)
     return gen
+
+
+class SamplingState:
+    """One request's sampling state, owned by the model thread (keyed by request id in
+    :class:`~tokenserve.engine.model_runner.ModelRunner`).
+
+    Attributes:
+        generator: the request's CPU generator (sampled requests), None for greedy.
+        history: prompt + generated token ids, the penalties' input; the model thread
+            appends every token it samples for the request.
+        num_prompt_tokens: length of the prompt prefix of ``history``.
+    """
+
+    __slots__ = ("generator", "history", "num_prompt_tokens")
+
+    def __init__(self, params: SamplingParams, start: SeqStart) -> None:
+        """Raises ValueError: a bad ``start.generator_state`` (see :func:`restore_generator`)."""
+        self.generator = (restore_generator(params.seed, start.generator_state, start.draws)
+                          if params.do_sample else None)
+        self.history = list(start.token_ids)
+        self.num_prompt_tokens = start.num_prompt_tokens
 
 
 def kernel():

@@ -52,9 +52,11 @@ import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from tokenserve.engine import finish as rules
 from tokenserve.engine.block_pool import BlockPool, block_key
+from tokenserve.engine.finish import Finish
 from tokenserve.engine.request import Request, RequestStatus
-from tokenserve.messages import FinishReason, ScheduledSeq
+from tokenserve.messages import FinishReason, ScheduledSeq, SeqStart
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class Scheduler:
         #: ends them); both drained with take_pd_events()
         self._new_pulls: list[Request] = []
         self._evicted: list[Request] = []
+        #: ended requests whose sampling state the model thread still holds
+        self._dropped: list[str] = []
         #: seconds a parked request keeps its blocks (``kv_trans_timeout``)
         self.park_timeout_s = 10.0
         self.num_preemptions = 0
@@ -133,23 +137,20 @@ class Scheduler:
     # ------------------------------------------------------------------ queue changes
 
     def add(self, req: Request) -> None:
-        """Queue a new request.
-
-        Raises:
-            ValueError: duplicate request_id, or a prompt that cannot fit ``max_seq_len``.
-        """
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request_id {req.request_id!r}")
-        if req.num_tokens >= self.cfg.max_seq_len:
-            raise ValueError(
-                f"prompt has {req.num_tokens} tokens; max_seq_len is {self.cfg.max_seq_len}")
-        if self.pool.blocks_for(req.num_tokens + 1) > self.pool.num_blocks:
-            raise ValueError(f"prompt of {req.num_tokens} tokens exceeds the whole KV cache")
+        """Queue a new request. Its id is new and its tokens fit ``max_seq_len`` and the
+        KV cache with room for one more: ``AsyncEngine.generate``, the engine's one
+        admission check, made sure (asserted here)."""
+        assert req.request_id not in self.requests, f"duplicate request_id {req.request_id!r}"
+        assert req.num_tokens < self.cfg.max_seq_len, "request longer than max_seq_len"
+        assert self.pool.blocks_for(req.num_tokens + 1) <= self.pool.num_blocks, \
+            "request larger than the whole KV cache"
         self.requests[req.request_id] = req
         self._enqueue(req)
 
-    def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
-        """End a request wherever it is (abort, timeout, error); frees its blocks at once.
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None,
+               stop_reason: str | int | None = None) -> Request | None:
+        """End a request wherever it is (for a reason :mod:`~tokenserve.engine.finish`
+        decided, or a failure); frees its blocks at once.
 
         Returns the request, or None if it is unknown or already finished.
         """
@@ -166,28 +167,23 @@ class Scheduler:
             req.block_table = []
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.error = error
+        self._end(req, reason)
+        req.error, req.stop_reason = error, stop_reason
         return req
 
-    def expired(self, now: float) -> list[tuple[str, str]]:
-        """(request_id, timeout name) for every request whose deadline has passed."""
+    def expired(self, now: float) -> list[tuple[str, Finish]]:
+        """(request_id, its TIMEOUT) for every request whose deadline has passed
+        (:func:`tokenserve.engine.finish.expiry`)."""
         out = []
         for req in self.requests.values():
-            why = req.expiry(now)
-            if why is not None:
-                out.append((req.request_id, why))
+            fin = rules.expiry(req, now)
+            if fin is not None:
+                out.append((req.request_id, fin))
         return out
 
     def next_deadline(self) -> float:
         """Earliest instant (monotonic s) at which some request may time out."""
-        best = float("inf")
-        for r in self.requests.values():
-            since = r.last_token_time if r.last_token_time is not None else r.arrival_time
-            best = min(best, r.deadline, since + r.token_timeout_s)
-        return best
+        return min(map(rules.next_deadline, self.requests.values()), default=float("inf"))
 
     def has_work(self) -> bool:
         """Anything queued, running, parked for a decode instance or pulling K/V."""
@@ -222,6 +218,12 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return None
+
+    def take_dropped(self) -> tuple[str, ...]:
+        """Ids of the requests that ended since the last call and whose sampling state
+        the model thread holds (they go in the next ``StepPlan.drop``)."""
+        out, self._dropped = tuple(self._dropped), []
+        return out
 
     def take_pd_events(self) -> tuple[list[Request], list[Request]]:
         """(requests whose K/V pull must start now, requests evicted for recompute on a
@@ -310,9 +312,13 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self.finish(req.request_id, reason)
+            fin = rules.after_token(
+                req.params, tok, num_output_tokens=req.num_output_tokens,
+                num_tokens=req.num_tokens, max_seq_len=self.cfg.max_seq_len,
+                eos_token_ids=self.cfg.eos_token_ids,
+                next_fits=self.pool.blocks_for(req.num_tokens + 1) <= self.pool.num_blocks)
+            if fin is not None:
+                self.finish(req.request_id, fin.reason, stop_reason=fin.stop_reason)
             elif req.prefill_only:
                 self._park(req, now)
             out.append((req, [tok]))
@@ -433,16 +439,21 @@ class Scheduler:
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed
+        first = None
+        if not req.on_runner:  # the model thread sees it for the first time
+            req.on_runner = True
+            first = SeqStart(tuple(req.token_ids), req.num_prompt_tokens, req.adopted_state,
+                             draws=req.num_output_tokens)
+        sample = start + n == req.num_tokens
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.token_ids[start:start + n],
+            token_ids=tuple(req.token_ids[start:start + n]),
             num_computed=start,
-            block_table=list(req.block_table),
-            sample=start + n == req.num_tokens,
+            block_table=tuple(req.block_table),
+            sample=sample,
             params=req.params,
-            generator=req.generator,
-            history=req.token_ids,
-            num_prompt_tokens=req.num_prompt_tokens,
+            start=first,
+            export_state=sample and req.prefill_only,
         )
 
     def _start_pull(self, req: Request) -> bool:
@@ -539,12 +550,12 @@ class Scheduler:
         if req.recompute_elsewhere:  # PD decode: a prefill instance recomputes it
             self.running.remove(req)
             del self.requests[req.request_id]
-            self._release(req)
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = FinishReason.RECOMPUTE
+            self._end(req, FinishReason.RECOMPUTE)
             self.num_preemptions += 1
             self._evicted.append(req)
             return
+        # recompute here: the model thread keeps the request's sampling state, as a
+        # recompute only recomputes K/V (the generator continues where it was)
         self.running.remove(req)
         self._release(req)
         req.num_computed = 0
@@ -552,6 +563,15 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req)
+
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        """``req`` (out of every queue) is finished: free its blocks, tell the model
+        thread to drop its sampling state."""
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req.on_runner:
+            self._dropped.append(req.request_id)
 
     def _release(self, req: Request) -> None:
         self.pool.free(req.block_table)
@@ -564,16 +584,6 @@ class Scheduler:
         while i > 0 and self.waiting[i - 1].sort_key() > key:
             i -= 1
         self.waiting.insert(i, req)
-
-    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
-        p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.cfg.eos_token_ids):
-            return FinishReason.EOS
-        if (req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.cfg.max_seq_len
-                # the next token would not fit even in an otherwise empty KV cache
-                or self.pool.blocks_for(req.num_tokens + 1) > self.pool.num_blocks):
-            return FinishReason.LENGTH
-        return None
 
 
 def _is_prefill(req: Request) -> bool:

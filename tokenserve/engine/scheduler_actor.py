@@ -9,10 +9,11 @@ Messages come in on ``inbox`` (GenerateRequest | AbortRequest, see messages.py);
 :class:`RequestHandle` of a request is registered in ``streams`` by the engine before the
 GenerateRequest is queued, and removed here when its final output is put.
 
-One place ends a request: :meth:`SchedulerActor._finish`. Whatever decided it (the
-scheduler's EOS / stop id / length rule in ``Scheduler.update``, a stop string found in the
-text, a timeout, an abort, an executor error), the request's blocks are freed and its one
-final output is put there, with the text the detokenizer and stop-string matcher held back.
+One module decides that a request is finished (:mod:`tokenserve.engine.finish`: EOS, stop
+id and length through ``Scheduler.update``, a stop string in the text, a timeout, an
+abort), and one place ends it: :meth:`SchedulerActor._finish`, which frees its blocks and
+puts its one final output, with the text the detokenizer and stop-string matcher held
+back. The model thread drops the request's sampling state with the next plan.
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tokenserve.engine import finish as rules
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
-from tokenserve.engine.executor import ExecutorActor
+from tokenserve.engine.finish import Finish, StopStringMatcher
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.request import Request, RequestStatus
-from tokenserve.engine.sampler import generator_state, make_generator, restore_generator
 from tokenserve.engine.scheduler import Scheduler
-from tokenserve.engine.stop_strings import StopStringMatcher
 from tokenserve.messages import (
     AbortRequest,
     FinishReason,
@@ -43,6 +43,9 @@ from tokenserve.messages import (
     StepPlan,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:  # the shell itself needs no torch: the model thread has it all
+    from tokenserve.engine.model_runner import ExecutorActor
 
 log = logging.getLogger("tokenserve.engine")
 
@@ -115,6 +118,7 @@ class SchedulerActor:
         """The actor's task body; runs until cancelled."""
         while True:
             if not self.scheduler.has_work():
+                await self._drop_states()
                 self._check_idle()
                 self._handle(await self.inbox.get())
             while not self.inbox.empty():
@@ -133,12 +137,12 @@ class SchedulerActor:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            plan = StepPlan(next(self._step), seqs)
+            plan = StepPlan(next(self._step), tuple(seqs), self.scheduler.take_dropped())
             self._note_scheduled(seqs)
             result = await self.executor.run(plan)
             if result.error is not None:
                 for s in seqs:
-                    self._finish(s.request_id, FinishReason.ERROR, result.error)
+                    self._finish(s.request_id, Finish(FinishReason.ERROR, error=result.error))
                 continue
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("step %d: %.1f ms, %d decodes, prefill chunks %s, %d waiting",
@@ -147,10 +151,19 @@ class SchedulerActor:
                           [len(s.token_ids) for s in seqs if not s.is_decode],
                           len(self.scheduler.waiting))
             for rid, why in result.failed.items():  # rows that failed alone
-                self._finish(rid, FinishReason.ERROR, why)
+                self._finish(rid, Finish(FinishReason.ERROR, error=why))
             now = time.monotonic()
             for req, toks in self.scheduler.update(seqs, result.sampled, now):
-                self._emit(req, toks, now, result.logprobs.get(req.request_id))
+                self._emit(req, toks, now, result.logprobs.get(req.request_id),
+                           result.generator_states.get(req.request_id))
+
+    async def _drop_states(self) -> None:
+        """Before going idle: have the model thread drop the sampling state of the
+        requests that ended since the last step (a plan with no seqs)."""
+        drop = self.scheduler.take_dropped()
+        if drop:
+            result = await self.executor.run(StepPlan(next(self._step), (), drop))
+            assert not result.sampled, "a drop-only plan sampled"
 
     def _check_idle(self) -> None:
         pool = self.scheduler.pool
@@ -162,7 +175,7 @@ class SchedulerActor:
 
     def _handle(self, msg: GenerateRequest | AbortRequest | KvPulled) -> None:
         if isinstance(msg, AbortRequest):
-            self._finish(msg.request_id, msg.reason, msg.error)
+            self._finish(msg.request_id, Finish(msg.reason, error=msg.error))
         elif isinstance(msg, GenerateRequest):
             self._admit(msg)
         elif isinstance(msg, KvPulled):
@@ -171,7 +184,7 @@ class SchedulerActor:
                           "reused)", msg.request_id)
             failed = self.scheduler.pulled(msg.request_id, msg.error, msg.quarantine)
             if failed is not None:
-                self._finish(msg.request_id, FinishReason.ERROR, msg.error)
+                self._finish(msg.request_id, Finish(FinishReason.ERROR, error=msg.error))
         else:
             raise TypeError(f"unknown message {type(msg).__name__}")
 
@@ -188,28 +201,19 @@ class SchedulerActor:
         deadline, reason = arrival + self.e2e_timeout_s, "server e2eTimeout"
         if g.timeout_s is not None and arrival + g.timeout_s < deadline:
             deadline, reason = arrival + g.timeout_s, "client timeout"
-        generator = None
-        if params.do_sample:
-            generator = (make_generator(params.seed) if adopt is None else restore_generator(
-                params.seed, adopt.generator_state, len(outputs)))
         pull = adopt.num_computed if adopt is not None else 0
         req = Request(
             request_id=g.request_id, token_ids=[*g.prompt_token_ids, *outputs],
             num_prompt_tokens=len(g.prompt_token_ids), params=params, priority=g.priority,
             arrival_time=arrival, arrival_seq=next(self._seq), deadline=deadline,
             deadline_reason=reason, token_timeout_s=self.token_timeout_s,
-            generator=generator, prefill_only=g.prefill_only, pull_tokens=pull,
+            adopted_state=adopt.generator_state if adopt is not None else None,
+            prefill_only=g.prefill_only, pull_tokens=pull,
             recompute_elsewhere=pull > 0,
             num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0)
         detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids,
                                        params.skip_special_tokens)
-        try:
-            self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
-        except ValueError as exc:  # adopted tokens beyond max_seq_len or the KV cache
-            self.streams.pop(g.request_id, None)
-            stream.put(RequestOutput(g.request_id, (), "", True, FinishReason.ERROR,
-                                     len(g.prompt_token_ids), len(outputs), error=str(exc)))
-            return
+        self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)
         t = _Tracked(stream, detok, stop, arrival, params.seed)
@@ -230,7 +234,7 @@ class SchedulerActor:
         recompute on a prefill instance (spec/pd_disaggregation.md §7.1)."""
         pulls, evicted = self.scheduler.take_pd_events()
         for req in evicted:
-            self._finish(req.request_id, FinishReason.RECOMPUTE, req=req)
+            self._finish(req.request_id, Finish(FinishReason.RECOMPUTE), req=req)
         for req in pulls:
             task = asyncio.create_task(self._pull(req), name=f"kv-pull-{req.request_id}")
             self._pull_tasks.add(task)
@@ -252,47 +256,45 @@ class SchedulerActor:
         self.inbox.put_nowait(KvPulled(req.request_id, error, quarantine))
 
     def _expire(self, now: float) -> None:
-        for rid, why in self.scheduler.expired(now):
-            self._finish(rid, FinishReason.TIMEOUT, f"Engine callback timeout: {why}")
+        for rid, fin in self.scheduler.expired(now):
+            self._finish(rid, fin)
 
     # ------------------------------------------------------------------ outputs
 
-    def _finish(self, rid: str, reason: FinishReason, error: str | None = None, *,
-                req: Request | None = None, toks: list[int] | None = None, text: str = "",
-                now: float | None = None, logprob: TokenLogprob | None = None,
-                stop_reason: str | int | None = None) -> None:
-        """The one place a request ends: free its blocks (unless ``Scheduler.update``
-        already did, passing the finished ``req``), count it, and put its one final
-        output: ``toks`` / ``text`` of its last step plus what was held back."""
-        live = self.scheduler.finish(rid, reason, error)
+    def _finish(self, rid: str, fin: Finish, *, req: Request | None = None,
+                toks: list[int] | None = None, text: str = "", now: float | None = None,
+                logprob: TokenLogprob | None = None) -> None:
+        """The one place a request ends, for the reason ``fin`` (a rule of
+        :mod:`tokenserve.engine.finish`, or a failure): free its blocks (unless
+        ``Scheduler`` already did, passing the finished ``req``), count it, and put its
+        one final output: ``toks`` / ``text`` of its last step plus what was held back."""
+        live = self.scheduler.finish(rid, fin.reason, fin.error, fin.stop_reason)
         req = live or req
         self._sources.pop(rid, None)
         t = self._tracked.pop(rid, None)
         if t is None or req is None:
             return  # unknown or already ended
         text = t.text(text, final=True)
-        if (stop_reason is None and t.stop is not None and t.stop.hit is not None
-                and reason in (FinishReason.EOS, FinishReason.LENGTH)):
-            reason, stop_reason = FinishReason.EOS, t.stop.hit  # completed by the held text
-            req.finish_reason = reason
-        self.finished_by_reason[reason] += 1
+        fin = rules.at_end(fin, t.stop)  # the held text may complete a stop string
+        req.finish_reason = fin.reason
+        self.finished_by_reason[fin.reason] += 1
         self.streams.pop(rid, None)
         t.stream.put(self._output(req, t, toks or [], text, now, logprob, finished=True,
-                                  reason=reason, error=error, stop_reason=stop_reason))
+                                  fin=fin))
 
     def _output(self, req: Request, t: _Tracked, toks: list[int], text: str,
                 now: float | None, logprob: TokenLogprob | None, *, finished: bool,
-                reason: FinishReason | None = None, error: str | None = None,
-                stop_reason: str | int | None = None) -> RequestOutput:
+                fin: Finish | None = None) -> RequestOutput:
         first = bool(toks) and not t.emitted_first
         out = RequestOutput(
             request_id=req.request_id, new_token_ids=tuple(toks), new_text=text,
-            finished=finished, finish_reason=reason,
+            finished=finished, finish_reason=fin.reason if fin is not None else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             prefill_time_ms=(now - req.arrival_time) * 1e3 if first and now else None,
             decode_time_ms=(now - t.last_emit) * 1e3 if toks and not first and now else None,
-            error=error, seed=t.seed, logprobs=(logprob,) if logprob is not None else None,
-            stop_reason=stop_reason,
+            error=fin.error if fin is not None else None, seed=t.seed,
+            logprobs=(logprob,) if logprob is not None else None,
+            stop_reason=fin.stop_reason if fin is not None else None,
             queue_time_ms=t.queue_time_ms if first else None,
             num_cached_tokens=req.num_cached_tokens)
         if toks:
@@ -310,27 +312,23 @@ class SchedulerActor:
                 t.queue_time_ms = (now - self.scheduler.requests[s.request_id].arrival_time) * 1e3
 
     def _emit(self, req: Request, toks: list[int], now: float,
-              logprob: TokenLogprob | None) -> None:
+              logprob: TokenLogprob | None, gen_state: bytes | None = None) -> None:
         """Put the output of a step that gave ``req`` tokens; end it when the scheduler
         did (EOS, stop id, length) or the text completed a stop string."""
         t = self._tracked[req.request_id]
-        t_stop = t.stop
         text = t.detok.add(toks)
-        if t_stop is not None:
-            text = t_stop.feed(text)
-        if t_stop is not None and t_stop.hit is not None:
-            # a stop string completed: the request ends here, as if on EOS
-            self._finish(req.request_id, FinishReason.EOS, req=req, toks=toks, text=text,
-                         now=now, logprob=logprob, stop_reason=t_stop.hit)
-        elif req.finished:
-            reason = req.finish_reason or FinishReason.EOS
-            stop_id = (toks[-1] if reason is FinishReason.EOS
-                       and toks[-1] in req.params.stop_token_ids else None)
-            self._finish(req.request_id, reason, req.error, req=req, toks=toks, text=text,
-                         now=now, logprob=logprob, stop_reason=stop_id)
-        else:
-            out = self._output(req, t, toks, text, now, logprob, finished=False)
-            if req.status is RequestStatus.PARKED:  # PD prefill: the decode instance's part
-                out = replace(out, handoff=KvHandoff(
-                    tuple(req.block_table), req.num_computed, generator_state(req.generator)))
-            t.stream.put(out)
+        if t.stop is not None:
+            text = t.stop.feed(text)
+        fin = rules.after_text(t.stop)
+        if fin is None and req.finished:
+            assert req.finish_reason is not None
+            fin = Finish(req.finish_reason, req.stop_reason, req.error)
+        if fin is not None:
+            self._finish(req.request_id, fin, req=req, toks=toks, text=text, now=now,
+                         logprob=logprob)
+            return
+        out = self._output(req, t, toks, text, now, logprob, finished=False)
+        if req.status is RequestStatus.PARKED:  # PD prefill: the decode instance's part
+            out = replace(out, handoff=KvHandoff(tuple(req.block_table), req.num_computed,
+                                                 gen_state))
+        t.stream.put(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenserve.engine.stop_strings import StopStringMatcher
+from tokenserve.engine.finish import StopStringMatcher
 
 
 def run(pieces, stops, include=False):
