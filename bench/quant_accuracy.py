@@ -15,8 +15,22 @@ averaged over all positions of all prompts. Variants: ``bf16`` (bf16 weights and
 activations), ``int8`` (``--quantization int8``: int8 weights per channel, bf16 activations),
 ``gguf`` (``--quantization gguf``: the file's own Q4_1/Q8_0 blocks; GGUF models only). Also
 reported: the share of positions whose argmax equals fp32's (``top1``), and the worst
-prompt's mean KL. llama.cpp's own logits would need ``llama-cpp-python`` (``llama_cpp``);
-the row is left out when it is not importable.
+prompt's mean KL.
+
+``llamacpp``: llama.cpp's own logits on the same GGUF file, through ``llama-cpp-python``
+(``llama_cpp``, a ctypes binding: no build of its own needed when a ``libllama.so`` exists).
+The same token ids are fed (no BOS added by llama.cpp: our chat template already starts with
+it), one ``llama_decode`` of prompt + continuation with logits for every position, fp32, full
+vocabulary; llama.cpp's defaults otherwise (f16 KV cache), ``--llamacpp-threads`` threads.
+``--llamacpp-lib DIR`` points at the directory holding ``libllama.so`` (it sets
+``LLAMA_CPP_LIB_PATH``); when ``llama_cpp`` is not importable, the llama-cpp-python source
+tree above DIR (e.g. ``<sdist>/vendor/llama.cpp/build/bin``) is put on ``sys.path``. Without
+a loadable ``llama_cpp`` the row is left out with the reason, the rest still runs; with it,
+``gguf_over_llamacpp`` is our gguf KL / llama.cpp's (the issue asks for <= 1.1) and
+``top1_vs_gguf`` the share of positions where llama.cpp's argmax equals our gguf path's::
+
+    python -m bench.quant_accuracy --llamacpp-lib \\
+        ~/.cache/llama-cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
 """
 
 from __future__ import annotations
@@ -24,7 +38,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,36 +83,116 @@ def greedy(m: LlamaForCausalLM, ids: list[int], n: int) -> list[int]:
     return out
 
 
+def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (position) of two ``[n, vocab]`` logit tensors: ``KL(p_ref || p)`` in nats
+    (float64, softmax of each) and whether the argmaxes agree (bool)."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logits shape {tuple(logits.shape)} != reference "
+                         f"{tuple(ref_logits.shape)}")
+    logp = torch.log_softmax(ref_logits.double(), -1)
+    logq = torch.log_softmax(logits.double(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1), logq.argmax(-1) == logp.argmax(-1)
+
+
+def _import_llama_cpp(lib_dir: str | None):
+    """``llama_cpp`` (llama-cpp-python), loading ``libllama.so`` from ``lib_dir`` if given;
+    if the package is not importable, the llama-cpp-python source tree above ``lib_dir`` is
+    tried. Raises what the import raised."""
+    if lib_dir:
+        lib = Path(lib_dir).expanduser().resolve()
+        if not (lib / "libllama.so").is_file():
+            raise FileNotFoundError(f"no libllama.so in {lib}")
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    try:
+        import llama_cpp
+        return llama_cpp
+    except ImportError as e:
+        if not lib_dir or getattr(e, "name", None) != "llama_cpp":
+            raise
+        src = next((p for p in lib.parents if (p / "llama_cpp" / "llama_cpp.py").is_file()),
+                   None)
+        if src is None:
+            raise
+        sys.path.insert(0, str(src))
+        import llama_cpp
+        return llama_cpp
+
+
+def llamacpp_logits(gguf: Path, n_ctx: int, threads: int = 2,
+                    lib_dir: str | None = None) -> tuple[Callable[[list[int]], torch.Tensor],
+                                                         dict]:
+    """A function ``ids -> fp32 logits [len(ids), vocab]`` computed by llama.cpp on ``gguf``
+    (one decode of the whole sequence from an empty cache), and a description of the setup."""
+    llama_cpp = _import_llama_cpp(lib_dir)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                          n_threads=threads, n_threads_batch=threads, logits_all=True,
+                          verbose=False)
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        if len(ids) > n_ctx:
+            raise ValueError(f"{len(ids)} tokens > llama.cpp n_ctx {n_ctx}")
+        llm.reset()  # n_tokens = 0: eval() then drops the whole KV cache
+        llm.eval(ids)  # the ids as given: no BOS is added here
+        return torch.from_numpy(llm.scores[:len(ids)].copy())
+
+    info = {"llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
+            "lib": str(Path(llama_cpp.llama_cpp._lib._name).resolve()),
+            "gguf": str(gguf), "n_ctx": n_ctx, "threads": threads,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+    return logits, info
+
+
 def run(model: str | None = None, positions: int = 64, n_prompts: int | None = None,
-        ) -> dict:
+        llamacpp_lib: str | None = None, llamacpp_threads: int = 2,
+        llamacpp: bool = True) -> dict:
     """The study; returns ``{"variants": {name: {"kl_mean", "kl_worst_prompt", "top1",
-    "weights_mib"}}, ...}``."""
+    "weights_mib"}}, "llama_cpp": str | dict, ...}``."""
     d = resolve_model(model)
     tok = Tokenizer(d)
     prompts = json.loads(PROMPTS.read_text(encoding="utf-8"))["prompts"][:n_prompts]
+    prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p["text"]}],
+                                                     add_generation_prompt=True),
+                             add_special_tokens=False) for p in prompts]
     ref = _build(model, torch.float32, "none")
-    variants = {"bf16": _build(model, torch.bfloat16, "none"),
-                "int8": _build(model, torch.bfloat16, "int8")}
-    if gguf_source(model) is not None:
+    variants: dict[str, object] = {"bf16": _build(model, torch.bfloat16, "none"),
+                                   "int8": _build(model, torch.bfloat16, "int8")}
+    gguf = gguf_source(model)
+    if gguf is not None:
         variants["gguf"] = _build(model, torch.bfloat16, "gguf")
+    if not llamacpp:
+        llama_info: str | dict = "not asked for (--no-llamacpp)"
+    elif gguf is None:
+        llama_info = "the model is not a GGUF file: no llama.cpp row"
+    else:
+        n_ctx = max(len(i) for i in prompt_ids) + positions
+        try:
+            variants["llamacpp"], llama_info = llamacpp_logits(
+                gguf, n_ctx, llamacpp_threads, llamacpp_lib)
+        except Exception as e:  # noqa: BLE001 - optional: say why and go on without it
+            llama_info = (f"llama-cpp-python (llama_cpp) not usable ({type(e).__name__}: {e}); "
+                          "no llama.cpp row (--llamacpp-lib DIR with libllama.so)")
+            print(llama_info, flush=True)
     kl_sum = {k: 0.0 for k in variants}
     top1 = {k: 0 for k in variants}
     worst = {k: 0.0 for k in variants}
+    llama_vs_gguf = 0
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        text = tok.apply_chat_template([{"role": "user", "content": p["text"]}],
-                                       add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
+    for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
         cont = greedy(ref, ids, positions)
         seq = ids + cont[:-1]
         span = slice(len(ids) - 1, len(seq))  # the positions that predict cont
-        logp = torch.log_softmax(_prefill(ref, seq)[0][span].double(), -1)
+        ref_logits = _prefill(ref, seq)[0][span]
+        argmax = {}
         for k, m in variants.items():
-            logq = torch.log_softmax(_prefill(m, seq)[0][span].double(), -1)
-            kl = (logp.exp() * (logp - logq)).sum(-1)  # [positions]
+            logits = m(seq) if k == "llamacpp" else _prefill(m, seq)[0]
+            kl, same = kl_top1(ref_logits, logits[span])  # [positions]
+            argmax[k] = logits[span].argmax(-1)
             kl_sum[k] += float(kl.sum())
             worst[k] = max(worst[k], float(kl.mean()))
-            top1[k] += int((logq.argmax(-1) == logp.argmax(-1)).sum())
+            top1[k] += int(same.sum())
+        if "llamacpp" in argmax and "gguf" in argmax:
+            llama_vs_gguf += int((argmax["llamacpp"] == argmax["gguf"]).sum())
         print(f"[{i + 1}/{len(prompts)}] {p['lang']}: "
               + ", ".join(f"{k} {kl_sum[k] / ((i + 1) * positions):.5f}" for k in variants)
               + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -104,13 +201,18 @@ def run(model: str | None = None, positions: int = 64, n_prompts: int | None = N
            "fp32_weights_mib": ref.weight_bytes / 2**20, "variants": {}}
     for k, m in variants.items():
         out["variants"][k] = {"kl_mean": kl_sum[k] / total, "kl_worst_prompt": worst[k],
-                              "top1": top1[k] / total, "weights_mib": m.weight_bytes / 2**20,
-                              "formats": m.weight_formats}
-    try:
-        import llama_cpp  # noqa: F401
-        out["llama_cpp"] = "importable, not wired in"
-    except ImportError:
-        out["llama_cpp"] = "llama-cpp-python (llama_cpp) is not importable: no llama.cpp row"
+                              "top1": top1[k] / total}
+        if k == "llamacpp":
+            out["variants"][k].update(
+                weights_mib=Path(gguf).stat().st_size / 2**20,  # the whole file
+                formats="llama.cpp on the GGUF file", top1_vs_gguf=llama_vs_gguf / total)
+        else:
+            out["variants"][k].update(weights_mib=m.weight_bytes / 2**20,
+                                      formats=m.weight_formats)
+    out["llama_cpp"] = llama_info
+    if "llamacpp" in out["variants"] and "gguf" in out["variants"]:
+        out["gguf_over_llamacpp"] = (out["variants"]["gguf"]["kl_mean"]
+                                     / out["variants"]["llamacpp"]["kl_mean"])
     return out
 
 
@@ -120,8 +222,14 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=None, help="only the first N prompts")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
+    ap.add_argument("--llamacpp-lib", default=None, metavar="DIR",
+                    help="directory with llama.cpp's libllama.so for llama-cpp-python "
+                         "(default: $LLAMA_CPP_LIB_PATH or the package's own)")
+    ap.add_argument("--llamacpp-threads", type=int, default=2)
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp row")
     args = ap.parse_args()
-    res = run(args.model, args.positions, args.prompts)
+    res = run(args.model, args.positions, args.prompts, args.llamacpp_lib,
+              args.llamacpp_threads, not args.no_llamacpp)
     print("| format | weights MiB | mean KL (nats) | worst prompt | top-1 = fp32 |")
     print("|---|---|---|---|---|")
     print(f"| fp32 | {res['fp32_weights_mib']:.1f} | 0 | 0 | 100% |")
@@ -129,7 +237,12 @@ def main() -> None:
         assert math.isfinite(v["kl_mean"])
         print(f"| {k} ({v['formats']}) | {v['weights_mib']:.1f} | {v['kl_mean']:.5f} | "
               f"{v['kl_worst_prompt']:.5f} | {100 * v['top1']:.1f}% |")
-    print(res["llama_cpp"])
+    if isinstance(res["llama_cpp"], dict):
+        print(f"llama.cpp: argmax = our gguf's at "
+              f"{100 * res['variants']['llamacpp']['top1_vs_gguf']:.1f}% of positions; "
+              f"gguf KL / llama.cpp KL = {res['gguf_over_llamacpp']:.3f} (issue: <= 1.1)")
+    else:
+        print(res["llama_cpp"])
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
 

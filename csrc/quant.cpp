@@ -48,6 +48,8 @@
 
 #include "bf16.h"
 #include "cpu_features.h"
+#include "quant_act.h"
+#include "kernels.h"
 #include "registry.h"
 
 namespace tokenserve {
@@ -61,29 +63,7 @@ constexpr int64_t kQuantOffset[3] = {16, 32, 16};  // where the quants start in 
 
 std::atomic<bool> g_force_portable{false};
 
-inline float fp16_to_f32(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  // IEEE half -> float (normals, subnormals, inf/nan), no F16C needed
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-  if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else {  // subnormal: renormalise
-      int e = -1;
-      do { ++e; man <<= 1; } while (!(man & 0x400));
-      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | man << 13;
-  } else {
-    u = sign | (exp + 127 - 15) << 23 | man << 13;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using qact::fp16_to_f32;  // csrc/quant_act.h
 
 // Row r (0..7) of a group-block: scale, offset, and its 32 quants in element order.
 inline void unpack_row(int qt, const uint8_t* gb, int r, float& d, float& m, int32_t* q) {
@@ -106,22 +86,7 @@ inline void unpack_row(int qt, const uint8_t* gb, int r, float& d, float& m, int
 // ---------------------------------------------------------------------------------------
 // Activation quantisation: x [M, K] fp32 -> q int16 [M, K], ds fp32 [M, K / 32, 2] = (d, s).
 // ---------------------------------------------------------------------------------------
-void quantize_row_scalar(const float* x, int64_t K, int16_t* q, float* ds) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
-    float amax = 0.f;
-    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
-    int sum = 0;
-    for (int i = 0; i < QK; ++i) {
-      const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
-      q[b * QK + i] = int16_t(v);
-      sum += v;
-    }
-    ds[2 * b] = db;
-    ds[2 * b + 1] = db * float(sum);
-  }
-}
+using qact::quantize_row_scalar;  // csrc/quant_act.h
 
 // Portable: one output element (row n = lane r of a group), the header's arithmetic.
 float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const uint8_t* wg, int r) {
@@ -143,37 +108,7 @@ float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const u
 #ifdef TS_X86
 #define TS_QAVX2 __attribute__((target("avx2,fma,f16c")))
 
-TS_QAVX2 void quantize_row_avx2(const float* x, int64_t K, int16_t* q, float* ds) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
-    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    __m256i iv[4];
-    for (int i = 0; i < 4; ++i)
-      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    // 32 x i32 -> 32 x i16 in element order (packs works per 128-bit lane: fix with a permute)
-    const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
-    const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), p01);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK + 16), p23);
-    ds[2 * b] = db;
-    ds[2 * b + 1] = db * float(_mm_cvtsi128_si32(s4));
-  }
-}
+using qact::quantize_row_avx2;  // csrc/quant_act.h
 
 // One pair of activations (int16 x[e], x[e+1]) broadcast to every int32 lane.
 TS_QAVX2 inline __m256i xpair(const int16_t* x, int e) {
@@ -348,31 +283,12 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
       quantize_row_scalar(xp + m * K, K, qp + m * K, dp + m * nb * 2);
     }
   });
-  // Work units: (row chunk, 2 groups of 8 weight rows). Threads pull batches of units from a
-  // shared counter (a descheduled thread does not hold the others back); which thread
-  // computes a unit never changes its arithmetic.
-  const int64_t mc = std::max<int64_t>(MR_MAX, (131072 / std::max<int64_t>(K * 2, 1)) / MR_MAX * MR_MAX);
-  const int64_t nchunks = (M + mc - 1) / mc;
-  const int64_t NG = (N + RG - 1) / RG, GPU = 2;
-  const int64_t ngroups = (NG + GPU - 1) / GPU;
-  const int64_t units = nchunks * ngroups;
-  const int64_t work = std::max<int64_t>(1, std::min(M, mc) * GPU * RG * K);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
-  const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
-  const int64_t batch = std::max<int64_t>(1, units / (ntasks * 8));
-  std::atomic<int64_t> next{0};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const bool ybf = odt == at::kBFloat16;
-  at::parallel_for(0, ntasks, 1, [&](int64_t, int64_t) {
-    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch))
-      for (int64_t u = u0, u1 = std::min(units, u0 + batch); u < u1; ++u) {
-        const int64_t chunk = u / ngroups, gi = u % ngroups;
-        const int64_t m_lo = chunk * M / nchunks, m_hi = (chunk + 1) * M / nchunks;
-        compute_block(int(qtype), avx2, qp, dp, K, m_lo, m_hi - m_lo, wp, gi * GPU,
-                      std::min(NG, (gi + 1) * GPU), bp, yp, ybf, N);
-      }
+  qact::run_units(M, N, K, MR_MAX, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
+    compute_block(int(qtype), avx2, qp, dp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   });
   return y;
 }

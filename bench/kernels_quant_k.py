@@ -1,0 +1,117 @@
+"""Micro-benchmark of the k-quant GEMM (``csrc/quant_k.cpp``) against the Q4_1 / Q8_0 GEMM
+(``csrc/quant.cpp``) and our bf16 GEMM, on the same shapes.
+
+    python bench/kernels_quant_k.py [--ms 1,16,64] [--threads N]
+
+Shapes (N, K): SmolLM2-135M's ``down`` [576, 1536] (its only K that is a multiple of 256) and
+a 1B-class model's (hidden 2048, MLP 5632: TinyLlama / Llama-3.2-1B-like) ``qkv`` [2560,
+2048], ``gate_up`` [11264, 2048], ``down`` [2048, 5632], each repeated as ``--layers`` distinct
+weights so a run streams them from memory (as a decode step does) rather than from cache.
+Weights are random valid blocks (timing does not depend on values; gguf-py cannot quantise
+to k-quants). Per (shape, M): milliseconds for all layers (best of several runs: the host
+may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_0, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tokenserve.ops import load_kernels
+from tokenserve.ops.quant import (
+    BLOCK_BYTES,
+    BLOCK_ELEMS,
+    K_QTYPES,
+    QTYPE_IDS,
+    QuantWeight,
+    quantize_ref,
+    repack_x8,
+)
+
+SHAPES = (("smol.down", 576, 1536), ("1b.qkv", 2560, 2048), ("1b.gate_up", 11264, 2048),
+          ("1b.down", 2048, 5632))
+FORMATS = ("q4_k", "q5_k", "q6_k", "q4_1", "q8_0", "bf16")
+
+
+def _best_ms(fn, reps: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def _random_k(n: int, k: int, qtype: str, g: torch.Generator) -> QuantWeight:
+    """Random valid k-quant blocks with small positive fp16 scales."""
+    nsb, bb = k // BLOCK_ELEMS[qtype], BLOCK_BYTES[qtype]
+    data = torch.randint(0, 256, (n, nsb, bb), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, nsb, 2, generator=g) * 1e-3).half().view(torch.uint8).view(n, nsb, 4)
+    if qtype == "q6_k":
+        data[..., 208:210] = d[..., 0:2]
+    else:
+        data[..., 0:4] = d
+    return QuantWeight(data.reshape(n, -1).contiguous(), qtype, (n, k))
+
+
+def bench(ms: tuple[int, ...] = (1, 16, 64), layers: int = 8) -> list[dict]:
+    """One row per (shape, M, format): ``ms`` for ``layers`` distinct weights, ``gbs``."""
+    c = load_kernels()
+    if c is None or not all(hasattr(c, f) for f in ("quant_k_gemm", "quant_gemm", "gemm")):
+        raise RuntimeError("tokenserve._C with quant_k_gemm, quant_gemm and gemm is not built")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, n, k in SHAPES:
+        ws: dict[str, list] = {}
+        for fmt in FORMATS:
+            if fmt in K_QTYPES:
+                ws[fmt] = [repack_x8(_random_k(n, k, fmt, g)) for _ in range(layers)]
+            elif fmt == "bf16":
+                ws[fmt] = [c.gemm_prepack((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16())
+                           for _ in range(layers)]
+            else:
+                ws[fmt] = [repack_x8(quantize_ref(torch.randn(n, k, generator=g) * k ** -0.5, fmt))
+                           for _ in range(layers)]
+        for m in ms:
+            x = torch.randn(m, k, generator=g).bfloat16()
+            for fmt in FORMATS:
+                if fmt == "bf16":
+                    def run(ws=ws[fmt], x=x, n=n):
+                        for p in ws:
+                            c.gemm(x, p, n, None, torch.bfloat16)
+                    nbytes = sum(p.numel() * p.element_size() for p in ws[fmt])
+                else:
+                    op = c.quant_k_gemm if fmt in K_QTYPES else c.quant_gemm
+
+                    def run(ws=ws[fmt], op=op, qid=QTYPE_IDS[fmt], x=x, n=n):
+                        for p in ws:
+                            op(x, p.data, qid, n, None, torch.bfloat16)
+                    nbytes = sum(p.nbytes for p in ws[fmt])
+                t = _best_ms(run)
+                rows.append({"shape": name, "N": n, "K": k, "M": m, "format": fmt,
+                             "ms": round(t, 3), "gbs": round(nbytes / t / 1e6, 2)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ms", default="1,16,64", help="batch sizes (rows of x), comma-separated")
+    ap.add_argument("--layers", type=int, default=8, help="distinct weights per shape")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = bench(tuple(int(v) for v in args.ms.split(",")), args.layers)
+    print(f"threads={torch.get_num_threads()}; ms for {args.layers} layers (GB/s of weights)")
+    print(f"{'shape':<12} {'M':>3} " + " ".join(f"{f:>16}" for f in FORMATS))
+    for i in range(0, len(rows), len(FORMATS)):
+        grp = rows[i:i + len(FORMATS)]
+        print(f"{grp[0]['shape']:<12} {grp[0]['M']:>3} "
+              + " ".join(f"{r['ms']:>8.3f} ({r['gbs']:>5.1f})" for r in grp))
+
+
+if __name__ == "__main__":
+    main()

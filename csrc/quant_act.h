@@ -1,0 +1,136 @@
+// Shared helpers of the block-quantised GEMMs: fp16 decoding and the int16 activation
+// quantiser (per row and 32-element block). Pure-torch oracle:
+// tokenserve.ops.quant.quantize_act_ref.
+//
+// Per 32-block of a row: d = amax / 32767 (fp32), q = round_half_even(x * (1 / d)) (0 where
+// d = 0), s = d * float(sum q). The scalar and AVX2 versions give the same bits.
+//
+// Used by csrc/quant.cpp (Q4_0/Q4_1/Q8_0) and csrc/quant_k.cpp (k-quants), which also
+// share run_units below: how a GEMM's output is cut into work units and handed to threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace tokenserve {
+namespace qact {
+
+constexpr int64_t QB = 32;  // activation block
+
+// IEEE half (little-endian bytes at p) -> float; normals, subnormals, inf/nan; no F16C.
+inline float fp16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400));
+      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// x [K] fp32 -> q int16 [K], ds fp32 [K / 32][2] = (d, s).  K a multiple of 32.
+inline void quantize_row_scalar(const float* x, int64_t K, int16_t* q, float* ds) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float* xb = x + b * QB;
+    float amax = 0.f;
+    for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QB; ++i) {
+      const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
+      q[b * QB + i] = int16_t(v);
+      sum += v;
+    }
+    ds[2 * b] = db;
+    ds[2 * b + 1] = db * float(sum);
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const float* x, int64_t K,
+                                                                       int16_t* q, float* ds) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float* xb = x + b * QB;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i iv[4];
+    for (int i = 0; i < 4; ++i)
+      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    // 32 x i32 -> 32 x i16 in element order (packs works per 128-bit lane: fix with a permute)
+    const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
+    const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB), p01);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB + 16), p23);
+    ds[2 * b] = db;
+    ds[2 * b + 1] = db * float(_mm_cvtsi128_si32(s4));
+  }
+}
+#endif
+
+// Runs fn(m_lo, m_hi, g0, g1) (activation rows [m_lo, m_hi), groups [g0, g1) of 8
+// weight rows) over every work unit of an [M, N] output: row chunks sized so a chunk's
+// int16 activations stay in L2 (~128 KiB; a multiple of mr_max rows) x pairs of groups.
+// Threads pull batches of units from a shared counter, so a descheduled thread does not
+// hold the others back; small GEMMs stay on one thread (a unit of work below ~64K
+// multiply-adds is not worth a barrier). Which thread computes a unit never changes its
+// arithmetic, so the partition leaves results bit-identical.
+template <class Fn>
+void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
+  constexpr int64_t RG = 8, GPU = 2;
+  const int64_t mc = std::max<int64_t>(mr_max, (131072 / std::max<int64_t>(K * 2, 1)) / mr_max * mr_max);
+  const int64_t nchunks = (M + mc - 1) / mc;
+  const int64_t NG = (N + RG - 1) / RG;
+  const int64_t ngroups = (NG + GPU - 1) / GPU;
+  const int64_t units = nchunks * ngroups;
+  const int64_t work = std::max<int64_t>(1, std::min(M, mc) * GPU * RG * K);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
+  const int64_t batch = std::max<int64_t>(1, units / (ntasks * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, ntasks, 1, [&](int64_t, int64_t) {
+    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch))
+      for (int64_t u = u0, u1 = std::min(units, u0 + batch); u < u1; ++u) {
+        const int64_t chunk = u / ngroups, gi = u % ngroups;
+        fn(chunk * M / nchunks, (chunk + 1) * M / nchunks, gi * GPU, std::min(NG, (gi + 1) * GPU));
+      }
+  });
+}
+
+}  // namespace qact
+}  // namespace tokenserve

@@ -1,0 +1,461 @@
+// GEMM on GGUF k-quant weights (Q4_K, Q5_K, Q6_K): y = x @ W^T (+ b).
+// Pure-torch oracle: tokenserve.ops.quant (quant_k_linear_ref, repack_k8, dequantize_k_ref).
+//
+// Weights: the GGUF's own super-blocks (256 weights; ggml ggml-common.h block_q4_K /
+// block_q5_K / block_q6_K), regrouped once at load into the "k8" layout
+// (tokenserve.ops.quant.repack_k8): 8 output rows interleaved per super-block, the same byte
+// count as the file. Per group g of 8 rows and super-block B, GB bytes:
+//
+//   Q4_K 1152 | d[8] fp16 | dmin[8] fp16 | scale words: row r's 12 packed 6-bit scale/min
+//             bytes as 3 u32 words, word w at 32 + 32w + 4r | 8 sub-blocks x 128 |
+//   Q5_K 1408   as Q4_K, sub-blocks of 160: 128 nibble bytes then 2 x 16 fifth-bit bytes
+//   Q6_K 1680 | d[8] fp16 | scales: sub-block s (0..15), row r: int8 at 16 + 8s + r |
+//             8 blocks of 32 weights x 192: 8 x 16 low-nibble bytes, 4 x 16 high-2-bit bytes
+//
+// Every "chunk" is 16 bytes: row r's two bytes at 2r, 2r + 1, byte j serving the j-th
+// element of a pair. Widened to int16, a chunk is 8 rows x 2 elements, so vpmaddwd against
+// a broadcast activation pair gives 8 rows' dot products at once (as csrc/quant.cpp).
+//   Q4_K/Q5_K sub-block chunk p = 0..7: byte j = q[2p + j] | q[16 + 2p + j] << 4 (low 4
+//       bits); Q5_K fifth-bit chunk h = 0, 1: byte j bit i = q[16h + 2i + j] >> 4.
+//   Q6_K (q unsigned 0..63, element numbers within the 32-block): low chunk p = 0..7:
+//       byte j = lo4(q[2p + j]) | lo4(q[16 + 2p + j]) << 4; high chunk c = 0..3: byte j
+//       bits 2t..2t+1 = hi2(q[2c + j + 8t]), t = 0..3.
+// Rows past N are zero (d = 0).
+//
+// Activations: int16 per row and 32-block, exactly as csrc/quant.cpp (csrc/quant_act.h:
+// d = amax / 32767, q = round_half_even(x / d), s = d * sum q). The 32-block is the Q4_K /
+// Q5_K sub-block; a Q6_K 32-block holds two 16-weight sub-blocks (their own scales, the
+// same activation d). Q6_K's "q - 32" is applied as isum - 32 * sum16(qx) (exact integers;
+// sum16 per row and 16-block, computed once per row).
+//
+// Per output element y[m, n], in every path (AVX2 tiles of any shape, the portable code),
+// whatever the batch and thread partition (batch invariance), sub-blocks s in k order:
+//
+//     dw_s = d * sc_s  (exact in fp32: 11-bit x <= 8-bit)     mw_s = -(dmin * m_s) (Q4/5_K)
+//     acc = 0; summ = 0
+//     for s:  isum = sum qw * qx   (32 weights; Q6_K: 16, qw - 32)      exact int32
+//             acc  = fma(fl(dw_s * dx_b), float(isum), acc)           (b: s's 32-block)
+//             summ = fma(mw_s, sx_b, summ)                             (Q4_K / Q5_K only)
+//     y = round(acc + summ (+ b[n]))
+//
+// float(isum) is exact for Q4_K (|isum| <= 32 * 15 * 32767 < 2^24) and Q6_K (16 * 32 *
+// 32767 < 2^24), correctly rounded for Q5_K; either way a fixed function of the row's data.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TS_X86 1
+#endif
+
+#include "bf16.h"
+#include "cpu_features.h"
+#include "quant_act.h"
+#include "kernels.h"
+#include "registry.h"
+
+namespace tokenserve {
+namespace {
+
+constexpr int64_t QKK = 256;  // weights per super-block
+constexpr int64_t QB = 32;    // activation block
+constexpr int64_t RG = 8;     // rows per interleaved group
+enum KType : int { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
+
+constexpr int64_t group_bytes(int qt) { return qt == Q4_K ? 1152 : qt == Q5_K ? 1408 : 1680; }
+constexpr int64_t sub_bytes(int qt) { return qt == Q4_K ? 128 : 160; }  // Q4_K / Q5_K sub-block
+
+std::atomic<bool> g_force_portable{false};
+
+using qact::fp16_to_f32;
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes (ggml's
+// get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* b, int& sc, int& m) {
+  if (j < 4) {
+    sc = b[j] & 63;
+    m = b[j + 4] & 63;
+  } else {
+    sc = (b[j + 4] & 0x0f) | ((b[j - 4] >> 6) << 4);
+    m = (b[j + 4] >> 4) | ((b[j] >> 6) << 4);
+  }
+}
+
+// Row r (0..7) of a group-super-block: per sub-block dw, mw, and the quants in element order
+// (Q4_K / Q5_K unsigned, 8 x 32; Q6_K signed q - 32, 16 x 16).
+void unpack_row(int qt, const uint8_t* gb, int r, float* dw, float* mw, int32_t* q) {
+  const float d = fp16_to_f32(gb + 2 * r);
+  if (qt == Q6_K) {
+    for (int s = 0; s < 16; ++s) {
+      dw[s] = d * float(int8_t(gb[16 + 8 * s + r]));
+      mw[s] = 0.f;
+    }
+    for (int b = 0; b < 8; ++b) {
+      const uint8_t* blk = gb + 144 + 192 * b;
+      for (int e = 0; e < 32; ++e) {
+        const int half = e / 16, i = e % 16, p = i / 2, j = i % 2;
+        const int lo = (blk[16 * p + 2 * r + j] >> (4 * half)) & 15;
+        const int c = (e % 8) / 2, t = e / 8;  // e = 2c + j + 8t
+        const int hi = (blk[128 + 16 * c + 2 * r + j] >> (2 * t)) & 3;
+        q[32 * b + e] = (lo | hi << 4) - 32;
+      }
+    }
+    return;
+  }
+  const float dmin = fp16_to_f32(gb + 16 + 2 * r);
+  uint8_t sc12[12];
+  for (int w = 0; w < 3; ++w) std::memcpy(sc12 + 4 * w, gb + 32 + 32 * w + 4 * r, 4);
+  const int64_t SB = sub_bytes(qt);
+  for (int s = 0; s < 8; ++s) {
+    int sc, m;
+    scale_min_k4(s, sc12, sc, m);
+    dw[s] = d * float(sc);
+    mw[s] = -(dmin * float(m));
+    const uint8_t* sub = gb + 128 + SB * s;
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t byte = sub[16 * (i / 2) + 2 * r + i % 2];
+      int lo = byte & 15, hi = byte >> 4;
+      if (qt == Q5_K) {
+        lo |= ((sub[128 + 2 * r + i % 2] >> (i / 2)) & 1) << 4;
+        hi |= ((sub[144 + 2 * r + i % 2] >> (i / 2)) & 1) << 4;
+      }
+      q[32 * s + i] = lo;
+      q[32 * s + 16 + i] = hi;
+    }
+  }
+}
+
+// Portable: one output element (row n = lane r of a group), the header's arithmetic.
+float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const uint8_t* wg, int r) {
+  const int64_t nsb = K / QKK, GB = group_bytes(qt);
+  const int L = qt == Q6_K ? 16 : 32, S = qt == Q6_K ? 16 : 8;
+  float acc = 0.f, summ = 0.f;
+  float dw[16], mw[16];
+  int32_t q[QKK];
+  for (int64_t B = 0; B < nsb; ++B) {
+    unpack_row(qt, wg + B * GB, r, dw, mw, q);
+    for (int s = 0; s < S; ++s) {
+      const int64_t b = B * 8 + s * L / QB;
+      const int16_t* xs = xq + B * QKK + s * L;
+      int32_t isum = 0;
+      for (int i = 0; i < L; ++i) isum += q[s * L + i] * int32_t(xs[i]);
+      acc = std::fma(dw[s] * xds[2 * b], float(isum), acc);
+      if (qt != Q6_K) summ = std::fma(mw[s], xds[2 * b + 1], summ);
+    }
+  }
+  return acc + summ;
+}
+
+#ifdef TS_X86
+#define TS_QKAVX2 __attribute__((target("avx2,fma,f16c")))
+
+// One pair of activations (int16 x[e], x[e+1]) broadcast to every int32 lane.
+TS_QKAVX2 inline __m256i xpair(const int16_t* x, int e) {
+  int32_t v;
+  std::memcpy(&v, x + e, 4);
+  return _mm256_set1_epi32(v);
+}
+
+TS_QKAVX2 inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// Q4_K / Q5_K: MR activation rows x one group of 8 weight rows over all super-blocks:
+// out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
+template <int QT, int MR>
+TS_QKAVX2 void tile_q45k(const int16_t* __restrict xq, const float* __restrict xds, const int32_t*,
+                         int64_t K, const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
+  const int64_t nsb = K / QKK, nb = K / QB;
+  constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
+  __m256 acc[MR], summ[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), summ[r] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
+  const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
+                k3 = _mm256_set1_epi32(0x03030303);
+  // byte k of each 32-bit lane -> the lane's low byte, zero above
+  const __m256i sel[4] = {
+      _mm256_setr_epi8(0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1, 0, -1, -1, -1, 4, -1, -1, -1,
+                       8, -1, -1, -1, 12, -1, -1, -1),
+      _mm256_setr_epi8(1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1, 1, -1, -1, -1, 5, -1, -1, -1,
+                       9, -1, -1, -1, 13, -1, -1, -1),
+      _mm256_setr_epi8(2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1, 2, -1, -1, -1, 6, -1, -1, -1,
+                       10, -1, -1, -1, 14, -1, -1, -1),
+      _mm256_setr_epi8(3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1, 3, -1, -1, -1, 7, -1, -1, -1,
+                       11, -1, -1, -1, 15, -1, -1, -1)};
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* gb = wg + B * GB;
+    const __m256 d = _mm256_cvtph_ps(load16(gb)), dmin = _mm256_cvtph_ps(load16(gb + 16));
+    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32));
+    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 64));
+    const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 96));
+    // lane r: scales 0..3 / 4..7 and mins 0..3 / 4..7 of row r as bytes (ggml's kmask trick)
+    const __m256i sc[2] = {
+        _mm256_and_si256(u0, k1),
+        _mm256_or_si256(_mm256_and_si256(u2, k2), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4))};
+    const __m256i mn[2] = {
+        _mm256_and_si256(u1, k1),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4))};
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = gb + 128 + SB * j;
+      _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 64), _MM_HINT_T0);
+      if constexpr (QT == Q5_K) _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 128), _MM_HINT_T0);
+      const int64_t xo = B * QKK + QB * j;
+      __m256i isum[MR];
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+      __m256i hl = _mm256_setzero_si256(), hh = _mm256_setzero_si256();
+      if constexpr (QT == Q5_K) {
+        hl = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(sub + 128)), 4);
+        hh = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(sub + 144)), 4);
+      }
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m256i t = _mm256_cvtepu8_epi16(load16(sub + 16 * p));
+        __m256i wl = _mm256_and_si256(t, lo4), wh = _mm256_srli_epi16(t, 4);
+        if constexpr (QT == Q5_K) {  // bit p of the fifth-bit bytes, moved to bit 4
+          wl = _mm256_or_si256(wl, _mm256_and_si256(hl, bit4));
+          wh = _mm256_or_si256(wh, _mm256_and_si256(hh, bit4));
+          hl = _mm256_srli_epi16(hl, 1);
+          hh = _mm256_srli_epi16(hh, 1);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* xb = xq + r * K + xo;
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(wl, xpair(xb, 2 * p)),
+                                                               _mm256_madd_epi16(wh, xpair(xb, 16 + 2 * p))));
+        }
+      }
+      const __m256i scj = _mm256_shuffle_epi8(sc[j / 4], sel[j % 4]);
+      const __m256i mj = _mm256_shuffle_epi8(mn[j / 4], sel[j % 4]);
+      const __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scj));
+      const __m256 dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mj));
+      const int64_t b = B * 8 + j;
+      for (int r = 0; r < MR; ++r) {
+        const float* xp = xds + (r * nb + b) * 2;
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xp)), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        summ[r] = _mm256_fnmadd_ps(dm, _mm256_broadcast_ss(xp + 1), summ[r]);  // fma(-dm, s, summ)
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], summ[r]));
+}
+
+// Q6_K: as tile_q45k; xs16 = int32 [M, K / 16] sums of 16 activation quants.
+template <int QT, int MR>
+TS_QKAVX2 void tile_q6k(const int16_t* __restrict xq, const float* __restrict xds,
+                        const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
+                        float* __restrict out, int64_t ldo) {
+  static_assert(QT == Q6_K);
+  const int64_t nsb = K / QKK, nb = K / QB;
+  constexpr int64_t GB = group_bytes(Q6_K);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi16(0x0f), m03 = _mm256_set1_epi16(0x03), m0c = _mm256_set1_epi16(0x0c),
+                m30 = _mm256_set1_epi16(0x30), mc0 = _mm256_set1_epi16(0xc0);
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* gb = wg + B * GB;
+    const __m256 d = _mm256_cvtph_ps(load16(gb));
+#pragma GCC unroll 1
+    for (int bl = 0; bl < 8; ++bl) {
+      const uint8_t* blk = gb + 144 + 192 * bl;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * GB), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * GB + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * GB + 128), _MM_HINT_T0);
+      const int64_t xo = B * QKK + QB * bl;
+      __m256i ia[MR], ib[MR];
+      for (int r = 0; r < MR; ++r) ia[r] = _mm256_setzero_si256(), ib[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i h = _mm256_cvtepu8_epi16(load16(blk + 128 + 16 * c));
+        const __m256i ta = _mm256_cvtepu8_epi16(load16(blk + 16 * c));
+        const __m256i tb = _mm256_cvtepu8_epi16(load16(blk + 16 * (c + 4)));
+        // elements (within the 32-block) 2c+j, 8+2c+j (sub-block A), 16+2c+j, 24+2c+j (B)
+        const __m256i wa0 = _mm256_or_si256(_mm256_and_si256(ta, lo4), _mm256_slli_epi16(_mm256_and_si256(h, m03), 4));
+        const __m256i wa1 = _mm256_or_si256(_mm256_and_si256(tb, lo4), _mm256_slli_epi16(_mm256_and_si256(h, m0c), 2));
+        const __m256i wb0 = _mm256_or_si256(_mm256_srli_epi16(ta, 4), _mm256_and_si256(h, m30));
+        const __m256i wb1 = _mm256_or_si256(_mm256_srli_epi16(tb, 4), _mm256_srli_epi16(_mm256_and_si256(h, mc0), 2));
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* xb = xq + r * K + xo;
+          ia[r] = _mm256_add_epi32(ia[r], _mm256_add_epi32(_mm256_madd_epi16(wa0, xpair(xb, 2 * c)),
+                                                           _mm256_madd_epi16(wa1, xpair(xb, 8 + 2 * c))));
+          ib[r] = _mm256_add_epi32(ib[r], _mm256_add_epi32(_mm256_madd_epi16(wb0, xpair(xb, 16 + 2 * c)),
+                                                           _mm256_madd_epi16(wb1, xpair(xb, 24 + 2 * c))));
+        }
+      }
+      const __m256 dwa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 16 + 16 * bl)))));
+      const __m256 dwb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 24 + 16 * bl)))));
+      const int64_t b = B * 8 + bl;
+      for (int r = 0; r < MR; ++r) {
+        const float* xp = xds + (r * nb + b) * 2;
+        const int32_t* s16 = xs16 + r * (K / 16) + 2 * b;
+        const __m256i a = _mm256_sub_epi32(ia[r], _mm256_set1_epi32(32 * s16[0]));
+        const __m256i bb = _mm256_sub_epi32(ib[r], _mm256_set1_epi32(32 * s16[1]));
+        const __m256 dx = _mm256_broadcast_ss(xp);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dwa, dx), _mm256_cvtepi32_ps(a), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dwb, dx), _mm256_cvtepi32_ps(bb), acc[r]);
+      }
+    }
+  }
+  // + 0 (no mins): the same final add as the other formats and the portable code
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], _mm256_setzero_ps()));
+}
+
+using TileFn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
+
+template <int QT>
+TileFn pick_tile(int mr) {
+  if constexpr (QT == Q6_K) {
+    switch (mr) {
+      case 1: return &tile_q6k<QT, 1>;
+      case 2: return &tile_q6k<QT, 2>;
+      case 3: return &tile_q6k<QT, 3>;
+      default: return &tile_q6k<QT, 4>;
+    }
+  } else {
+    switch (mr) {
+      case 1: return &tile_q45k<QT, 1>;
+      case 2: return &tile_q45k<QT, 2>;
+      case 3: return &tile_q45k<QT, 3>;
+      default: return &tile_q45k<QT, 4>;
+    }
+  }
+}
+#endif  // TS_X86
+
+constexpr int64_t MR_MAX = 4;
+
+// Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
+void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, const int32_t* xs16, int64_t K,
+                   int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
+                   bool y_bf16, int64_t N) {
+  const int64_t nb = K / QB, gstride = (K / QKK) * group_bytes(qt);
+  float tile[MR_MAX * RG];
+  // balanced row blocks (e.g. 7 rows: 4 + 3), any split gives the same bits
+  const int64_t nblk = (rows + MR_MAX - 1) / MR_MAX;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * gstride;
+    const int64_t ncols = std::min<int64_t>(RG, N - g * RG);
+    for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
+      const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
+      bool done = false;
+#ifdef TS_X86
+      if (avx2) {
+        TileFn fn = qt == Q4_K ? pick_tile<Q4_K>(mr) : qt == Q5_K ? pick_tile<Q5_K>(mr) : pick_tile<Q6_K>(mr);
+        fn(xq + m * K, xds + m * nb * 2, xs16 + m * (K / 16), K, wg, tile, RG);
+        done = true;
+      }
+#endif
+      if (!done)
+        for (int r = 0; r < mr; ++r)
+          for (int j = 0; j < ncols; ++j)
+            tile[r * RG + j] = dot_scalar(qt, xq + (m + r) * K, xds + (m + r) * nb * 2, K, wg, j);
+      for (int r = 0; r < mr; ++r)
+        for (int64_t j = 0; j < ncols; ++j) {
+          const int64_t n = g * RG + j;
+          float v = tile[r * RG + j];
+          if (bias) v += bias[n];
+          const int64_t o = (m + r) * N + n;
+          if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
+          else static_cast<float*>(y)[o] = v;
+        }
+      m += mr;
+    }
+  }
+}
+
+}  // namespace
+
+// y = x @ W^T (+ bias) on k8-packed GGUF k-quant super-blocks.
+//   x:     [M, K] bf16 or fp32 (K a multiple of 256)
+//   w:     uint8 [ceil(N / 8), K / 256, group_bytes] (tokenserve.ops.quant.repack_k8)
+//   qtype: 12 Q4_K, 13 Q5_K, 14 Q6_K (ggml's type ids)
+//   bias:  [N] or None (used as fp32);  out_dtype: bf16 | fp32 (None: x's dtype)
+// Returns [M, N]. Errors (RuntimeError): bad qtype, K, shapes or dtypes.
+torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                           const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(qtype == Q4_K || qtype == Q5_K || qtype == Q6_K,
+              "quant_k_gemm: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_k_gemm: x must be a 2-D CPU tensor [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "quant_k_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QKK == 0, "quant_k_gemm: K=", K, " is not a multiple of 256");
+  TORCH_CHECK(N >= 0, "quant_k_gemm: N must be >= 0");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(0) == (N + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
+              "quant_k_gemm: w must be contiguous uint8 [", (N + RG - 1) / RG, ", ", K / QKK, ", ",
+              group_bytes(int(qtype)), "] (tokenserve.ops.quant.repack_k8), got ", w.sizes());
+  const auto odt = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, "quant_k_gemm: out dtype must be bf16 or fp32");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_k_gemm: bias must be [N=", N, "]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(odt));
+  if (M == 0 || N == 0) return y;
+  const int64_t nb = K / QB, n16 = K / 16;
+  auto xf = x.to(at::kFloat).contiguous();
+  auto xq = torch::empty({M, K}, x.options().dtype(at::kShort));
+  auto xds = torch::empty({M, nb, 2}, x.options().dtype(at::kFloat));
+  auto xs = torch::empty({M, n16}, x.options().dtype(at::kInt));
+  const float* xp = xf.data_ptr<float>();
+  int16_t* qp = xq.data_ptr<int16_t>();
+  float* dp = xds.data_ptr<float>();
+  int32_t* sp = xs.data_ptr<int32_t>();
+  const bool avx2 =
+#ifdef TS_X86
+      cpu_features().avx2_fma && !g_force_portable.load();
+#else
+      false;
+#endif
+  const bool q6 = qtype == Q6_K;
+  // Serial below ~4M elements (about 1 ms): a parallel region costs a barrier.
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int16_t* qm = qp + m * K;
+#ifdef TS_X86
+      if (avx2) qact::quantize_row_avx2(xp + m * K, K, qm, dp + m * nb * 2);
+      else
+#endif
+        qact::quantize_row_scalar(xp + m * K, K, qm, dp + m * nb * 2);
+      if (q6)
+        for (int64_t i = 0; i < n16; ++i) {
+          int32_t s = 0;
+          for (int e = 0; e < 16; ++e) s += qm[16 * i + e];
+          sp[m * n16 + i] = s;
+        }
+    }
+  });
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  void* yp = y.data_ptr();
+  const bool ybf = odt == at::kBFloat16;
+  qact::run_units(M, N, K, MR_MAX, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
+    compute_block(int(qtype), avx2, qp, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+  });
+  return y;
+}
+
+}  // namespace tokenserve
+
+TOKENSERVE_REGISTER(quant_k) {
+  m.def("quant_k_gemm", &tokenserve::quant_k_gemm, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+        pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
+        "quant_k_gemm(x: Tensor[M, K] bf16|fp32, w: uint8 [ceil(N/8), K/256, group_bytes] k8-packed GGUF k-quant "
+        "super-blocks, qtype: 12 Q4_K | 13 Q5_K | 14 Q6_K, N, bias=None, out_dtype=None) -> Tensor[M, N]: "
+        "x @ W^T (+ bias), int16 activations per 32-block, exact integer sub-block dots, fp32 accumulation, "
+        "row-invariant bits.");
+  m.def("_quant_k_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
+        "Test hook: True forces the portable (non-AVX2) path of quant_k_gemm; returns the old value.");
+}
