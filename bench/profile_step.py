@@ -69,9 +69,24 @@ def instrument(runner, timers: Timers) -> None:
     mr.sample = timers.wrap("sampling", mr.sample)
 
 
+def uninstrument(runner, model) -> None:
+    """Undo :func:`instrument` (the timers are instance attributes over class methods)."""
+    import tokenserve.engine.model_runner as mr
+
+    ops = model.kernels
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding_write_kv",
+                 "paged_attention", "positions_and_slots"):
+        vars(ops).pop(name, None)
+    for layer in model.layers:
+        for role, lin in list(layer.items()):
+            layer[role] = lin.__wrapped__
+    model.lm_head = model.lm_head.__wrapped__
+    mr.sample = mr.sample.__wrapped__
+
+
 def main() -> None:
     from tokenserve.engine.model_runner import ModelRunner
-    from tokenserve.messages import ScheduledSeq, StepPlan
+    from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
     from tokenserve.models.llama import LlamaForCausalLM
     from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
     from tokenserve.ops.dispatch import Kernels
@@ -105,38 +120,54 @@ def main() -> None:
         hist = [torch.randint(100, 40000, (args.context,), generator=g).tolist()
                 for _ in range(batch)]
         tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+        tables = [tuple(t) for t in tables]
         # fill the cache: a prefill of every request (chunks of <= 2048 tokens per step)
         done = 0
         while done < args.context:
             n = min(args.context - done, max(1, 2048 // batch))
-            runner.step(StepPlan(0, [ScheduledSeq(f"r{i}", h[done:done + n], done, t, False,
-                                                  greedy, None, h)
-                                     for i, (h, t) in enumerate(zip(hist, tables))]))
+            runner.step(StepPlan(0, tuple(
+                ScheduledSeq(f"r{i}", tuple(h[done:done + n]), done, t, False, greedy,
+                             SeqStart(tuple(h), len(h)) if done == 0 else None)
+                for i, (h, t) in enumerate(zip(hist, tables)))))
             done += n
+        q = args.prefill or 1
+
+        def run_steps(n_steps: int, hist=hist, tables=tables, q=q, runner=runner) -> float:
+            """Mean ms per step over ``n_steps`` steps."""
+            total = 0.0
+            for step in range(n_steps):
+                seqs = []
+                for i, (h, t) in enumerate(zip(hist, tables)):
+                    if args.prefill:  # q new tokens after the context (the same slots each step)
+                        seqs.append(ScheduledSeq(f"r{i}", tuple(h[-1:] * q), args.context, t,
+                                                 True, greedy))
+                    else:  # one decode token after everything computed so far
+                        seqs.append(ScheduledSeq(f"r{i}", tuple(h[-1:]), len(h) - 1, t, True,
+                                                 greedy))
+                t0 = time.perf_counter()
+                res = runner.step(StepPlan(step, tuple(seqs)))
+                total += (time.perf_counter() - t0) * 1e3
+                if not args.prefill:
+                    for i, h in enumerate(hist):
+                        h.append(res.sampled[f"r{i}"])
+            return total / n_steps
+
+        fused = None
+        if model.decoder is not None:  # the whole step as served: layers looped in C++
+            fused = run_steps(args.steps)
+        decoder, model.decoder = model.decoder, None  # per-kernel timers need the Python loop
         timers = Timers()
         instrument(runner, timers)
-        total = 0.0
-        q = args.prefill or 1
-        for step in range(args.steps):
-            seqs = []
-            for i, (h, t) in enumerate(zip(hist, tables)):
-                if args.prefill:  # q new tokens after the context (the same slots each step)
-                    seqs.append(ScheduledSeq(f"r{i}", h[-1:] * q, args.context, t, True,
-                                             greedy, None, h))
-                else:  # one decode token after everything computed so far
-                    seqs.append(ScheduledSeq(f"r{i}", h[-1:], len(h) - 1, t, True,
-                                             greedy, None, h))
-            t0 = time.perf_counter()
-            res = runner.step(StepPlan(step, seqs))
-            total += (time.perf_counter() - t0) * 1e3
-            if not args.prefill:
-                for i, h in enumerate(hist):
-                    h.append(res.sampled[f"r{i}"])
-        step_ms = total / args.steps
+        step_ms = run_steps(args.steps)
+        model.decoder = decoder
+        uninstrument(runner, model)
         toks = batch * q
-        print(f"\n## batch {batch}, context {args.context}, "
-              f"{'prefill ' + str(q) if args.prefill else 'decode'}: {step_ms:.1f} ms/step, "
-              f"{toks / step_ms * 1e3:.0f} tok/s")
+        kind = f"prefill {q}" if args.prefill else "decode"
+        if fused is not None:
+            print(f"\n## batch {batch}, context {args.context}, {kind}, csrc/decoder.cpp: "
+                  f"{fused:.1f} ms/step, {toks / fused * 1e3:.0f} tok/s")
+        print(f"\n## batch {batch}, context {args.context}, {kind}, Python layer loop "
+              f"(timed per kernel): {step_ms:.1f} ms/step, {toks / step_ms * 1e3:.0f} tok/s")
         print("| part | ms/step | share |\n|---|---|---|")
         accounted = 0.0
         for label, ms in sorted(timers.ms.items(), key=lambda kv: -kv[1]):

@@ -41,6 +41,7 @@
 
 #include "cpu_features.h"
 #include "bf16.h"
+#include "kernels.h"
 #include "registry.h"
 #include "vec_avx2.h"
 
@@ -495,21 +496,29 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   std::atomic<int> next{0};
   const int workers = std::max(1, std::min<int>(at::get_num_threads(), n_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch w;
-    w.Q.resize(size_t(Mmax) * Dp);
-    w.acc.resize(size_t(Mmax) * Dp);
-    w.S.resize(size_t(Mmax) * round_up(int(bs), 8) + 8);
-    w.m.resize(Mmax);
-    w.l.resize(Mmax);
-    w.nv.resize(Mmax);
+    // Per-thread buffers kept across calls and only grown: a decode step calls this once
+    // per layer, and zero-filling ~100 KiB of fresh vectors each time cost as much as the
+    // attention itself at batch 1. run_tile writes every element before reading it.
+    thread_local Scratch w;
+    auto grow = [](auto& v, size_t n) {
+      if (v.size() < n) v.resize(n);
+    };
+    grow(w.Q, size_t(Mmax) * Dp);
+    grow(w.acc, size_t(Mmax) * Dp);
+    grow(w.S, size_t(Mmax) * round_up(int(bs), 8) + 8);
+    grow(w.m, size_t(Mmax));
+    grow(w.l, size_t(Mmax));
+    grow(w.nv, size_t(Mmax));
     if (ops->vector) {
-      w.Kst.resize(size_t(bs) * Dp);
-      w.Vst.resize(size_t(bs) * Dp);
+      grow(w.Kst, size_t(bs) * Dp);
+      grow(w.Vst, size_t(bs) * Dp);
     }
     for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
       run_tile(P, *ops, Dp, items[i], w);
   });
 }
+
+}  // namespace
 
 // out: [T, H, D] contiguous, q's dtype (written); q: [T, H, D] bf16|fp32, stride(2) == 1,
 // stride(1) == D; k_cache, v_cache: [num_blocks, Hkv, block_size, D] contiguous, q's dtype;
@@ -527,7 +536,6 @@ void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor 
   paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, false);
 }
 
-}  // namespace
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(attention) {

@@ -25,6 +25,7 @@
 
 #include "cpu_features.h"
 #include "bf16.h"
+#include "kernels.h"
 #include "registry.h"
 
 // GCC contracts a*b+c into an FMA in C++ by default (-ffp-contract=fast), also across
@@ -156,6 +157,10 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
   });
 }
 
+}  // namespace
+
+namespace tokenserve {
+
 // qkv:          [T, (H + 2*Hkv) * D]  bf16/fp32, rows contiguous (stride(1) == 1); rotated in place
 // positions:    [T] int64, 0 <= p < max_pos
 // cos_sin:      [max_pos, D] fp32 contiguous; [:, :D/2] = cos(p*inv_freq), [:, D/2:] = sin
@@ -215,6 +220,10 @@ void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch
     rope_write_kv_impl<float>(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping,
                               num_heads, num_kv_heads, D);
 }
+
+}  // namespace tokenserve
+
+namespace {
 
 // ---------------------------------------------------------------------------------------
 // 2. copy_blocks
@@ -337,7 +346,7 @@ std::tuple<torch::Tensor, torch::Tensor> positions_and_slots(torch::Tensor block
 }  // namespace
 
 TOKENSERVE_REGISTER(cache_ops) {
-  m.def("rotary_embedding_write_kv", &rotary_embedding_write_kv,
+  m.def("rotary_embedding_write_kv", &tokenserve::rotary_embedding_write_kv,
         "rotary_embedding_write_kv(qkv [T,(H+2Hkv)*D], positions int64 [T], cos_sin f32 "
         "[max_pos,D], k_cache, v_cache [blocks,Hkv,block_size,D], slot_mapping int64 [T], "
         "num_heads, num_kv_heads) -> None. In place: rotate-half RoPE on q and k in fp32 "

@@ -33,6 +33,7 @@
 
 #include "cpu_features.h"
 #include "bf16.h"
+#include "kernels.h"
 #include "registry.h"
 
 namespace tokenserve {

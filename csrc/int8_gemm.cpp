@@ -31,6 +31,7 @@
 
 #include "bf16.h"
 #include "cpu_features.h"
+#include "kernels.h"
 #include "registry.h"
 
 namespace tokenserve {

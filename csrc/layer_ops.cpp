@@ -21,6 +21,7 @@
 
 #include "cpu_features.h"
 #include "bf16.h"
+#include "kernels.h"
 #include "registry.h"
 #include "vec_avx2.h"
 
@@ -218,6 +219,10 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.size(1) > 0, "hidden size must be > 0");
 }
 
+}  // namespace
+
+namespace tokenserve {
+
 // out:    [T, Hd] (stride(1) == 1; may be x itself)
 // x:      [T, Hd] bf16/fp32 (stride(1) == 1)
 // weight: [Hd] x's dtype, contiguous
@@ -257,6 +262,10 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
                                x.stride(0), residual.data_ptr<float>(), residual.stride(0),
                                weight.data_ptr<float>(), T_, n, float(eps));
 }
+
+}  // namespace tokenserve
+
+namespace {
 
 // ---------------------------------------------------------------------------------------
 // silu_and_mul
@@ -308,6 +317,10 @@ void silu_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride,
   });
 }
 
+}  // namespace
+
+namespace tokenserve {
+
 // out: [T, I] (stride(1) == 1), x's dtype
 // x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
@@ -331,21 +344,21 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
                              x.stride(0), T_, n);
 }
 
-}  // namespace
+}  // namespace tokenserve
 
 TOKENSERVE_REGISTER(layer_ops) {
-  m.def("rms_norm", &rms_norm,
+  m.def("rms_norm", &tokenserve::rms_norm,
         "rms_norm(out [T,Hd], x [T,Hd], weight [Hd], eps) -> None. out = w * dt(x * "
         "rsqrt(mean(x^2) + eps)) in fp32 with HF Llama's two roundings (bf16 or fp32; rows "
         "may be strided, stride(1) == 1; out may be x). RuntimeError on bad shapes/dtypes.",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
-  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+  m.def("fused_add_rms_norm", &tokenserve::fused_add_rms_norm,
         "fused_add_rms_norm(x [T,Hd], residual [T,Hd], weight [Hd], eps) -> None. In place: "
         "residual = dt(residual + x); x = rms_norm(residual). RuntimeError on bad shapes, "
         "dtypes or aliasing.",
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"),
         pybind11::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul,
+  m.def("silu_and_mul", &tokenserve::silu_and_mul,
         "silu_and_mul(out [T,I], x [T,2I]) -> None. out = silu(x[:, :I]) * x[:, I:] in fp32, "
         "rounded once to the dtype (torch's bf16 F.silu(g) * u rounds twice).",
         pybind11::arg("out"), pybind11::arg("x"));

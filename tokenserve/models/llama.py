@@ -24,6 +24,7 @@ the GEMM backends' own invariance is discussed in ``tokenserve/ops/linear.py``).
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 
 import torch
@@ -77,10 +78,44 @@ class LlamaForCausalLM:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        #: csrc/decoder.cpp's layer stack (one call per step), or None: the Python loop
+        self.decoder = self._build_decoder()
         inv = rope_inv_freq(cfg).to(device)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)  # [max_pos, head_dim / 2]
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()  # fp32
+
+    def _build_decoder(self):
+        """``_C.Decoder`` holding every layer's prepared weights, when every projection runs
+        on a C++ GEMM (``Linear.c_spec``) and the extension has it; None otherwise, and
+        with ``TOKENSERVE_FUSED_DECODER=0`` (the Python loop, for profiling per kernel)."""
+        c = self.kernels.c
+        if (c is None or not hasattr(c, "Decoder") or self.device.type != "cpu"
+                or self.dtype not in (torch.bfloat16, torch.float32)
+                or os.environ.get("TOKENSERVE_FUSED_DECODER", "1") == "0"):
+            return None
+        specs = [[lin[r].c_spec() for r in ("qkv", "o", "gate_up", "down")] for lin in self.layers]
+        if any(s is None for layer in specs for s in layer):
+            return None
+        cfg = self.cfg
+        dec = c.Decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                        cfg.head_dim ** -0.5)
+        for i, layer in enumerate(specs):
+            dec.add_layer(*layer, self.w[f"{i}.ln1"], self.w[f"{i}.ln2"])
+        dec.set_final_norm(self.w["norm"])
+        return dec
+
+    def _kv_region(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> torch.Tensor | None:
+        """The ``[layers, 2, num_blocks, Hkv, block_size, D]`` tensor ``kv_caches`` are
+        views of (:meth:`allocate_kv_cache`), or None for caches laid out otherwise."""
+        base = kv_caches[0][0]._base
+        if (base is None or base.dim() != 6 or base.shape[0] != self.num_layers
+                or base.shape[1] != 2 or len(kv_caches) != self.num_layers
+                or kv_caches[0][0].data_ptr() != base.data_ptr()
+                or kv_caches[-1][1].data_ptr() != base[-1, 1].data_ptr()):
+            return None
+        return base
 
     def _weight_stats(self) -> tuple[int, str]:
         """(bytes of weights the kernels read, formats with their tensor counts): each
@@ -177,6 +212,11 @@ class LlamaForCausalLM:
         T = input_ids.shape[0]
         residual = ops.embedding(input_ids, w["embed"], self.dtype)  # [T, hidden]
         x = ops.rms_norm(residual, w["0.ln1"], cfg.rms_norm_eps)
+        region = self._kv_region(kv_caches) if self.decoder is not None else None
+        if region is not None:  # the same kernels in the same order, looped in C++
+            return self.decoder.forward(x, residual, meta.positions, meta.slot_mapping,
+                                        meta.block_tables, meta.query_start_loc,
+                                        meta.context_lens, self.cos_sin, region)
         for i, lin in enumerate(self.layers):
             qkv = lin["qkv"](x)  # [T, (H + 2 Hkv) D]
             k_cache, v_cache = kv_caches[i]

@@ -18,6 +18,10 @@ says which, for the start-up log):
     regrouped 8 rows per block once: ``repack_x8``) on our AVX2 kernel (``csrc/quant.cpp``):
     activations quantised to int16 per 32-block, exact integer block dots, fp32
     accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
+``"tokenserve.quant_k_gemm"``
+    the same for the k-quants Q4_K / Q5_K / Q6_K (``csrc/quant_k.cpp``, layout ``repack_k8``:
+    8 rows interleaved per 256-weight super-block; one fp32 fma per 32- or 16-weight
+    sub-block).
 ``"tokenserve.int8_gemm"``
     an :class:`~tokenserve.ops.quant_int8.Int8Weight` (``--quantization int8``: int8 quants,
     one fp32 scale per output row), packed 16 rows per k once (``pack_int8``), on our AVX2
@@ -48,11 +52,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import QTYPE_IDS, QuantWeight, dequantize_ref, repack_x8
+from tokenserve.ops.quant import K_QTYPES, QTYPE_IDS, QuantWeight, dequantize_ref, repack_x8
 
 log = logging.getLogger("tokenserve.ops")
 
-BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.int8_gemm", "torch")
+BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_k_gemm",
+            "tokenserve.int8_gemm", "torch")
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -110,11 +115,13 @@ class Linear:
 
     Attributes:
         backend: ``"onednn"``, ``"tokenserve.gemm"``, ``"tokenserve.quant_gemm"``,
-            ``"tokenserve.int8_gemm"`` or ``"torch"`` (see the module doc).
+            ``"tokenserve.quant_k_gemm"``, ``"tokenserve.int8_gemm"`` or ``"torch"`` (see
+            the module doc).
         weight, bias, out_dtype: as given (``weight`` is None on ``tokenserve.quant_gemm``,
             the dequantised weight on ``"torch"`` for a quantised one).
         qweight: the packed :class:`~tokenserve.ops.quant.QuantWeight` on
-            ``tokenserve.quant_gemm`` (x8) or ``tokenserve.int8_gemm`` (x16), else None.
+            ``tokenserve.quant_gemm`` (x8), ``tokenserve.quant_k_gemm`` (k8) or
+            ``tokenserve.int8_gemm`` (x16), else None.
     """
 
     def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
@@ -123,10 +130,11 @@ class Linear:
         self.qweight: QuantWeight | None = None
         if isinstance(weight, QuantWeight):
             c = load_kernels()
-            op = "int8_gemm" if weight.qtype == "int8" else "quant_gemm"
+            op = ("int8_gemm" if weight.qtype == "int8" else
+                  "quant_k_gemm" if weight.qtype in K_QTYPES else "quant_gemm")
             if (c is not None and hasattr(c, op)
                     and os.environ.get("TOKENSERVE_GEMM", "") in ("", "c")):
-                # GGUF blocks -> x8 groups; Int8Weight -> x16 panels (quant_int8.pack_int8)
+                # GGUF blocks -> x8 (k-quants: k8) groups; Int8Weight -> x16 panels
                 self.qweight, self.bias, self.out_dtype = repack_x8(weight), bias, out_dtype
                 self.weight = None
                 self.out_features, self.in_features = weight.shape
@@ -178,8 +186,9 @@ class Linear:
                 y = self._c.int8_gemm(x2, q.data, q.scale, self.out_features, self._bias_f32,
                                       self.out_dtype or x.dtype)
             else:
-                y = self._c.quant_gemm(x2, q.data, QTYPE_IDS[q.qtype], self.out_features,
-                                       self._bias_f32, self.out_dtype or x.dtype)
+                op = self._c.quant_k_gemm if q.qtype in K_QTYPES else self._c.quant_gemm
+                y = op(x2, q.data, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32,
+                       self.out_dtype or x.dtype)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.backend == "tokenserve.gemm":
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -192,6 +201,25 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         y = F.linear(x, self.weight, self.bias)
         return y if self.out_dtype is None else y.to(self.out_dtype)
+
+    def c_spec(self) -> tuple | None:
+        """This projection for ``csrc/decoder.cpp``: ``(kind, weight, scale, qtype, N,
+        bias)`` with kind 0 ``gemm`` (prepacked panels), 1 ``quant_gemm`` (x8 GGUF blocks),
+        2 ``int8_gemm`` (int8 panels + fp32 scales), 3 ``quant_k_gemm`` (k8 k-quant
+        super-blocks); bias fp32 [N] or None. None when the projection does not run on
+        one of those kernels or has its own out dtype."""
+        if self.out_dtype is not None:
+            return None
+        q = self.qweight
+        if q is not None and self.backend == "tokenserve.int8_gemm":
+            return (2, q.data, q.scale, 0, self.out_features, self._bias_f32)
+        if q is not None and self.backend == "tokenserve.quant_gemm":
+            return (1, q.data, None, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32)
+        if q is not None and self.backend == "tokenserve.quant_k_gemm":
+            return (3, q.data, None, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32)
+        if q is None and self.backend == "tokenserve.gemm":
+            return (0, self._packed, None, 0, self.out_features, self._bias_f32)
+        return None
 
     @property
     def nbytes(self) -> int:

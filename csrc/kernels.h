@@ -1,0 +1,36 @@
+// C++ entry points of the kernels that other kernels call directly (csrc/decoder.cpp runs
+// a whole decoder layer stack without returning to Python). Each is defined, documented and
+// bound to Python in the file named beside it; the Python bindings call the same functions.
+#pragma once
+#include <torch/extension.h>
+
+#include <optional>
+
+namespace tokenserve {
+
+// gemm.cpp: y = x @ W^T (+ bias) on gemm_prepack panels; a new [M, N] of out_dtype.
+torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                   const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+// quant.cpp: y = x @ W^T (+ bias) on x8-packed GGUF blocks (qtype 0 Q4_0, 1 Q4_1, 2 Q8_0).
+torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                         const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+// quant_k.cpp: the same on k8-packed k-quant super-blocks (qtype 12 Q4_K, 13 Q5_K, 14 Q6_K).
+torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                           const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+// int8_gemm.cpp: y = (x @ Q^T) * scale (+ bias) on pack_int8 panels.
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t N,
+                        const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+// layer_ops.cpp
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void silu_and_mul(torch::Tensor out, torch::Tensor x);
+// cache_ops.cpp
+void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin,
+                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                               int64_t num_heads, int64_t num_kv_heads);
+// attention.cpp
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
+                     double scale);
+
+}  // namespace tokenserve
