@@ -167,76 +167,6 @@ TS_QAVX2 void tile_avx2(const int16_t* __restrict xq, const float* __restrict xd
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], summ[r]));
 }
 
-// One activation row against TWO consecutive groups (16 weight rows): the M = 1 decode
-// GEMV. The pair broadcasts are shared by both groups and the two groups' chains give the
-// core independent work; every output's arithmetic is tile_avx2<QT, 1>'s (same bits).
-template <int QT>
-TS_QAVX2 void gemv2_avx2(const int16_t* __restrict xq, const float* __restrict xds, int64_t K,
-                         const uint8_t* __restrict wg, int64_t gstride, float* __restrict out) {
-  const int64_t nb = K / QK;
-  constexpr int64_t GB = kGroupBytes[QT], QO = kQuantOffset[QT];
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, summ0 = acc0, summ1 = acc0;
-  const __m256i lo4 = _mm256_set1_epi16(0x0f);
-  const uint8_t* w1 = wg + gstride;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* ga = wg + b * GB;
-    const uint8_t* gb = w1 + b * GB;
-    _mm_prefetch(reinterpret_cast<const char*>(ga + 4 * GB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ga + 4 * GB + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ga + 4 * GB + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB + 128), _MM_HINT_T0);
-    if constexpr (QT == Q8_0) {
-      _mm_prefetch(reinterpret_cast<const char*>(ga + 4 * GB + 192), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * GB + 192), _MM_HINT_T0);
-    }
-    const int16_t* xb = xq + b * QK;
-    __m256i is0 = _mm256_setzero_si256(), is1 = is0;
-    if constexpr (QT == Q8_0) {
-#pragma GCC unroll 16
-      for (int p = 0; p < 16; ++p) {
-        const __m256i xp = xpair(xb, 2 * p);
-        const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ga + QO + 16 * p)));
-        const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + QO + 16 * p)));
-        is0 = _mm256_add_epi32(is0, _mm256_madd_epi16(wa, xp));
-        is1 = _mm256_add_epi32(is1, _mm256_madd_epi16(wb, xp));
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) {
-        const __m256i xl = xpair(xb, 2 * p), xh = xpair(xb, 16 + 2 * p);
-        const __m256i ta = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ga + QO + 16 * p)));
-        const __m256i tb = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + QO + 16 * p)));
-        is0 = _mm256_add_epi32(is0, _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(ta, lo4), xl),
-                                                     _mm256_madd_epi16(_mm256_srli_epi16(ta, 4), xh)));
-        is1 = _mm256_add_epi32(is1, _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(tb, lo4), xl),
-                                                     _mm256_madd_epi16(_mm256_srli_epi16(tb, 4), xh)));
-      }
-    }
-    const __m256 dwa = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ga)));
-    const __m256 dwb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
-    const __m256 dx = _mm256_broadcast_ss(xds + b * 2);
-    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(dwa, dx), _mm256_cvtepi32_ps(is0), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(dwb, dx), _mm256_cvtepi32_ps(is1), acc1);
-    if constexpr (QT != Q8_0) {
-      __m256 mwa, mwb;
-      if constexpr (QT == Q4_1) {
-        mwa = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ga + 16)));
-        mwb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
-      } else {
-        mwa = _mm256_mul_ps(dwa, _mm256_set1_ps(-8.f));
-        mwb = _mm256_mul_ps(dwb, _mm256_set1_ps(-8.f));
-      }
-      const __m256 sx = _mm256_broadcast_ss(xds + b * 2 + 1);
-      summ0 = _mm256_fmadd_ps(mwa, sx, summ0);
-      summ1 = _mm256_fmadd_ps(mwb, sx, summ1);
-    }
-  }
-  _mm256_storeu_ps(out, _mm256_add_ps(acc0, summ0));
-  _mm256_storeu_ps(out + RG, _mm256_add_ps(acc1, summ1));
-}
-
 using TileFn = void (*)(const int16_t*, const float*, int64_t, const uint8_t*, float*, int64_t);
 
 template <int QT>
@@ -259,29 +189,10 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, int64
                    int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
                    bool y_bf16, int64_t N) {
   const int64_t nb = K / QK, gstride = nb * kGroupBytes[qt];
-  float tile[std::max<int64_t>(MR_MAX, 2) * RG];
+  float tile[MR_MAX * RG];
   // balanced row blocks (e.g. 7 rows: 4 + 3), any split gives the same bits
   const int64_t nblk = (rows + MR_MAX - 1) / MR_MAX;
-  int64_t g = g0;
-#ifdef TS_X86
-  if (avx2 && rows == 1) {  // decode: two groups per pass
-    for (; g + 1 < g1; g += 2) {
-      const uint8_t* wg = w + g * gstride;
-      if (qt == Q4_0) gemv2_avx2<Q4_0>(xq + m0 * K, xds + m0 * nb * 2, K, wg, gstride, tile);
-      else if (qt == Q4_1) gemv2_avx2<Q4_1>(xq + m0 * K, xds + m0 * nb * 2, K, wg, gstride, tile);
-      else gemv2_avx2<Q8_0>(xq + m0 * K, xds + m0 * nb * 2, K, wg, gstride, tile);
-      const int64_t ncols = std::min<int64_t>(2 * RG, N - g * RG);
-      for (int64_t j = 0; j < ncols; ++j) {
-        const int64_t n = g * RG + j;
-        const float v = bias ? tile[j] + bias[n] : tile[j];
-        const int64_t o = m0 * N + n;
-        if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
-        else static_cast<float*>(y)[o] = v;
-      }
-    }
-  }
-#endif
-  for (; g < g1; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * gstride;
     const int64_t ncols = std::min<int64_t>(RG, N - g * RG);
     for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
