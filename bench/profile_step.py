@@ -113,7 +113,7 @@ def main() -> None:
     bs = args.block_size
     greedy = SamplingParams(do_sample=False, max_new_tokens=1 << 20)
     for batch in (int(b) for b in args.batch.split(",")):
-        ctx = args.context + args.steps + max(args.prefill, 1) + 1
+        ctx = args.context + 2 * args.steps + max(args.prefill, 1) + 1  # two timed runs
         per = (ctx + bs - 1) // bs
         runner = ModelRunner(model, num_blocks=batch * per + 1, block_size=bs)
         g = torch.Generator().manual_seed(batch)
