@@ -189,38 +189,19 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, int64
                    int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
                    bool y_bf16, int64_t N) {
   const int64_t nb = K / QK, gstride = nb * kGroupBytes[qt];
-  float tile[MR_MAX * RG];
-  // balanced row blocks (e.g. 7 rows: 4 + 3), any split gives the same bits
-  const int64_t nblk = (rows + MR_MAX - 1) / MR_MAX;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * gstride;
-    const int64_t ncols = std::min<int64_t>(RG, N - g * RG);
-    for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
-      const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
-      bool done = false;
+  qact::compute_groups(m0, rows, MR_MAX, w, gstride, g0, g1, bias, y, y_bf16, N,
+                       [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
-      if (avx2) {
-        TileFn fn = qt == Q4_0 ? pick_tile<Q4_0>(mr) : qt == Q4_1 ? pick_tile<Q4_1>(mr) : pick_tile<Q8_0>(mr);
-        fn(xq + m * K, xds + m * nb * 2, K, wg, tile, RG);
-        done = true;
-      }
-#endif
-      if (!done)
-        for (int r = 0; r < mr; ++r)
-          for (int j = 0; j < ncols; ++j)
-            tile[r * RG + j] = dot_scalar(qt, xq + (m + r) * K, xds + (m + r) * nb * 2, K, wg, j);
-      for (int r = 0; r < mr; ++r)
-        for (int64_t j = 0; j < ncols; ++j) {
-          const int64_t n = g * RG + j;
-          float v = tile[r * RG + j];
-          if (bias) v += bias[n];
-          const int64_t o = (m + r) * N + n;
-          if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
-          else static_cast<float*>(y)[o] = v;
-        }
-      m += mr;
+    if (avx2) {
+      TileFn fn = qt == Q4_0 ? pick_tile<Q4_0>(mr) : qt == Q4_1 ? pick_tile<Q4_1>(mr) : pick_tile<Q8_0>(mr);
+      fn(xq + m * K, xds + m * nb * 2, K, wg, tile, RG);
+      return;
     }
-  }
+#endif
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < ncols; ++j)
+        tile[r * RG + j] = dot_scalar(qt, xq + (m + r) * K, xds + (m + r) * nb * 2, K, wg, j);
+  });
 }
 
 void check_packed(const char* fn, const torch::Tensor& w, int64_t qtype, int64_t N, int64_t K) {

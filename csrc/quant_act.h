@@ -11,8 +11,11 @@
 
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -130,6 +133,39 @@ void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
         fn(chunk * M / nchunks, (chunk + 1) * M / nchunks, gi * GPU, std::min(NG, (gi + 1) * GPU));
       }
   });
+}
+
+// The body of a work unit, shared by csrc/quant.cpp and csrc/quant_k.cpp: activation rows
+// [m0, m0 + rows) x weight-row groups [g0, g1) (8 rows each, gstride bytes apart). Rows are
+// cut into balanced blocks of at most mr_max (7 rows: 4 + 3; any split gives the same bits);
+// tile(m, mr, ncols, wg, out) writes out[r * 8 + j] for r < mr, j < ncols (fp32, no bias),
+// which is then stored to y [M, N] (+ bias) in y's dtype.
+template <class Tile>
+void compute_groups(int64_t m0, int64_t rows, int64_t mr_max, const uint8_t* w, int64_t gstride,
+                    int64_t g0, int64_t g1, const float* bias, void* y, bool y_bf16, int64_t N,
+                    Tile&& tile) {
+  constexpr int64_t RG = 8, MR_CAP = 6;
+  assert(mr_max >= 1 && mr_max <= MR_CAP);
+  float out[MR_CAP * RG];
+  const int64_t nblk = (rows + mr_max - 1) / mr_max;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * gstride;
+    const int64_t ncols = std::min<int64_t>(RG, N - g * RG);
+    for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
+      const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
+      tile(m, mr, ncols, wg, out);
+      for (int r = 0; r < mr; ++r)
+        for (int64_t j = 0; j < ncols; ++j) {
+          const int64_t n = g * RG + j;
+          float v = out[r * RG + j];
+          if (bias) v += bias[n];
+          const int64_t o = (m + r) * N + n;
+          if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
+          else static_cast<float*>(y)[o] = v;
+        }
+      m += mr;
+    }
+  }
 }
 
 }  // namespace qact
