@@ -393,14 +393,23 @@ async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
     t0 = time.perf_counter()
     reader.rec.start = t0
     try:
-        async with http.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread())[:200]
-                reader.rec.e2e = time.perf_counter() - t0
-                reader.rec.error = f"HTTP {resp.status_code}: {text!r}"
-                return reader.rec
-            async for data in resp.aiter_raw():
-                reader.feed(time.perf_counter() - t0, data)
+        for attempt in (0, 1):
+            try:
+                async with http.stream("POST", path, json=body) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread())[:200]
+                        reader.rec.e2e = time.perf_counter() - t0
+                        reader.rec.error = f"HTTP {resp.status_code}: {text!r}"
+                        return reader.rec
+                    async for data in resp.aiter_raw():
+                        reader.feed(time.perf_counter() - t0, data)
+                break
+            except httpx.RemoteProtocolError:
+                # a pooled keep-alive connection the server had already closed (llama-server
+                # closes after some streams): nothing was sent back, so send once more, on a
+                # new connection, with the clock still running from t0
+                if attempt or reader.rec.output_tokens or reader.rec.ttft is not None:
+                    raise
     except (httpx.HTTPError, StreamError) as exc:
         reader.rec.e2e = time.perf_counter() - t0
         reader.rec.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -130,8 +130,11 @@ class FakeLlamaServer:
     event per token, a ping first, a missing event for token 2 as for a split UTF-8
     character, the stop event last); records the bodies it got."""
 
-    def __init__(self, delay: float = 0.003) -> None:
+    def __init__(self, delay: float = 0.003, drop_first: int = 0) -> None:
         self.delay = delay
+        #: connections to close after reading the request, with no response (as a server
+        #: does to a keep-alive connection it has already given up on)
+        self.drop_first = drop_first
         self.bodies: list[dict] = []
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
@@ -147,6 +150,9 @@ class FakeLlamaServer:
             body = orjson.loads(await reader.readexactly(length))
             self.bodies.append(body)
             assert head.startswith(b"POST /completion ")
+            if self.drop_first:
+                self.drop_first -= 1
+                return
             n, prompt = body["n_predict"], body["prompt"]
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Connection: close\r\n\r\n")
@@ -188,6 +194,20 @@ async def test_send_http_against_a_fake_llama_server():
     assert fake.bodies[0] == {"prompt": [9, 8, 7, 6, 5], "n_predict": 6, "ignore_eos": True,
                               "temperature": 0, "cache_prompt": False, "stream": True}
     assert off.ok and fake.bodies[1]["ignore_eos"] is False
+
+
+async def test_send_http_resends_once_when_the_server_drops_the_connection_unanswered():
+    req = BenchRequest(3, (9, 8, 7, 6, 5), " a b c d e", 6)
+    async with FakeLlamaServer(drop_first=1) as fake, \
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{fake.port}") as http:
+        out = await send_http(http, get_backend("llamacpp"), req, "m")
+    assert out.ok, out.error
+    assert out.output_tokens == 6 and len(fake.bodies) == 2
+    async with FakeLlamaServer(drop_first=2) as fake, \
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{fake.port}") as http:
+        out = await send_http(http, get_backend("llamacpp"), req, "m")
+    assert not out.ok and "RemoteProtocolError" in out.error  # once only
+    assert len(fake.bodies) == 2
 
 
 async def test_a_sweep_through_run_http():
