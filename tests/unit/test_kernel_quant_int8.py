@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_checks import activations, assert_rows_invariant
 from tokenserve.ops import load_kernels
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import QuantWeight, dequantize_ref, dequantize_rows_ref, repack_x8
@@ -40,8 +41,7 @@ def _weight(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, Int8Weight]:
 
 
 def _x(M: int, K: int, dtype=torch.float32, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 104729 + M * 13 + K)
-    return torch.randn(M, K, generator=g).to(dtype)
+    return activations(M, K, dtype, seed, zero_block=False)
 
 
 def _gemm(x, qw: Int8Weight, bias=None, out_dtype=torch.float32):
@@ -137,18 +137,7 @@ def test_row_invariance_batch_and_threads():
     """Bit for bit: a row alone == the same row at every position of batches of 1..65 rows,
     and with 1 or 2 threads."""
     _, qw = _weight(131, 576)
-    x = _x(65, 576)
-    alone = torch.cat([_gemm(x[i:i + 1], qw) for i in range(65)])
-    for m in (2, 3, 5, 17, 65):
-        assert torch.equal(_gemm(x[:m], qw), alone[:m]), m
-    assert torch.equal(_gemm(x.flip(0), qw), alone.flip(0))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _gemm(x, qw)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, alone)
+    assert_rows_invariant(lambda x: _gemm(x, qw), _x(65, 576), (2, 3, 5, 17, 65))
 
 
 def test_bad_arguments():

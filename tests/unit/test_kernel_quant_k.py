@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kernel_checks import activations, assert_rows_invariant
 from tokenserve.ops import load_kernels
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import (
@@ -75,12 +76,7 @@ def _weight(N: int, K: int, qtype: str, seed: int = 0) -> QuantWeight:
     return QuantWeight(data.reshape(N, -1).contiguous(), qtype, (N, K))
 
 
-def _x(M: int, K: int, dtype=torch.float32, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 104729 + M * 13 + K)
-    x = torch.randn(M, K, generator=g)
-    if M > 1:
-        x[M // 2, :32] = 0.0  # an all-zero block (d = 0)
-    return x.to(dtype)
+_x = activations  # an all-zero block (d = 0) in the middle row
 
 
 def _gemm(x, qw: QuantWeight, bias=None, out_dtype=torch.float32):
@@ -231,20 +227,7 @@ def test_row_invariance_batch_and_threads(qtype):
     """Bit for bit: a row alone == the same row at every position of batches of 1..33 rows
     (16 included), and with 1 or 2 threads."""
     qw = _weight(131, 512, qtype)
-    x = _x(33, 512)
-    alone = torch.cat([_gemm(x[i:i + 1], qw) for i in range(33)])
-    for m in (2, 3, 5, 16, 33):
-        assert torch.equal(_gemm(x[:m], qw), alone[:m]), m
-    assert torch.equal(_gemm(x.flip(0), qw), alone.flip(0))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _gemm(x, qw)
-        torch.set_num_threads(2)
-        two = _gemm(x, qw)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, alone) and torch.equal(two, alone)
+    assert_rows_invariant(lambda x: _gemm(x, qw), _x(33, 512), (2, 3, 5, 16, 33))
 
 
 @needs_c
