@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_coordinator_parser(sub)
     s.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"], default=None,
-                   help="gguf: compute with a GGUF model's own Q4_0/Q4_1/Q8_0 blocks; int8: "
+                   help="gguf: compute with a GGUF model's own Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K "
+                        "blocks (other formats are dequantised at load); int8: "
                         "weight-only int8 per output channel (any model); none: "
                         "--dtype weights; default auto: gguf for a .gguf model (the default "
                         "model included) at bfloat16 with --max-batch-size <= 8, where it is "
