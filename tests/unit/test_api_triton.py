@@ -4,6 +4,7 @@ real socket with the scripted FakeEngine."""
 from __future__ import annotations
 
 import asyncio
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -263,11 +264,15 @@ async def test_health_and_metadata(env) -> None:
         "name": M, "platform": "MindIE Server",
         "inputs": [{"name": "input0", "shape": [-1], "datatype": "UINT32"}],
         "outputs": [{"name": "output0", "shape": [-1], "datatype": "UINT32"}]}
+    engine.cfg = types.SimpleNamespace(kv_cache_bytes=3 << 29, device="cpu")  # 1.5 GiB
     cfg = (await client.get(f"/v2/models/{M}/config")).json()
     assert cfg["model_name"] == M and cfg["max_seq_len"] == engine.max_model_len
     assert set(cfg) == {"model_name", "input_datatype", "output_datatype", "max_seq_len",
                         "npu_mem_size", "cpu_mem_size", "world_size", "model_weight_path",
                         "model_instance_type"}
+    # a CPU engine: the KV cache is cpu_mem_size (GB), npu_mem_size keeps -1, as /v1/config
+    assert engine.info.device == "cpu" and cfg["npu_mem_size"] == -1
+    assert cfg["cpu_mem_size"] == 1.5
     slots = (await client.get(f"/v2/models/{M}/getSlotCount")).json()
     assert set(slots) == {"total_slots", "free_slots", "available_tokens_length"}
     assert (await client.get("/v2/models/nope")).status_code == 404
