@@ -15,10 +15,10 @@ may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from bench.kernels_quant import _best_ms
 from tokenserve.ops import load_kernels
 from tokenserve.ops.quant import (
     BLOCK_BYTES,
@@ -33,16 +33,6 @@ from tokenserve.ops.quant import (
 SHAPES = (("smol.down", 576, 1536), ("1b.qkv", 2560, 2048), ("1b.gate_up", 11264, 2048),
           ("1b.down", 2048, 5632))
 FORMATS = ("q4_k", "q5_k", "q6_k", "q4_1", "q8_0", "bf16")
-
-
-def _best_ms(fn, reps: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def _random_k(n: int, k: int, qtype: str, g: torch.Generator) -> QuantWeight:

@@ -83,10 +83,8 @@ inline void unpack_row(int qt, const uint8_t* gb, int r, float& d, float& m, int
   }
 }
 
-// ---------------------------------------------------------------------------------------
-// Activation quantisation: x [M, K] fp32 -> q int16 [M, K], ds fp32 [M, K / 32, 2] = (d, s).
-// ---------------------------------------------------------------------------------------
-using qact::quantize_row_scalar;  // csrc/quant_act.h
+// Activation quantisation (x [M, K] fp32 -> q int16 [M, K], ds fp32 [M, K / 32, 2] = (d, s)):
+// qact::quantize_rows, csrc/quant_act.h.
 
 // Portable: one output element (row n = lane r of a group), the header's arithmetic.
 float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const uint8_t* wg, int r) {
@@ -107,8 +105,6 @@ float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const u
 
 #ifdef TS_X86
 #define TS_QAVX2 __attribute__((target("avx2,fma,f16c")))
-
-using qact::quantize_row_avx2;  // csrc/quant_act.h
 
 // One pair of activations (int16 x[e], x[e+1]) broadcast to every int32 lane.
 TS_QAVX2 inline __m256i xpair(const int16_t* x, int e) {
@@ -251,19 +247,7 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
 #else
       false;
 #endif
-  // Serial below ~4M elements (about 1 ms): a parallel region costs a barrier, and on a
-  // shared host a descheduled worker makes every barrier wait for it.
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-#ifdef TS_X86
-      if (avx2) {
-        quantize_row_avx2(xp + m * K, K, qp + m * K, dp + m * nb * 2);
-        continue;
-      }
-#endif
-      quantize_row_scalar(xp + m * K, K, qp + m * K, dp + m * nb * 2);
-    }
-  });
+  qact::quantize_rows(xp, M, K, avx2, qp, dp, [](int64_t) {});
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();

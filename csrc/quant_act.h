@@ -106,6 +106,27 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const flo
 }
 #endif
 
+// Quantises the M rows of x [M, K] fp32 to q int16 [M, K] and ds fp32 [M, K / 32, 2], then
+// calls after_row(m) for each row (e.g. extra per-row sums). Serial below ~4M elements
+// (about 1 ms): a parallel region costs a barrier, and on a shared host a descheduled
+// worker makes every barrier wait for it. avx2: the caller checked the CPU.
+template <class AfterRow>
+void quantize_rows(const float* x, int64_t M, int64_t K, bool avx2, int16_t* q, float* ds,
+                   AfterRow&& after_row) {
+  const int64_t nb = K / QB;
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(K, 1)),
+                   [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+#if defined(__x86_64__) || defined(__i386__)
+      if (avx2) quantize_row_avx2(x + m * K, K, q + m * K, ds + m * nb * 2);
+      else
+#endif
+        quantize_row_scalar(x + m * K, K, q + m * K, ds + m * nb * 2);
+      after_row(m);
+    }
+  });
+}
+
 // Runs fn(m_lo, m_hi, g0, g1) (activation rows [m_lo, m_hi), groups [g0, g1) of 8
 // weight rows) over every work unit of an [M, N] output: row chunks sized so a chunk's
 // int16 activations stay in L2 (~128 KiB; a multiple of mr_max rows) x pairs of groups.

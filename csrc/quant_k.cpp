@@ -401,21 +401,13 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
       false;
 #endif
   const bool q6 = qtype == Q6_K;
-  // Serial below ~4M elements (about 1 ms): a parallel region costs a barrier.
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      int16_t* qm = qp + m * K;
-#ifdef TS_X86
-      if (avx2) qact::quantize_row_avx2(xp + m * K, K, qm, dp + m * nb * 2);
-      else
-#endif
-        qact::quantize_row_scalar(xp + m * K, K, qm, dp + m * nb * 2);
-      if (q6)
-        for (int64_t i = 0; i < n16; ++i) {
-          int32_t s = 0;
-          for (int e = 0; e < 16; ++e) s += qm[16 * i + e];
-          sp[m * n16 + i] = s;
-        }
+  qact::quantize_rows(xp, M, K, avx2, qp, dp, [&](int64_t m) {
+    if (!q6) return;
+    const int16_t* qm = qp + m * K;  // Q6_K's "-32": the sums of 16-element runs
+    for (int64_t i = 0; i < n16; ++i) {
+      int32_t s = 0;
+      for (int e = 0; e < 16; ++e) s += qm[16 * i + e];
+      sp[m * n16 + i] = s;
     }
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
