@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -53,10 +54,13 @@ inline float fp16_to_f32(const uint8_t* p) {
   return f;
 }
 
-// x [K] fp32 -> q int16 [K], ds fp32 [K / 32][2] = (d, s).  K a multiple of 32.
-inline void quantize_row_scalar(const float* x, int64_t K, int16_t* q, float* ds) {
+// x [K] fp32 or bf16 (T = float | at::BFloat16) -> q int16 [K], ds fp32 [K / 32][2] =
+// (d, s).  K a multiple of 32. A bf16 x is widened exactly, so both give the same bits.
+template <class T>
+inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds) {
   for (int64_t b = 0; b < K / QB; ++b) {
-    const float* xb = x + b * QB;
+    float xb[QB];
+    for (int i = 0; i < QB; ++i) xb[i] = load1(x + b * QB + i);
     float amax = 0.f;
     for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
@@ -72,13 +76,21 @@ inline void quantize_row_scalar(const float* x, int64_t K, int16_t* q, float* ds
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const float* x, int64_t K,
-                                                                       int16_t* q, float* ds) {
+// 8 consecutive elements as fp32 (bf16: the top halves of fp32s, exact).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const T* x, int64_t K, int16_t* q,
+                                                                       float* ds) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / QB; ++b) {
-    const float* xb = x + b * QB;
+    const T* xb = x + b * QB;
     __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    for (int i = 0; i < 4; ++i) v[i] = load8(xb + 8 * i);
     __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -106,12 +118,13 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const flo
 }
 #endif
 
-// Quantises the M rows of x [M, K] fp32 to q int16 [M, K] and ds fp32 [M, K / 32, 2], then
-// calls after_row(m) for each row (e.g. extra per-row sums). Serial below ~4M elements
-// (about 1 ms): a parallel region costs a barrier, and on a shared host a descheduled
-// worker makes every barrier wait for it. avx2: the caller checked the CPU.
-template <class AfterRow>
-void quantize_rows(const float* x, int64_t M, int64_t K, bool avx2, int16_t* q, float* ds,
+// Quantises the M rows of x [M, K] (fp32 or bf16, T = float | at::BFloat16) to q int16
+// [M, K] and ds fp32 [M, K / 32, 2], then calls after_row(m) for each row (e.g. extra
+// per-row sums). Serial below ~4M elements (about 1 ms): a parallel region costs a
+// barrier, and on a shared host a descheduled worker makes every barrier wait for it.
+// avx2: the caller checked the CPU.
+template <class T, class AfterRow>
+void quantize_rows(const T* x, int64_t M, int64_t K, bool avx2, int16_t* q, float* ds,
                    AfterRow&& after_row) {
   const int64_t nb = K / QB;
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(K, 1)),
@@ -125,6 +138,35 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool avx2, int16_t* q, 
       after_row(m);
     }
   });
+}
+
+// A GEMM's quantised activations, per calling thread, grown as needed and reused: a
+// batch-1 step makes ~120 projections, and three tensor allocations (plus a bf16 -> fp32
+// copy) each cost a few microseconds of a ~15 us GEMV.
+struct ActBuffers {
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> ds;      // [M, K / 32, 2]
+  std::vector<int32_t> sums;  // [M, K / 16] (Q6_K)
+};
+
+inline ActBuffers& act_buffers(int64_t M, int64_t K, bool sums) {
+  thread_local ActBuffers b;
+  const size_t n = size_t(std::max<int64_t>(M * K, 1));
+  if (b.q.size() < n) b.q.resize(n);
+  if (b.ds.size() < n / QB * 2 + 2) b.ds.resize(n / QB * 2 + 2);
+  if (sums && b.sums.size() < n / 16 + 1) b.sums.resize(n / 16 + 1);
+  return b;
+}
+
+// Quantises x [M, K] (bf16 or fp32, contiguous) into b (act_buffers(M, K, ...) of the
+// calling thread: after_row runs on worker threads, so it must use b, not act_buffers).
+template <class AfterRow>
+void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, AfterRow&& after_row) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, avx2, b.q.data(), b.ds.data(), after_row);
+  else
+    quantize_rows(x.data_ptr<float>(), M, K, avx2, b.q.data(), b.ds.data(), after_row);
 }
 
 // Runs fn(m_lo, m_hi, g0, g1) (activation rows [m_lo, m_hi), groups [g0, g1) of 8
@@ -148,11 +190,14 @@ void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
   const int64_t batch = std::max<int64_t>(1, units / (ntasks * 8));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, ntasks, 1, [&](int64_t, int64_t) {
-    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch))
-      for (int64_t u = u0, u1 = std::min(units, u0 + batch); u < u1; ++u) {
-        const int64_t chunk = u / ngroups, gi = u % ngroups;
+    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch)) {
+      const int64_t u1 = std::min(units, u0 + batch);
+      int64_t chunk = u0 / ngroups, gi = u0 % ngroups;  // one division per batch
+      for (int64_t u = u0; u < u1; ++u) {
         fn(chunk * M / nchunks, (chunk + 1) * M / nchunks, gi * GPU, std::min(NG, (gi + 1) * GPU));
+        if (++gi == ngroups) gi = 0, ++chunk;
       }
+    }
   });
 }
 

@@ -385,15 +385,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   }
   auto y = torch::empty({M, N}, x.options().dtype(odt));
   if (M == 0 || N == 0) return y;
-  const int64_t nb = K / QB, n16 = K / 16;
-  auto xf = x.to(at::kFloat).contiguous();
-  auto xq = torch::empty({M, K}, x.options().dtype(at::kShort));
-  auto xds = torch::empty({M, nb, 2}, x.options().dtype(at::kFloat));
-  auto xs = torch::empty({M, n16}, x.options().dtype(at::kInt));
-  const float* xp = xf.data_ptr<float>();
-  int16_t* qp = xq.data_ptr<int16_t>();
-  float* dp = xds.data_ptr<float>();
-  int32_t* sp = xs.data_ptr<int32_t>();
+  const int64_t n16 = K / 16;
   const bool avx2 =
 #ifdef TS_X86
       cpu_features().avx2_fma && !g_force_portable.load();
@@ -401,9 +393,13 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
       false;
 #endif
   const bool q6 = qtype == Q6_K;
-  qact::quantize_rows(xp, M, K, avx2, qp, dp, [&](int64_t m) {
-    if (!q6) return;
-    const int16_t* qm = qp + m * K;  // Q6_K's "-32": the sums of 16-element runs
+  qact::ActBuffers& act = qact::act_buffers(M, K, q6);
+  const int16_t* qp = act.q.data();
+  const float* dp = act.ds.data();
+  int32_t* sp = q6 ? act.sums.data() : nullptr;
+  qact::quantize_act(x.contiguous(), avx2, act, [&](int64_t m) {
+    if (!q6) return;  // Q6_K's "-32": the sums of 16-element runs
+    const int16_t* qm = qp + m * K;
     for (int64_t i = 0; i < n16; ++i) {
       int32_t s = 0;
       for (int e = 0; e < 16; ++e) s += qm[16 * i + e];

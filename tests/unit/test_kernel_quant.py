@@ -132,10 +132,13 @@ def test_quant_gemm_bf16_in_and_out(qtype):
 
 
 @needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_portable_path_same_bits(qtype):
+def test_portable_path_same_bits(qtype, dtype):
+    """AVX2 and portable code give the same bits, for fp32 and bf16 activations (read
+    directly, widened exactly)."""
     _, qw = _weight(37, 320, qtype)
-    x = _x(9, 320)
+    x = _x(9, 320, dtype)
     fast = _gemm(x, qw)
     old = C._quant_force_portable(True)
     try:
@@ -143,6 +146,8 @@ def test_portable_path_same_bits(qtype):
     finally:
         C._quant_force_portable(old)
     assert torch.equal(fast, slow)
+    if dtype == torch.bfloat16:  # the same rows given as fp32
+        assert torch.equal(slow, _gemm(x.float(), qw).to(slow.dtype))
 
 
 @needs_c

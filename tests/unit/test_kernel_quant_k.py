@@ -208,10 +208,13 @@ def test_quant_k_gemm_bf16_in_and_out(qtype):
 
 
 @needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_portable_path_same_bits(qtype):
+def test_portable_path_same_bits(qtype, dtype):
+    """AVX2 and portable code give the same bits, for fp32 and bf16 activations (read
+    directly, widened exactly)."""
     qw = _weight(37, 768, qtype)
-    x = _x(9, 768)
+    x = _x(9, 768, dtype)
     fast = _gemm(x, qw)
     old = C._quant_k_force_portable(True)
     try:
@@ -219,6 +222,8 @@ def test_portable_path_same_bits(qtype):
     finally:
         C._quant_k_force_portable(old)
     assert torch.equal(fast, slow)
+    if dtype == torch.bfloat16:  # the same rows given as fp32
+        assert torch.equal(slow, _gemm(x.float(), qw).to(slow.dtype))
 
 
 @needs_c
