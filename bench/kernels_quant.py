@@ -1,6 +1,6 @@
 """Micro-benchmark of the quantised GEMM (``csrc/quant.cpp``) against our bf16 GEMM.
 
-    python bench/kernels_quant.py [--ms 1,16,64] [--qtype q4_1]
+    python bench/kernels_quant.py [--ms 1,16,64] [--qtype q4_1] [--fixed-cost]
     python -m bench.kernels quant
 
 One decode step's GEMMs of SmolLM2-135M with the default GGUF's formats: 30 layers x (qkv
@@ -82,11 +82,36 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
     return rows
 
 
+def fixed_cost_us(qtype: str = "q4_1", n: int = 64, k: int = HIDDEN, calls: int = 5000) -> float:
+    """Microseconds per ``quant_gemm`` call at M = 1 on a small [n, k] weight that stays in
+    cache (bf16 activations, as the decoder passes them): the per-call cost a batch-1 step
+    pays ~120 times (argument checks, activation quantisation, output allocation, the
+    parallel region), best of 7 loops of ``calls`` calls from Python."""
+    c = load_kernels()
+    if c is None or not hasattr(c, "quant_gemm"):
+        raise RuntimeError("tokenserve._C with quant_gemm is not built")
+    g = torch.Generator().manual_seed(0)
+    w = repack_x8(quantize_ref(torch.randn(n, k, generator=g), qtype)).data
+    x = torch.randn(1, k, generator=g).bfloat16()
+    qid = QTYPE_IDS[qtype]
+
+    def loop() -> None:
+        for _ in range(calls):
+            c.quant_gemm(x, w, qid, n)
+
+    return _best_ms(loop) * 1e3 / calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--qtype", default="q4_1", choices=sorted(QTYPE_IDS))
+    p.add_argument("--fixed-cost", action="store_true",
+                   help="only the per-call cost at M = 1 on a cached [64, 576] weight")
     args = p.parse_args()
+    if args.fixed_cost:
+        print(f"quant_gemm M=1 N=64 K={HIDDEN} {args.qtype}: {fixed_cost_us(args.qtype):.2f} us/call")
+        return
     for r in bench(tuple(int(v) for v in args.ms.split(",")), args.qtype):
         print(f"M={r['shape'][0]:<3} {r['shape'][1]}: quantised {r['ms_ours']:.2f} ms "
               f"({r['MB_ours']:.0f} MB), bf16 {r['ms_bf16']:.2f} ms ({r['MB_bf16']:.0f} MB), "

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "serve` on a free loopback port and stop it at the end")
     g.add_argument("--engine-only", action="store_true",
                    help="drive AsyncEngine in this process, no HTTP (server overhead = the "
-                        "difference to an HTTP run)")
+                        "difference to an HTTP run); built from the serve flags and "
+                        "--server-args")
     g.add_argument("--model", default=None,
                    help="model dir or .gguf (tokenizer, started server, baseline); default: "
                         "SmolLM2-135M-Instruct")
@@ -310,13 +311,25 @@ async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenize
         return await sweep(send, slices, warm, args, backend.name)
 
 
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig a started server would have: ``tokenserve serve`` with the same
+    ``--dtype``, ``--device``, ``--model`` and ``--server-args`` (quantization, batch size).
+
+    Raises:
+        ValueError: the flags do not make a valid serve configuration.
+    """
+    from tokenserve.cli import build_parser, serve_config
+
+    argv = ["serve", "--dtype", args.dtype, "--device", args.device,
+            *(["--model", args.model] if args.model else []), *shlex.split(args.server_args)]
+    return serve_config(build_parser().parse_args(argv)).engine
+
+
 async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRequest]],
                      warm: Sequence[BenchRequest]) -> list[LevelResult]:
-    from tokenserve.config import EngineConfig
     from tokenserve.engine.engine import AsyncEngine
 
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
-    engine = await asyncio.to_thread(AsyncEngine.build, cfg)
+    engine = await asyncio.to_thread(AsyncEngine.build, engine_config(args))
     await engine.start()
     ignore_eos = (args.ignore_eos if args.ignore_eos is not None
                   else get_backend(args.backend).ignore_eos)  # as the family would send it

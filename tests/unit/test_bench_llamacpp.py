@@ -27,6 +27,7 @@ from bench.serving import (
     assemble,
     build_parser,
     check_args,
+    engine_config,
     run_http,
     run_llamacpp,
 )
@@ -415,3 +416,13 @@ def test_run_llamacpp_starts_and_stops_a_llama_server(tmp_path):
     assert meta["total_slots"] == 3 and meta["n_ctx_per_slot"] == 64
     with pytest.raises(httpx.ConnectError):  # stopped
         httpx.get(meta["url"] + "/health", timeout=2.0)
+
+
+def test_engine_only_builds_the_served_engine():
+    """--engine-only takes the serve flags a started server would get (--server-args
+    included), so an engine-only run measures the same engine as the HTTP one."""
+    args = _parse("--engine-only", "--dtype", "float32",
+                  "--server-args", "--quantization gguf --max-batch-size 8")
+    cfg = engine_config(args)
+    assert (cfg.quantization, cfg.max_batch_size, cfg.dtype) == ("gguf", 8, "float32")
+    assert engine_config(_parse("--engine-only")).quantization == "auto"
