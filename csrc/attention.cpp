@@ -539,7 +539,7 @@ void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor 
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(attention) {
-  m.def("paged_attention", &tokenserve::paged_attention,
+  m.def("paged_attention", &tokenserve::paged_attention, tokenserve::ReleaseGil(),
         "paged_attention(out[T,H,D], q[T,H,D], k_cache[nb,Hkv,bs,D], v_cache, block_tables int32[S,maxb], "
         "query_start_loc int32[S+1], context_lens int32[S], scale) -> None. Causal attention of each "
         "sequence's queries (aligned to the end of its context) over its paged K/V, read in place; "
@@ -547,7 +547,7 @@ TOKENSERVE_REGISTER(attention) {
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("query_start_loc"), pybind11::arg("context_lens"),
         pybind11::arg("scale"));
-  m.def("paged_attention_portable", &tokenserve::paged_attention_portable,
+  m.def("paged_attention_portable", &tokenserve::paged_attention_portable, tokenserve::ReleaseGil(),
         "paged_attention on the portable (scalar) path regardless of CPU features; for tests.",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("query_start_loc"), pybind11::arg("context_lens"),

@@ -139,7 +139,8 @@ TOKENSERVE_REGISTER(decoder) {
            "2 int8_gemm | 3 quant_k_gemm, weight, int8 scale or None, qtype, N, fp32 bias or None); norms [hidden].")
       .def("set_final_norm", &tokenserve::Decoder::set_final_norm)
       .def_property_readonly("num_layers", &tokenserve::Decoder::num_layers)
-      .def("forward", &tokenserve::Decoder::forward, pybind11::arg("x"), pybind11::arg("residual"),
+      .def("forward", &tokenserve::Decoder::forward, tokenserve::ReleaseGil(),
+           pybind11::arg("x"), pybind11::arg("residual"),
            pybind11::arg("positions"), pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
            pybind11::arg("query_start_loc"), pybind11::arg("context_lens"), pybind11::arg("cos_sin"),
            pybind11::arg("kv_region"),

@@ -359,11 +359,11 @@ TOKENSERVE_REGISTER(gemm) {
   m.def("gemm_prepack", &tokenserve::gemm_prepack, pybind11::arg("w"),
         "gemm_prepack(w: Tensor[N, K] bf16|fp32) -> Tensor[ceil(N/16), K, 16] (same dtype): the weight "
         "packed once for gemm().");
-  m.def("gemm", &tokenserve::gemm, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
+  m.def("gemm", &tokenserve::gemm, tokenserve::ReleaseGil(), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "gemm(x: Tensor[M, K] bf16|fp32, packed, N, bias: Tensor[N] | None, out_dtype: bf16|fp32|None) "
         "-> Tensor[M, N]: x @ W^T (+ bias), fp32 accumulation, row-invariant bits.");
-  m.def("gemm_out", &tokenserve::gemm_out, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
+  m.def("gemm_out", &tokenserve::gemm_out, tokenserve::ReleaseGil(), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
         pybind11::arg("bias"), pybind11::arg("out"),
         "gemm_out(x, packed, N, bias, out: Tensor[M, N] bf16|fp32 contiguous) -> out: gemm() into out.");
   m.def("_gemm_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },

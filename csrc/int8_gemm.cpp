@@ -212,7 +212,7 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(int8_gemm) {
-  m.def("int8_gemm", &tokenserve::int8_gemm, pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"),
+  m.def("int8_gemm", &tokenserve::int8_gemm, tokenserve::ReleaseGil(), pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"),
         pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "int8_gemm(x: Tensor[M, K] bf16|fp32, q: int8 [ceil(N/16), K, 16] (pack_int8), scale: fp32 "
         "[ceil(N/16)*16], N, bias=None, out_dtype=None) -> Tensor[M, N]: (x @ Q^T) * scale (+ bias), "

@@ -295,7 +295,7 @@ torch::Tensor quant_dequant_rows(const torch::Tensor& ids, const torch::Tensor& 
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(quant) {
-  m.def("quant_gemm", &tokenserve::quant_gemm, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+  m.def("quant_gemm", &tokenserve::quant_gemm, tokenserve::ReleaseGil(), pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
         pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "quant_gemm(x: Tensor[M, K] bf16|fp32, w: uint8 [ceil(N/8), K/32, group_bytes] x8-packed GGUF blocks, "
         "qtype: 0 Q4_0 | 1 Q4_1 | 2 Q8_0, N, bias=None, out_dtype=None) -> Tensor[M, N]: x @ W^T (+ bias), "

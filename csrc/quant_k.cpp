@@ -419,7 +419,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(quant_k) {
-  m.def("quant_k_gemm", &tokenserve::quant_k_gemm, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+  m.def("quant_k_gemm", &tokenserve::quant_k_gemm, tokenserve::ReleaseGil(), pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
         pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "quant_k_gemm(x: Tensor[M, K] bf16|fp32, w: uint8 [ceil(N/8), K/256, group_bytes] k8-packed GGUF k-quant "
         "super-blocks, qtype: 12 Q4_K | 13 Q5_K | 14 Q6_K, N, bias=None, out_dtype=None) -> Tensor[M, N]: "

@@ -19,6 +19,12 @@ struct Registrar {
   explicit Registrar(RegisterFn fn) { registry().push_back(fn); }
 };
 
+// Bindings of kernels that run long enough to matter (GEMMs, attention, sampling, the
+// decoder stack) release the GIL while they run: the forward pass runs on the model
+// thread, and holding the GIL there would freeze the server's event loop for the whole
+// step (every stream's next chunk, new connections). They touch no Python object.
+using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 }  // namespace tokenserve
 
 // Use once per .cpp file at namespace scope: TOKENSERVE_REGISTER(attention) { m.def(...); }

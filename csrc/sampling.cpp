@@ -578,7 +578,7 @@ torch::Tensor sample(const torch::Tensor& logits,              // [B, V] float32
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(sampling) {
-  m.def("sample", &tokenserve::sample,
+  m.def("sample", &tokenserve::sample, tokenserve::ReleaseGil(),
         "sample(logits f32 [B,V], greedy bool [B], temperature f32 [B], top_k i32 [B], "
         "top_p f32 [B], min_p f32 [B], repetition_penalty f32 [B], presence f32 [B], "
         "frequency f32 [B], history_ids i32 [N], history_offsets i64 [B+1], num_prompt i32 "

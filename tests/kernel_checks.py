@@ -1,7 +1,10 @@
-"""Checks shared by the GEMM kernel tests (tests/unit/test_kernel_quant*.py)."""
+"""Checks shared by the kernel tests (tests/unit/test_kernel_*.py, test_decoder.py)."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,3 +36,46 @@ def assert_rows_invariant(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch
             assert torch.equal(gemm(x), alone), f"{n} threads"
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_releases_gil(call: Callable[[], object], min_ms: float = 20.0) -> None:
+    """``call`` (one long kernel call) lets other Python threads run while it computes.
+
+    A worker thread makes the call while this thread keeps taking timestamps; some must
+    fall strictly inside the call. With the GIL held none can: a thread inside C++ code
+    never hands the GIL over, so this thread would be blocked until the call returns."""
+    span: list[float] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            t0 = time.perf_counter()
+            call()
+            span.extend((t0, time.perf_counter()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    stamps = [0.0]  # at most one per 0.1 ms (memory stays bounded however long the call)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)  # GIL hand-overs within 0.5 ms, not 5
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        while not done.is_set():
+            now = time.perf_counter()
+            if now - stamps[-1] > 1e-4:
+                stamps.append(now)
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    t0, t1 = span
+    assert (t1 - t0) * 1e3 >= min_ms, f"the call took {(t1 - t0) * 1e3:.1f} ms: too short to tell"
+    # between t0 and the call, and between its return and t1, this thread may hold the GIL
+    # for a switch interval or two: leave 3 ms at both ends
+    inside = sum(t0 + 3e-3 < s < t1 - 3e-3 for s in stamps)
+    assert inside >= 20, f"only {inside} timestamps while the call ran: it holds the GIL"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_checks import assert_releases_gil
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig
@@ -137,3 +138,19 @@ def test_decoder_rejects_bad_specs_and_regions():
                     torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                     torch.zeros(2, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                     torch.zeros(8, 16), torch.zeros(1, 2, 1, 2, 8, 16))
+
+
+def test_decoder_releases_the_gil():
+    """The whole layer stack runs without the GIL: the server's event loop keeps serving
+    while the model thread is in a forward pass (here prefills of 8 x 128 tokens)."""
+    cfg = _cfg(False, wide=True)
+    model = LlamaForCausalLM.from_state_dict(cfg, _state_dict(cfg, "none"), torch.float32,
+                                             torch.device("cpu"))
+    assert model.decoder is not None
+    S, L = 8, cfg.max_position_embeddings
+    per = L // BLOCK
+    kv = model.allocate_kv_cache(num_blocks=S * per, block_size=BLOCK)
+    tables = [list(range(s * per, (s + 1) * per)) for s in range(S)]
+    meta = AttentionMetadata.build(model.kernels, tables, [L] * S, [0] * S, BLOCK)
+    ids = torch.randint(3, 96, (S * L,), generator=torch.Generator().manual_seed(0))
+    assert_releases_gil(lambda: model.forward(ids, kv, meta))

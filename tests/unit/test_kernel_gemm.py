@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from tests.kernel_checks import assert_releases_gil
 from tokenserve.ops import load_kernels
 from tokenserve.ops.linear import Linear, linear_ref
 
@@ -234,3 +235,12 @@ def test_portable_path_is_bit_equal(wdt):
     assert torch.equal(slow32, fast32) and torch.equal(slow16, fast16)
     assert torch.equal(one, fast32[4:5])
     _check(slow32, x, w, b, torch.float32)
+
+
+@pytest.mark.skipif(C is None, reason="tokenserve._C not built")
+def test_gemm_releases_the_gil():
+    """The server's event loop runs while the model thread is in a GEMM."""
+    g = torch.Generator().manual_seed(0)
+    p = C.gemm_prepack(torch.randn(2048, 1024, generator=g).bfloat16())
+    x = torch.randn(1024, 1024, generator=g).bfloat16()
+    assert_releases_gil(lambda: C.gemm(x, p, 2048, None, None))

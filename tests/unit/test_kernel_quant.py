@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernel_checks import activations, assert_rows_invariant
+from tests.kernel_checks import activations, assert_releases_gil, assert_rows_invariant
 from tokenserve.ops import load_kernels
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import (
@@ -199,3 +199,12 @@ def test_linear_picks_quant_backend_or_dequantises(qtype, monkeypatch):
     assert ref.backend == "torch"
     torch.testing.assert_close(ref(x.float()), quant_linear_fp32_ref(x.float(), qw, None,
                                                                      torch.float32))
+
+
+@needs_c
+def test_quant_gemm_releases_the_gil():
+    """The server's event loop runs while the model thread is in a quantised GEMM."""
+    _, qw = _weight(2048, 1024, "q4_0")
+    p = repack_x8(qw)
+    x = _x(1024, 1024, torch.bfloat16)
+    assert_releases_gil(lambda: C.quant_gemm(x, p.data, QTYPE_IDS["q4_0"], 2048))
