@@ -104,10 +104,17 @@ class ServedConfig:
     @classmethod
     def build(cls, model_name: str, max_seq_len: int, kv_cache_bytes: int,
               accelerator: bool, max_iter_times: int, block_size: int) -> ServedConfig:
-        gb = kv_cache_bytes / (1 << 30)
-        size = int(gb) if gb == int(gb) else round(gb, 4)
-        return cls(model_name, max_seq_len, size if accelerator else -1,
-                   0 if accelerator else size, 1, max_iter_times, block_size)
+        npu, cpu = kv_mem_sizes(kv_cache_bytes, accelerator)
+        return cls(model_name, max_seq_len, npu, cpu, 1, max_iter_times, block_size)
+
+
+def kv_mem_sizes(kv_cache_bytes: int, accelerator: bool) -> tuple[float, float]:
+    """(``npuMemSize``, ``cpuMemSize``) in GB as ``GET /v1/config`` and Triton's model
+    config report them: the KV cache in the device's own field, the other "unset" (-1 for
+    the NPU, 0 for the CPU); whole GB as an int, else rounded to 4 places."""
+    gb = kv_cache_bytes / (1 << 30)
+    size = int(gb) if gb == int(gb) else round(gb, 4)
+    return (size, 0) if accelerator else (-1, size)
 
 
 def register(router: Router, engine: EngineClient, served: ServedConfig | None) -> None:

@@ -56,7 +56,7 @@ from tokenserve.http.api.triton_params import (
 )
 from tokenserve.http.cycle import HttpRequest, HttpResponse
 from tokenserve.http.errors import HttpError
-from tokenserve.http.management import ServedConfig
+from tokenserve.http.management import kv_mem_sizes
 from tokenserve.http.router import Router
 from tokenserve.messages import GenerateRequest, RequestOutput
 
@@ -167,13 +167,11 @@ class TritonApi(FamilyApi):
         name = self._model(request)
         info = self._info
         path = info.model_path
-        # the same GB figures as GET /v1/config: the KV cache goes to the device's own field
-        mem = ServedConfig.build(name, info.max_model_len, info.kv_cache_bytes,
-                                 info.device != "cpu", 0, 0)
+        npu_gb, cpu_gb = kv_mem_sizes(info.kv_cache_bytes, info.device != "cpu")  # as /v1/config
         await response.send_json(200, {
             "model_name": name, "input_datatype": "UINT32", "output_datatype": "UINT32",
-            "max_seq_len": info.max_model_len, "npu_mem_size": mem.npuMemSize,
-            "cpu_mem_size": mem.cpuMemSize, "world_size": 1,
+            "max_seq_len": info.max_model_len, "npu_mem_size": npu_gb,
+            "cpu_mem_size": cpu_gb, "world_size": 1,
             "model_weight_path": str(path).rstrip("/").rsplit("/", 1)[-1] if path else name,
             "model_instance_type": "Standard"})
 
