@@ -83,8 +83,8 @@ inline void unpack_row(int qt, const uint8_t* gb, int r, float& d, float& m, int
   }
 }
 
-// Activation quantisation (x [M, K] fp32 -> q int16 [M, K], ds fp32 [M, K / 32, 2] = (d, s)):
-// qact::quantize_rows, csrc/quant_act.h.
+// Activation quantisation (x [M, K] bf16 or fp32 -> q int16 [M, K], ds fp32 [M, K / 32, 2]
+// = (d, s), per-thread buffers): qact::quantize_act, csrc/quant_act.h.
 
 // Portable: one output element (row n = lane r of a group), the header's arithmetic.
 float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const uint8_t* wg, int r) {
