@@ -4,7 +4,9 @@
 
 For the SmolLM2-135M shapes (hidden K=576; per layer qkv [960, 576], o [576, 576],
 gate_up [3072, 576], down [576, 1536]; lm_head [49152, 576]) and M in (1, 16, 64, 256)
-rows, times ``gemm`` (bf16 weights, bf16 x, bf16 out; the lm_head fp32 out), torch's bf16
+rows, times ``gemm`` (bf16 weights, bf16 x, bf16 out; the lm_head fp32 out) on the layout the
+server packs (the AVX512_BF16 pair-dot chain where the CPU has it; then ``ms_ours_fma`` is
+the fp32 FMA chain, ``TOKENSERVE_GEMM=c-fma``, for comparison), torch's bf16
 ``F.linear`` and torch's fp32 ``F.linear`` (fp32 weights: twice the bytes). Also the sum
 over one decode step: 30 layers x (qkv + o + gate_up + down) + lm_head on the M rows.
 Each time is the best of several runs (the host is shared; the minimum is the least noisy).
@@ -70,7 +72,8 @@ def bench(ms: tuple[int, ...] = MS, torch_bf16: bool = True) -> list[dict]:
     torch.manual_seed(0)
     rows: list[dict] = []
     for M in ms:
-        step = {"ms_ours": 0.0, "cpu_ms_ours": 0.0, "ms_torch_bf16": 0.0, "ms_torch_fp32": 0.0}
+        step = {"ms_ours": 0.0, "cpu_ms_ours": 0.0, "ms_ours_fma": 0.0, "ms_torch_bf16": 0.0,
+                "ms_torch_fp32": 0.0}
         for name, (N, K) in SHAPES.items():
             w16 = (torch.randn(N, K) * K ** -0.5).to(torch.bfloat16)
             w32 = w16.float()
@@ -78,13 +81,14 @@ def bench(ms: tuple[int, ...] = MS, torch_bf16: bool = True) -> list[dict]:
             x32 = x16.float()
             out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
             r = {"name": name, "shape": (M, N, K)}
+            r["ms_ours"] = r["cpu_ms_ours"] = r["ms_ours_fma"] = None
             if C is not None:
-                p = C.gemm_prepack(w16)
                 out = torch.empty(M, N, dtype=out_dtype)
-                r["ms_ours"] = _time_ms(lambda: C.gemm_out(x16, p, N, None, out))
-                r["cpu_ms_ours"] = _LAST_CPU_MS[0]
-            else:
-                r["ms_ours"] = r["cpu_ms_ours"] = None
+                for key, pairs in _layouts(C):
+                    p = C.gemm_prepack(w16, pairs)
+                    r[key] = _time_ms(lambda: C.gemm_out(x16, p, N, None, out))
+                    if key == "ms_ours":
+                        r["cpu_ms_ours"] = _LAST_CPU_MS[0]
             big = M * N * K > 64 * 49152 * 576
             r["ms_torch_bf16"] = (_time_ms(lambda: F.linear(x16, w16), min_reps=1 if big else 3,
                                            budget_s=0.2) if torch_bf16 else None)
@@ -101,6 +105,13 @@ def bench(ms: tuple[int, ...] = MS, torch_bf16: bool = True) -> list[dict]:
     return rows
 
 
+def _layouts(C) -> list[tuple[str, bool]]:
+    """(result key, pair layout) for each GEMM chain to time: the server's first."""
+    if C.cpu_features().get("avx512bf16", False):
+        return [("ms_ours", True), ("ms_ours_fma", False)]
+    return [("ms_ours", False)]
+
+
 STEP_MACS = (LAYERS * sum(n * k for nm, (n, k) in SHAPES.items() if nm != "lm_head")
              + SHAPES["lm_head"][0] * SHAPES["lm_head"][1])  # per row
 
@@ -113,20 +124,21 @@ def _real_step(C, M: int, torch_bf16: bool) -> dict:
           for _ in range(LAYERS) for nm, (n, k) in SHAPES.items() if nm != "lm_head"]
     ws.append((torch.randn(*SHAPES["lm_head"], generator=g) * 0.04).to(torch.bfloat16))
     xs = {k: torch.randn(M, k, generator=g).to(torch.bfloat16) for k in (576, 1536)}
-    r = {"name": "step(real: 30 layers' weights)", "shape": (M, None, None)}
+    r = {"name": "step(real: 30 layers' weights)", "shape": (M, None, None), "ms_ours": None,
+         "cpu_ms_ours": None, "ms_ours_fma": None}
     if C is not None:
-        ps = [C.gemm_prepack(w) for w in ws]
         outs = [torch.empty(M, w.shape[0], dtype=torch.bfloat16 if i < len(ws) - 1 else torch.float32)
                 for i, w in enumerate(ws)]
+        for key, pairs in _layouts(C):
+            ps = [C.gemm_prepack(w, pairs) for w in ws]
 
-        def ours():
-            for w, p, o in zip(ws, ps, outs):
-                C.gemm_out(xs[w.shape[1]], p, w.shape[0], None, o)
-        r["ms_ours"] = _time_ms(ours, budget_s=1.0, min_reps=3, max_reps=10)
-        r["cpu_ms_ours"] = _LAST_CPU_MS[0]
-        del ps
-    else:
-        r["ms_ours"] = r["cpu_ms_ours"] = None
+            def ours():
+                for w, p, o in zip(ws, ps, outs):
+                    C.gemm_out(xs[w.shape[1]], p, w.shape[0], None, o)
+            r[key] = _time_ms(ours, budget_s=1.0, min_reps=3, max_reps=10)
+            if key == "ms_ours":
+                r["cpu_ms_ours"] = _LAST_CPU_MS[0]
+            del ps
 
     def run(wl, xd):
         def f():
@@ -163,13 +175,14 @@ def main() -> None:
           f"cpu_ms = ours' best process CPU time (all threads)")
     f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"
     print(f"{'name':31s} {'M':>4s} {'N':>6s} {'K':>5s} {'ours':>9s} {'torch16':>9s} "
-          f"{'torch32':>9s} {'x32':>6s} {'x16':>6s} {'GF/s':>6s} {'GB/s':>6s} {'cpu_ms':>9s}")
+          f"{'torch32':>9s} {'x32':>6s} {'x16':>6s} {'GF/s':>6s} {'GB/s':>6s} {'cpu_ms':>9s} "
+          f"{'fma':>9s}")
     for r in bench(tuple(a.m), not a.no_torch_bf16):
         M, N, K = r["shape"]
         print(f"{r['name']:31s} {M:4d} {N or '':>6} {K or '':>5} {f(r['ms_ours']):>9s} "
               f"{f(r['ms_torch_bf16']):>9s} {f(r['ms_torch_fp32']):>9s} {f(r['ratio'], 2):>6s} "
               f"{f(r['ratio_bf16'], 2):>6s} {f(r['gflops_ours'], 1):>6s} {f(r['gbps_ours'], 1):>6s} "
-              f"{f(r['cpu_ms_ours']):>9s}")
+              f"{f(r['cpu_ms_ours']):>9s} {f(r['ms_ours_fma']):>9s}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,22 @@
 // column 8+j (so `v << 16` gives columns 0..7 and `v & 0xffff0000` gives columns 8..15).
 // fp32 panels are in natural column order.
 //
+// Pair layout (gemm_prepack(w, pairs=True), bf16 weights on CPUs with AVX512_BF16): [NP, KP =
+// ceil(K/2), 32] bf16, element (p, kp, 2c + h) = W[16p + c, 2kp + h] (zero past N and K): each
+// 32-bit lane holds one column's pair of consecutive k, what vdpbf16ps multiplies with a pair of
+// bf16 activations. Computed by the pair-dot path below; activations are taken in bf16.
+//
 // Row invariance by construction: every output element y[m, n] is
 //     acc = 0; for k in 0..K-1: acc = fma(x[m,k], w[n,k], acc);  y = round(acc + b[n])
 // in this exact order, in every tile shape (MR rows x NPB panels, tails included), in the
 // scalar fallback (std::fma), and whatever the thread partition (threads own whole output
 // tiles; no reduction is ever split). So a row's result never depends on M, on its position
-// in the batch, or on the thread count.
+// in the batch, or on the thread count. The pair-dot path keeps the same property with
+// another chain: acc = 0; for kp in 0..KP-1: acc = vdpbf16ps(acc, x[m, 2kp:2kp+2], w[n, 2kp:2kp+2]);
+// y = round(acc + b[n]), the same instructions in the same order for every tile shape and
+// thread partition (vdpbf16ps is deterministic: denormal inputs and outputs flushed to zero,
+// round to nearest even). Its bits differ from the FMA chain's in the last places, so one
+// machine always uses one of the two for a given weight (chosen at prepack).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -177,6 +187,56 @@ TileFn pick_tile(int mr, int npb) {
 #undef TS_T
   return nullptr;
 }
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 BF16 pair-dot micro-kernel on the pair layout: MR rows x NPB panels, one zmm
+// accumulator (16 columns, natural order) per row and panel. Per k pair: NPB 64-byte weight
+// loads, MR broadcasts of a bf16 activation pair, MR * NPB vdpbf16ps. An odd K ends with
+// the pair (x[K-1], 0) against the zero-padded (w[K-1], 0).
+// ---------------------------------------------------------------------------------------
+template <int MR, int NPB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_dp(
+    const uint16_t* __restrict x, int64_t ldx,      // [MR, K] bf16 rows, stride ldx
+    const uint16_t* __restrict wp, int64_t pstride,  // first panel [KP, 32]; panel stride
+    int64_t K, float* __restrict out, int64_t ldo) {  // out: [MR, NPB*16] fp32, stride ldo
+  __m512 acc[MR][NPB];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NPB; ++p) acc[r][p] = _mm512_setzero_ps();
+  const int64_t KP = (K + 1) / 2;
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const bool full = 2 * kp + 1 < K;
+    __m512bh w[NPB];
+#pragma GCC unroll 8
+    for (int p = 0; p < NPB; ++p)
+      w[p] = (__m512bh)_mm512_loadu_si512(wp + p * pstride + kp * 2 * NR);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      uint32_t pair = x[r * ldx + 2 * kp];
+      if (full) pair |= uint32_t(x[r * ldx + 2 * kp + 1]) << 16;
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 8
+      for (int p = 0; p < NPB; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NPB; ++p) _mm512_storeu_ps(out + r * ldo + NR * p, acc[r][p]);
+}
+
+using DpTileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t);
+
+DpTileFn pick_dp_tile(int mr, int npb) {
+#define TS_T(a, b) if (mr == a && npb == b) return &tile_dp<a, b>;
+  TS_T(1, 1) TS_T(2, 1) TS_T(3, 1) TS_T(4, 1)
+  TS_T(1, 2) TS_T(2, 2) TS_T(3, 2) TS_T(4, 2)
+  TS_T(1, 3) TS_T(2, 3) TS_T(3, 3) TS_T(4, 3)
+  TS_T(1, 4) TS_T(2, 4) TS_T(3, 4) TS_T(4, 4)
+#undef TS_T
+  return nullptr;
+}
 #endif  // TS_X86
 
 // Tile shape: rows per tile (MR) and panels per tile (NPB), from the batch size. Any choice
@@ -190,32 +250,30 @@ inline Shape tile_shape(int64_t M) {
   if (M == 3) return {3, 2};
   return {6, 1};
 }
+// 4 rows x 4 panels: 16 zmm accumulators; 6x4, 4x3, 3x6, 6x2 and 2x6 measured no faster on
+// Zen 4 (a step's GEMMs at M = 1, 16, 64, 256 within the host's noise, 6x2 slower; at M = 1,
+// 2 to 8 panels alike: the step streams its weights from DRAM).
+inline Shape dp_tile_shape(int64_t M) {
+  return {static_cast<int>(std::min<int64_t>(std::max<int64_t>(M, 1), 4)), 4};
+}
 
-// The GEMM proper on fp32 rows x: [M, K] (row stride ldx) -> y [M, N] (contiguous).
-void gemm_impl(const float* x, int64_t ldx, int64_t M, const void* wp, bool w_bf16, int64_t K,
-               int64_t N, const float* bias, void* y, bool y_bf16) {
-  const int64_t NP = (N + NR - 1) / NR;
-  const int64_t pstride = K * NR;  // elements per panel
-  const Shape sh = tile_shape(M);
+// Runs body(m, rows, p0, np, acc) over every output tile of an [M, NP*16] result: rows
+// m..m+rows-1 (rows <= sh.mr) by panels p0..p0+np-1 (np <= sh.npb), acc a per-thread fp32
+// scratch of [sh.mr, sh.npb * 16]. Which thread runs a tile never changes its arithmetic.
+template <class Body>
+void for_each_tile(int64_t M, int64_t NP, int64_t K, int64_t x_row_bytes, Shape sh,
+                   const Body& body) {
   const int64_t npb = sh.npb, mr = sh.mr;
   const int64_t ngroups = (NP + npb - 1) / npb;
   // M chunks keep a chunk of x rows in L2 while every panel streams over it; chunks and the
   // MR-row blocks inside them are balanced (64 rows: 6,6,6,6,5,5,... not 6 x 10 + 4).
-  const int64_t mc_max = std::max<int64_t>(mr, (196608 / std::max<int64_t>(K * 4, 1)) / mr * mr);
+  const int64_t mc_max = std::max<int64_t>(mr, (196608 / std::max<int64_t>(x_row_bytes, 1)) / mr * mr);
   const int64_t nchunks = (M + mc_max - 1) / mc_max;
   const int64_t mc_rows = (M + nchunks - 1) / nchunks;
   const int64_t units = nchunks * ngroups;
-  const size_t ysz = y_bf16 ? 2 : 4;
-  const bool use_avx2 =
-#ifdef TS_X86
-      cpu_features().avx2_fma && !g_force_portable.load();
-#else
-      false;
-#endif
   // Threads pull batches of units from a shared counter (dynamic scheduling): on a shared
-  // or oversubscribed host a descheduled thread does not hold back the others' work. Which
-  // thread computes a unit never changes its arithmetic. Tasks get at least ~32K
-  // multiply-adds so that tiny GEMMs stay on one thread.
+  // or oversubscribed host a descheduled thread does not hold back the others' work.
+  // Tasks get at least ~32K multiply-adds so that tiny GEMMs stay on one thread.
   const int64_t work_per_unit = std::max<int64_t>(1, std::min(M, mc_rows) * npb * NR * K);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / work_per_unit);
   const int64_t ntasks = std::max<int64_t>(
@@ -229,87 +287,144 @@ void gemm_impl(const float* x, int64_t ldx, int64_t M, const void* wp, bool w_bf
       const int64_t chunk = u / ngroups, g = u % ngroups;
       const int64_t m_lo = chunk * M / nchunks, m_hi = (chunk + 1) * M / nchunks;
       const int64_t p0 = g * npb, np = std::min(npb, NP - p0);
-      const int64_t n0 = p0 * NR, ncols = std::min(N - n0, np * NR);
-      const char* wpanel = static_cast<const char*>(wp) + p0 * pstride * (w_bf16 ? 2 : 4);
       const int64_t nblk = (m_hi - m_lo + mr - 1) / std::max<int64_t>(mr, 1);
       for (int64_t blk = 0, m = m_lo; blk < nblk; ++blk) {
         const int64_t rows = (m_hi - m_lo) / nblk + (blk < (m_hi - m_lo) % nblk ? 1 : 0);
-        const int64_t m_next = m + rows;
-        const float* xr = x + m * ldx;
-#ifdef TS_X86
-        if (use_avx2) {
-          TileFn fn = w_bf16 ? pick_tile<true>(int(rows), int(np)) : pick_tile<false>(int(rows), int(np));
-          if (fn == nullptr) {  // shape not instantiated: one panel at a time (same bits)
-            TileFn f1 = w_bf16 ? pick_tile<true>(int(rows), 1) : pick_tile<false>(int(rows), 1);
-            for (int64_t p = 0; p < np; ++p)
-              f1(xr, ldx, wpanel + p * pstride * (w_bf16 ? 2 : 4), pstride, K, acc + p * NR, np * NR);
-          } else {
-            fn(xr, ldx, wpanel, pstride, K, acc, np * NR);
-          }
-          for (int64_t r = 0; r < rows; ++r)
-            store_row_avx2(acc + r * np * NR, ncols, bias ? bias + n0 : nullptr,
-                           static_cast<char*>(y) + ((m + r) * N + n0) * ysz, y_bf16);
-          m = m_next;
-          continue;
-        }
-#endif
-        for (int64_t p = 0; p < np; ++p) {
-          panel_scalar(xr, ldx, rows, wpanel + p * pstride * (w_bf16 ? 2 : 4), w_bf16, K, acc);
-          const int64_t nc = std::min<int64_t>(NR, N - (n0 + p * NR));
-          for (int64_t r = 0; r < rows; ++r)
-            store_row_scalar(acc + r * NR, nc, bias ? bias + n0 + p * NR : nullptr,
-                             static_cast<char*>(y) + ((m + r) * N + n0 + p * NR) * ysz, y_bf16);
-        }
-        m = m_next;
+        body(m, rows, p0, np, acc);
+        m += rows;
       }
     }
   });
 }
 
+// Tile accumulators [rows][np*16] -> y rows m.., columns 16*p0.., + bias, rounded once.
+inline void store_tile(const float* acc, int64_t m, int64_t rows, int64_t p0, int64_t np,
+                       int64_t N, const float* bias, void* y, bool y_bf16, bool vec) {
+  const int64_t n0 = p0 * NR, ncols = std::min(N - n0, np * NR);
+  const size_t ysz = y_bf16 ? 2 : 4;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * np * NR;
+    void* yr = static_cast<char*>(y) + ((m + r) * N + n0) * ysz;
+#ifdef TS_X86
+    if (vec) {
+      store_row_avx2(a, ncols, bias ? bias + n0 : nullptr, yr, y_bf16);
+      continue;
+    }
+#endif
+    store_row_scalar(a, ncols, bias ? bias + n0 : nullptr, yr, y_bf16);
+  }
+}
+
+// The FMA-chain GEMM on fp32 rows x: [M, K] (row stride ldx), k16 panels -> y [M, N].
+void gemm_impl(const float* x, int64_t ldx, int64_t M, const void* wp, bool w_bf16, int64_t K,
+               int64_t N, const float* bias, void* y, bool y_bf16) {
+  const int64_t NP = (N + NR - 1) / NR;
+  const int64_t pstride = K * NR;  // elements per panel
+  const size_t wsz = w_bf16 ? 2 : 4;
+  const bool use_avx2 =
+#ifdef TS_X86
+      cpu_features().avx2_fma && !g_force_portable.load();
+#else
+      false;
+#endif
+  for_each_tile(M, NP, K, K * 4, tile_shape(M), [&](int64_t m, int64_t rows, int64_t p0, int64_t np,
+                                                     float* acc) {
+    const char* wpanel = static_cast<const char*>(wp) + p0 * pstride * wsz;
+    const float* xr = x + m * ldx;
+#ifdef TS_X86
+    if (use_avx2) {
+      TileFn fn = w_bf16 ? pick_tile<true>(int(rows), int(np)) : pick_tile<false>(int(rows), int(np));
+      if (fn == nullptr) {  // shape not instantiated: one panel at a time (same bits)
+        TileFn f1 = w_bf16 ? pick_tile<true>(int(rows), 1) : pick_tile<false>(int(rows), 1);
+        for (int64_t p = 0; p < np; ++p)
+          f1(xr, ldx, wpanel + p * pstride * wsz, pstride, K, acc + p * NR, np * NR);
+      } else {
+        fn(xr, ldx, wpanel, pstride, K, acc, np * NR);
+      }
+      store_tile(acc, m, rows, p0, np, N, bias, y, y_bf16, true);
+      return;
+    }
+#endif
+    for (int64_t p = 0; p < np; ++p) {
+      panel_scalar(xr, ldx, rows, wpanel + p * pstride * wsz, w_bf16, K, acc);
+      store_tile(acc, m, rows, p0 + p, 1, N, bias, y, y_bf16, false);
+    }
+  });
+}
+
+#ifdef TS_X86
+// The pair-dot GEMM on bf16 rows x: [M, K] (row stride ldx), pair panels -> y [M, N].
+void gemm_dp_impl(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
+                  int64_t N, const float* bias, void* y, bool y_bf16) {
+  const int64_t NP = (N + NR - 1) / NR;
+  const int64_t pstride = (K + 1) / 2 * 2 * NR;  // elements per panel
+  for_each_tile(M, NP, K, K * 2, dp_tile_shape(M), [&](int64_t m, int64_t rows, int64_t p0,
+                                                       int64_t np, float* acc) {
+    pick_dp_tile(int(rows), int(np))(x + m * ldx, ldx, wp + p0 * pstride, pstride, K, acc, np * NR);
+    store_tile(acc, m, rows, p0, np, N, bias, y, y_bf16, true);
+  });
+}
+#endif
 }  // namespace
 
+// dst[pos(p, c, k)] = W[16p + c, k] for every column c < N and k < K; panels in parallel.
+template <class T, class Pos>
+void scatter_panels(const T* src, T* dst, int64_t N, int64_t K, const Pos& pos) {
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < NR && p * NR + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k) dst[pos(p, c, k)] = src[(p * NR + c) * K + k];
+  });
+}
+
 // Packs a weight once for gemm().
-//   w: [N, K] bf16 or fp32 (any strides) -> [ceil(N/16), K, 16] same dtype, zero padded.
-torch::Tensor gemm_prepack(const torch::Tensor& w) {
+//   w: [N, K] bf16 or fp32 (any strides), pairs false -> k16 panels [ceil(N/16), K, 16], same
+//   dtype, zero padded; pairs true (bf16 only, for the pair-dot path) -> [ceil(N/16),
+//   ceil(K/2), 32] bf16, zero padded past N and K.
+torch::Tensor gemm_prepack(const torch::Tensor& w, bool pairs) {
   TORCH_CHECK(w.dim() == 2, "gemm_prepack: weight must be 2-D [N, K], got ", w.sizes());
   TORCH_CHECK(w.device().is_cpu(), "gemm_prepack: weight must be on CPU");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
               "gemm_prepack: weight dtype must be bfloat16 or float32, got ", w.scalar_type());
-  const int64_t N = w.size(0), K = w.size(1), NP = (N + NR - 1) / NR;
+  TORCH_CHECK(!pairs || w.scalar_type() == at::kBFloat16,
+              "gemm_prepack: the pair layout takes a bfloat16 weight, got ", w.scalar_type());
+  const int64_t N = w.size(0), K = w.size(1), NP = (N + NR - 1) / NR, KP = (K + 1) / 2;
   auto wc = w.contiguous();
-  auto packed = torch::zeros({NP, K, NR}, w.options());
-  if (w.scalar_type() == at::kBFloat16) {
-    const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-    auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-    at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t c = 0; c < NR && p * NR + c < N; ++c)
-          for (int64_t k = 0; k < K; ++k)
-            dst[(p * K + k) * NR + bf16_slot(c)] = src[(p * NR + c) * K + k];
-    });
-  } else {
-    const float* src = wc.data_ptr<float>();
-    float* dst = packed.data_ptr<float>();
-    at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t c = 0; c < NR && p * NR + c < N; ++c)
-          for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * NR + c] = src[(p * NR + c) * K + k];
-    });
+  auto packed = pairs ? torch::zeros({NP, KP, 2 * NR}, w.options())
+                      : torch::zeros({NP, K, NR}, w.options());
+  if (w.scalar_type() == at::kFloat) {
+    scatter_panels(wc.data_ptr<float>(), packed.data_ptr<float>(), N, K,
+                   [&](int64_t p, int64_t c, int64_t k) { return (p * K + k) * NR + c; });
+    return packed;
   }
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (pairs)
+    scatter_panels(src, dst, N, K, [&](int64_t p, int64_t c, int64_t k) {
+      return (p * KP + k / 2) * 2 * NR + 2 * c + (k & 1);
+    });
+  else
+    scatter_panels(src, dst, N, K,
+                   [&](int64_t p, int64_t c, int64_t k) { return (p * K + k) * NR + bf16_slot(c); });
   return packed;
 }
 
 // y = x @ W^T (+ bias), written into out.
 //   x:      [M, K] bf16 or fp32, stride(1) == 1 (rows may be strided; otherwise copied)
-//   packed: [ceil(N/16), K, 16] from gemm_prepack (bf16 or fp32, independent of x's dtype)
+//   packed: from gemm_prepack: k16 panels [ceil(N/16), K, 16] (bf16 or fp32, independent of
+//           x's dtype; the FMA chain), or pair panels [ceil(N/16), ceil(K/2), 32] bf16 (the
+//           pair-dot chain, CPUs with AVX512_BF16 only; x is taken in bf16, an fp32 x is
+//           rounded to bf16 first)
 //   bias:   [N] any float dtype (used as fp32) or None
 //   out:    [M, N] bf16 or fp32, contiguous
 // fp32 accumulation, one rounding to out's dtype. Returns out.
 torch::Tensor gemm_out(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                        const std::optional<torch::Tensor>& bias, torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 2, "gemm: x must be 2-D [M, K], got ", x.sizes());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR, "gemm: packed must be [NP, K, 16] from gemm_prepack, got ",
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == NR || packed.size(2) == 2 * NR),
+              "gemm: packed must be [NP, K, 16] or [NP, ceil(K/2), 32] from gemm_prepack, got ",
               packed.sizes());
+  const bool pairs = packed.size(2) == 2 * NR;
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && out.device().is_cpu(),
               "gemm: tensors must be on CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
@@ -318,7 +433,15 @@ torch::Tensor gemm_out(const torch::Tensor& x, const torch::Tensor& packed, int6
               "gemm: packed dtype must be bfloat16 or float32, got ", packed.scalar_type());
   TORCH_CHECK(packed.is_contiguous(), "gemm: packed must be contiguous");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.size(1) == K, "gemm: x has K=", K, " but packed weight has K=", packed.size(1));
+  TORCH_CHECK(packed.size(1) == (pairs ? (K + 1) / 2 : K), "gemm: x has K=", K,
+              " but packed weight has ", packed.size(1), pairs ? " k pairs" : " k");
+  TORCH_CHECK(!pairs || packed.scalar_type() == at::kBFloat16, "gemm: pair panels must be bfloat16");
+#ifdef TS_X86
+  TORCH_CHECK(!pairs || cpu_features().avx512bf16,
+              "gemm: pair panels need a CPU with AVX512_BF16 (pack with pairs=False)");
+#else
+  TORCH_CHECK(!pairs, "gemm: pair panels need an x86 CPU with AVX512_BF16");
+#endif
   TORCH_CHECK(N >= 0 && (N + NR - 1) / NR == packed.size(0), "gemm: N=", N,
               " does not match packed panels ", packed.size(0));
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous(),
@@ -336,6 +459,18 @@ torch::Tensor gemm_out(const torch::Tensor& x, const torch::Tensor& packed, int6
     else out.zero_();
     return out;
   }
+#ifdef TS_X86
+  if (pairs) {
+    torch::Tensor xb = x;
+    if (x.scalar_type() != at::kBFloat16 || x.stride(1) != 1 || x.stride(0) < K)
+      xb = x.to(at::kBFloat16).contiguous();
+    gemm_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), xb.stride(0), M,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, N,
+                 b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(),
+                 out.scalar_type() == at::kBFloat16);
+    return out;
+  }
+#endif
   torch::Tensor xf = x;
   if (x.scalar_type() != at::kFloat || x.stride(1) != 1 || x.stride(0) < K)
     xf = x.to(at::kFloat).contiguous();
@@ -356,9 +491,10 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t 
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(gemm) {
-  m.def("gemm_prepack", &tokenserve::gemm_prepack, pybind11::arg("w"),
-        "gemm_prepack(w: Tensor[N, K] bf16|fp32) -> Tensor[ceil(N/16), K, 16] (same dtype): the weight "
-        "packed once for gemm().");
+  m.def("gemm_prepack", &tokenserve::gemm_prepack, pybind11::arg("w"), pybind11::arg("pairs") = false,
+        "gemm_prepack(w: Tensor[N, K] bf16|fp32, pairs=False) -> Tensor[ceil(N/16), K, 16] (same dtype), "
+        "or with pairs=True (bf16, AVX512_BF16 CPUs) Tensor[ceil(N/16), ceil(K/2), 32]: the weight "
+        "packed once for gemm(); the layout chooses the FMA chain or the pair-dot chain.");
   m.def("gemm", &tokenserve::gemm, tokenserve::ReleaseGil(), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "gemm(x: Tensor[M, K] bf16|fp32, packed, N, bias: Tensor[N] | None, out_dtype: bf16|fp32|None) "

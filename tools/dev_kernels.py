@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.utils.cpp_extension as ext
 
-FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wno-unused-function", "-fopenmp"]
+FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wno-unused-function", "-fopenmp", "-g0"]
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     mod = ext.load(name=f"_C_{name}", build_directory=str(out), extra_cflags=FLAGS,
                    sources=[str(root / "csrc/module.cpp")] + [str(root / f) for f in files],
-                   extra_include_paths=[str(root / "csrc")], extra_ldflags=["-fopenmp"],
+                   extra_include_paths=[str(root / "csrc")], extra_ldflags=["-fopenmp", "-g0"],
                    verbose=bool(os.environ.get("V")))
     print(mod.__file__)
 

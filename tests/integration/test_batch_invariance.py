@@ -9,6 +9,11 @@ Two levels:
 * the engine (``AsyncEngine`` with its real scheduler): the generated ids, greedy and
   seeded sampled, alone vs among 2..64 random concurrent requests, chunked vs whole
   prefill, prefix-cache hit vs miss.
+
+Both levels run once per weight path this CPU can run (``tests/backends.py``: the bf16
+pair-dot GEMM on AVX512_BF16, the bf16 FMA chain, the GGUF blocks); the path is in the test
+id and the log line of what each layer ran on is asserted, so the test cannot silently
+measure another path.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from tests.backends import gemm_env, weight_paths
 from tokenserve.config import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
@@ -28,6 +34,7 @@ from tokenserve.messages import GenerateRequest, ScheduledSeq, SeqStart, StepPla
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
+from tokenserve.ops.linear import describe_gemms
 from tokenserve.sampling_params import SamplingParams
 
 STORY = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -93,12 +100,25 @@ class _Rig:
         return out, res.sampled
 
 
-@pytest.fixture(scope="module")
-def bf16_model():
+def _expect_path(line: str, gemm: str, quant: str) -> None:
+    """The layers really run on the path under test (``line``: ``describe_gemms``)."""
+    if quant == "gguf":
+        assert "quant_gemm" in line and "bf16" not in line, line
+    elif gemm == "c-fma":
+        assert line.startswith("bf16 → tokenserve.gemm avx2") or "portable" in line, line
+    else:
+        assert line.startswith("bf16 → tokenserve.gemm avx512bf16 (invariant)"), line
+
+
+@pytest.fixture(scope="module", params=weight_paths())
+def bf16_model(request):
+    gemm, quant = request.param
     d = resolve_model(None)
     cfg = ModelConfig.from_dir(d)
-    model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, torch.bfloat16),
-                                             torch.bfloat16, torch.device("cpu"))
+    with gemm_env(gemm):
+        model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, torch.bfloat16, quant),
+                                                 torch.bfloat16, torch.device("cpu"))
+    _expect_path(describe_gemms(model.linears()), gemm, quant)
     return model, Tokenizer(d)
 
 
@@ -204,15 +224,19 @@ async def _generate(engine: AsyncEngine, ids: list[int], cached: list | None = N
     return out
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def engines():
-    """Two bf16 engines: chunked prefill in 7-token steps with no prefix cache, and the
-    default whole-prompt path with the prefix cache on."""
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=weight_paths())
+async def engines(request):
+    """Two bf16 engines on one weight path: the default whole-prompt path with the prefix
+    cache on, and chunked prefill in 7-token steps with no prefix cache."""
+    gemm, quant = request.param
     made = []
     for kw in (dict(max_num_batched_tokens=2048, enable_prefix_caching=True),
                dict(max_num_batched_tokens=7, long_prefill_token_threshold=7,
                     enable_prefix_caching=False)):
-        e = await asyncio.to_thread(AsyncEngine.build, _engine_cfg(**kw))
+        with gemm_env(gemm):
+            e = await asyncio.to_thread(AsyncEngine.build,
+                                        _engine_cfg(quantization=quant, **kw))
+        _expect_path(e.info.gemm, gemm, quant)
         await e.start()
         made.append(e)
     yield made

@@ -37,6 +37,7 @@ from tokenserve.messages import (
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
+from tokenserve.ops.linear import describe_gemms
 
 log = logging.getLogger("tokenserve.engine")
 
@@ -82,7 +83,9 @@ class AsyncEngine:
             model_path=str(cfg.model or ""),
             device=device or (cfg.device if cfg.device != "auto" else "cpu"),
             dtype=cfg.dtype,
-            weights_bytes=getattr(getattr(runner, "model", None), "weight_bytes", 0))
+            weights_bytes=getattr(getattr(runner, "model", None), "weight_bytes", 0),
+            gemm=(describe_gemms(runner.model.linears())
+                  if hasattr(getattr(runner, "model", None), "linears") else ""))
         self.executor = executor if executor is not None else ExecutorActor(runner)
         self._runner = runner
         self._streams: dict[str, RequestHandle] = {}
@@ -129,7 +132,8 @@ class AsyncEngine:
         num_blocks = runner.num_blocks
         log.info("model %s (%s) loaded on %s as %s in %.1f s", model_cfg.name, model_dir,
                  device, cfg.dtype, time.perf_counter() - t0)
-        log.info("kernels: %s; GEMM: %s", model.kernels.describe(), model.lm_head.backend)
+        log.info("kernels: %s; GEMM: %s", model.kernels.describe(),
+                 describe_gemms(model.linears()))
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token)",
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
                  num_blocks * per_block / 2**20, model.kv_bytes_per_token())

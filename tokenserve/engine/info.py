@@ -31,6 +31,9 @@ class EngineInfo:
         dtype: the dtype the weights are served in (``bfloat16``, ``float32``).
         weights_bytes: bytes of model weights the kernels read (packed or quantised copies,
             embedding table, norms); 0 when unknown.
+        gemm: what each kind of layer computes on, e.g. ``bf16 → tokenserve.gemm
+            avx512bf16 (invariant)`` (``tokenserve.ops.linear.describe_gemms``); "" when
+            unknown.
     """
 
     model_name: str
@@ -48,6 +51,7 @@ class EngineInfo:
     device: str = "cpu"
     dtype: str = "bfloat16"
     weights_bytes: int = 0
+    gemm: str = ""
 
 
 @dataclass(frozen=True)

@@ -117,11 +117,15 @@ class LlamaForCausalLM:
             return None
         return base
 
+    def linears(self) -> list[Linear]:
+        """Every projection, lm_head first, then each layer's qkv, o, gate_up, down."""
+        return [self.lm_head] + [lin for layer in self.layers for lin in layer.values()]
+
     def _weight_stats(self) -> tuple[int, str]:
         """(bytes of weights the kernels read, formats with their tensor counts): each
         GEMM's packed or quantised copy, the embedding table (once when it is the tied
         quantised lm_head), the norms."""
-        linears = [self.lm_head] + [lin for layer in self.layers for lin in layer.values()]
+        linears = self.linears()
         total = sum(lin.nbytes for lin in linears)
         formats = Counter(lin.qweight.qtype if lin.qweight is not None
                           else str(lin.weight.dtype).removeprefix("torch.") for lin in linears)

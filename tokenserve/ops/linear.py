@@ -3,16 +3,27 @@
 :class:`Linear` picks one backend per layer, once, at construction (``Linear.backend``
 says which, for the start-up log):
 
+``"tokenserve.gemm"``
+    our kernel (``csrc/gemm.cpp``) on a weight prepacked once in its own dtype (bf16: half
+    the bytes of fp32). Two arithmetic chains, chosen per weight at construction
+    (``Linear.isa``):
+
+    * ``"avx512bf16"``: a bf16 weight on a CPU with AVX512_BF16 (AMD Zen 4/5, Intel Cooper
+      Lake, Sapphire Rapids and later) is packed in k pairs and computed with
+      ``vdpbf16ps`` on bf16 activations (2 multiply-adds per lane and instruction: about
+      twice the FMA chain's speed once a step is compute-bound, 16+ rows);
+    * ``"avx2"`` / ``"portable"``: the fp32 FMA chain over k, the AVX2+FMA loop or its
+      scalar twin (``std::fma``, bit-equal), for fp32 weights, CPUs without AVX512_BF16, and
+      ``TOKENSERVE_GEMM=c-fma``.
+
+    Any out dtype (bf16/fp32), so the lm_head produces fp32 logits straight from the fp32
+    accumulators.
 ``"onednn"``
     oneDNN's bf16 GEMM on a weight reordered ahead of time
-    (``torch.ops.mkldnn._reorder_linear_weight``). Chosen only for a bf16 CPU weight whose
-    output stays bf16, on a CPU with AMX-BF16, where it is the fast path (native bf16
-    tiles). Elsewhere oneDNN either refuses the reorder (no avx512bw/avx_ne_convert, e.g.
-    AMD Zen 3) or emulates bf16, and our kernel is preferred.
-``"tokenserve.gemm"``
-    our AVX2+FMA kernel (``csrc/gemm.cpp``): the weight is stored prepacked in its own dtype
-    (bf16: half the bytes of fp32) and computed with fp32 FMAs. Any out dtype (bf16/fp32),
-    so the lm_head produces fp32 logits straight from the fp32 accumulators.
+    (``torch.ops.mkldnn._reorder_linear_weight``), only when asked for
+    (``TOKENSERVE_GEMM=onednn``): its blocking over rows depends on M on AMX (a request's
+    logits moved by up to 0.2 between alone and batched on a Sapphire Rapids, issue 20), so
+    it is not batch-invariant and is never the default.
 ``"tokenserve.quant_gemm"``
     a :class:`~tokenserve.ops.quant.QuantWeight` (the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks,
     regrouped 8 rows per block once: ``repack_x8``) on our AVX2 kernel (``csrc/quant.cpp``):
@@ -32,15 +43,17 @@ says which, for the start-up log):
     ``F.linear`` (then ``.to(out_dtype)``): non-CPU devices, other dtypes, or no extension
     (a quantised weight is then dequantised once, to ``fallback_dtype``).
 
-Batch invariance: with ``tokenserve.gemm`` every output element is the same sequential fp32
-FMA chain over k (k = 0..K-1, from 0), plus the bias, rounded once, whatever the number of
-rows, the row's position in the batch and the thread count: a token's output row never
-depends on what else is in the step (``tests/unit/test_kernel_gemm.py`` checks it bit for
-bit). oneDNN with AMX is taken to be row-invariant as well (its brgemm blocks over rows,
-never splitting one row's K reduction by batch size); ``F.linear`` through MKL/oneDNN on
-other CPUs is NOT guaranteed row-invariant (its kernel choice depends on M).
+Batch invariance: with ``tokenserve.gemm`` every output element is one fixed chain (the fp32
+FMA chain over k = 0..K-1, or the ``vdpbf16ps`` chain over the k pairs), plus the bias,
+rounded once, whatever the number of rows, the row's position in the batch and the thread
+count: a token's output row never depends on what else is in the step
+(``tests/unit/test_kernel_gemm.py`` checks it bit for bit, per chain; the integration tests
+check the model per backend). The two chains differ in the last bits, so a given machine
+and weight always use one. ``F.linear`` through MKL/oneDNN is NOT row-invariant (its
+kernel and blocking depend on M).
 
-``TOKENSERVE_GEMM=onednn|c|torch`` forces a backend where it can run (for experiments).
+``TOKENSERVE_GEMM`` forces a backend where it can run (for experiments): ``c`` (ours, the
+default), ``c-fma`` (ours, FMA chain even where AVX512_BF16 exists), ``onednn``, ``torch``.
 """
 
 from __future__ import annotations
@@ -58,6 +71,33 @@ log = logging.getLogger("tokenserve.ops")
 
 BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_k_gemm",
             "tokenserve.int8_gemm", "torch")
+# the backends whose rows never depend on the batch (see the module doc)
+INVARIANT_BACKENDS = ("tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_k_gemm",
+                      "tokenserve.int8_gemm")
+FORCE_VALUES = ("", "c", "c-fma", "onednn", "torch")
+
+
+def forced_backend() -> str:
+    """``TOKENSERVE_GEMM`` ('' when unset).
+
+    Raises:
+        ValueError: a value other than those in ``FORCE_VALUES``.
+    """
+    force = os.environ.get("TOKENSERVE_GEMM", "")
+    if force not in FORCE_VALUES:
+        raise ValueError(f"TOKENSERVE_GEMM={force!r}: expected one of "
+                         f"{', '.join(v for v in FORCE_VALUES if v)}")
+    return force
+
+
+def vector_isa(c) -> str:
+    """The inner loop our FMA-chain kernels run on this CPU: ``"avx2"`` or ``"portable"``."""
+    return "avx2" if c is not None and c.cpu_features().get("avx2_fma", False) else "portable"
+
+
+def pair_dot_available(c) -> bool:
+    """True when this CPU (and the extension) can run the ``vdpbf16ps`` pair-dot GEMM."""
+    return c is not None and bool(c.cpu_features().get("avx512bf16", False))
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -75,18 +115,6 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     """
     y = F.linear(x.float(), w.float(), None if b is None else b.float())
     return y.to(out_dtype or x.dtype)
-
-
-def _onednn_wanted(weight: torch.Tensor, out_dtype: torch.dtype | None, c) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return False
-    if out_dtype not in (None, weight.dtype):
-        return False
-    if not torch.backends.mkldnn.is_available():
-        return False
-    # oneDNN is the fast bf16 path only with native bf16 tiles (AMX); without them our
-    # fp32-FMA kernel is as fast or faster and is row-invariant by construction.
-    return c is None or bool(c.cpu_features().get("amx_bf16", False))
 
 
 def _try_onednn(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -128,12 +156,13 @@ class Linear:
                  out_dtype: torch.dtype | None = None,
                  fallback_dtype: torch.dtype = torch.bfloat16) -> None:
         self.qweight: QuantWeight | None = None
+        force = forced_backend()
+        self.isa: str | None = None
         if isinstance(weight, QuantWeight):
             c = load_kernels()
             op = ("int8_gemm" if weight.qtype == "int8" else
                   "quant_k_gemm" if weight.qtype in K_QTYPES else "quant_gemm")
-            if (c is not None and hasattr(c, op)
-                    and os.environ.get("TOKENSERVE_GEMM", "") in ("", "c")):
+            if c is not None and hasattr(c, op) and force in ("", "c", "c-fma"):
                 # GGUF blocks -> x8 (k-quants: k8) groups; Int8Weight -> x16 panels
                 self.qweight, self.bias, self.out_dtype = repack_x8(weight), bias, out_dtype
                 self.weight = None
@@ -141,6 +170,7 @@ class Linear:
                 self._c, self._packed = c, None
                 self._bias_f32 = None if bias is None else bias.float().contiguous()
                 self.backend = f"tokenserve.{op}"
+                self.isa = vector_isa(c)
                 return
             weight = dequantize_ref(weight).to(fallback_dtype)
         if weight.dim() != 2:
@@ -152,24 +182,25 @@ class Linear:
         self._packed = None
         self._bias_f32 = None
         self._c = None
-        force = os.environ.get("TOKENSERVE_GEMM", "")
         c = load_kernels()
         c = c if c is not None and hasattr(c, "gemm") else None
         self.backend = "torch"
-        if force in ("", "onednn") and (force == "onednn" or _onednn_wanted(weight, out_dtype, c)):
-            if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                    and out_dtype in (None, weight.dtype)):
-                self._packed = _try_onednn(weight, bias)
-                if self._packed is not None:
-                    self.backend = "onednn"
-                    return
-        if (force in ("", "c", "onednn") and c is not None and weight.device.type == "cpu"
+        if (force == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                and out_dtype in (None, weight.dtype)):
+            self._packed = _try_onednn(weight, bias)
+            if self._packed is not None:
+                self.backend = "onednn"
+                return
+        if (force != "torch" and c is not None and weight.device.type == "cpu"
                 and weight.dtype in (torch.bfloat16, torch.float32)):
             self._c = c
-            self._packed = c.gemm_prepack(weight)
+            pairs = (weight.dtype == torch.bfloat16 and force != "c-fma"
+                     and pair_dot_available(c))
+            self._packed = c.gemm_prepack(weight, pairs)
             if bias is not None:
                 self._bias_f32 = bias.float().contiguous()
             self.backend = "tokenserve.gemm"
+            self.isa = "avx512bf16" if pairs else vector_isa(c)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] -> [..., N] in ``out_dtype`` (None: x's dtype).
@@ -201,6 +232,23 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         y = F.linear(x, self.weight, self.bias)
         return y if self.out_dtype is None else y.to(self.out_dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        """The stored weight's kind for the log: ``bf16``, ``fp32``, ``q4_1``, ``int8``, ..."""
+        if self.qweight is not None:
+            return self.qweight.qtype
+        return {torch.bfloat16: "bf16", torch.float32: "fp32",
+                torch.float16: "fp16"}.get(self.weight.dtype, str(self.weight.dtype))
+
+    def describe(self) -> str:
+        """What this layer really runs on, e.g. ``tokenserve.gemm avx512bf16 (invariant)``
+        or ``onednn (not batch-invariant)``."""
+        name = self.backend if self.isa is None else f"{self.backend} {self.isa}"
+        if self.backend == "torch" and self.weight.device.type != "cpu":
+            return f"torch {self.weight.device.type}"
+        ok = self.backend in INVARIANT_BACKENDS
+        return f"{name} ({'invariant' if ok else 'not batch-invariant'})"
 
     def c_spec(self) -> tuple | None:
         """This projection for ``csrc/decoder.cpp``: ``(kind, weight, scale, qtype, N,
@@ -236,3 +284,23 @@ class Linear:
         dtype = self.qweight.qtype if self.qweight is not None else self.weight.dtype
         return (f"Linear(N={self.out_features}, K={self.in_features}, "
                 f"dtype={dtype}, backend={self.backend})")
+
+
+def describe_gemms(linears) -> str:
+    """One line for the start-up log naming what each kind of layer runs on, e.g. ``bf16 →
+    tokenserve.gemm avx512bf16 (invariant)`` or ``q4_1 → tokenserve.quant_gemm avx2
+    (invariant); q8_0 → ...``; the lm_head is named apart when it differs from the layers
+    of its kind.
+
+    Args:
+        linears: the model's :class:`Linear` layers, lm_head first.
+    """
+    linears = list(linears)
+    kinds: dict[str, str] = {}
+    for lin in linears[1:]:
+        kinds.setdefault(lin.dtype_name, lin.describe())
+    parts = [f"{k} → {v}" for k, v in kinds.items()]
+    head = linears[0]
+    if kinds.get(head.dtype_name) != head.describe():
+        parts.append(f"lm_head {head.dtype_name} → {head.describe()}")
+    return "; ".join(parts)
