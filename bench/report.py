@@ -98,6 +98,12 @@ def format_table(results: dict[str, Any]) -> str:
                      f"weights {lc.get('model_ftype') or '?'}, "
                      f"{lc.get('total_slots') or '?'} slots x {lc.get('n_ctx_per_slot') or '?'}"
                      " tokens")
+    spec = [f"c={lv['concurrency']} {sd['accepted_tokens']}/{sd['draft_tokens']}"
+            + (f" ({sd['acceptance']:.0%})" if sd["acceptance"] is not None else "")
+            for lv in results["levels"] if (sd := lv.get("spec_decode")) is not None]
+    if any(lv["spec_decode"]["draft_tokens"] for lv in results["levels"]
+           if lv.get("spec_decode")):
+        lines.append("speculative decoding, accepted/drafted tokens: " + ", ".join(spec))
     names = {"ours": target, "baseline": "hf", "llamacpp": "llamacpp"}
     for lv in results["levels"]:
         for key, name in names.items():

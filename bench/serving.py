@@ -31,7 +31,7 @@ import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.clients import BACKENDS, get_backend, send_engine, send_http
@@ -196,6 +196,9 @@ class LevelResult:
     concurrency: int
     records: list[RequestRecord]
     duration_s: float
+    #: speculative decoding during the level: (draft tokens verified, accepted); None
+    #: where the target does not report them
+    spec: tuple[int, int] | None = None
 
 
 def _progress(total: int, desc: str, disable: bool) -> Any:
@@ -261,10 +264,15 @@ async def _warm(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
 
 async def sweep(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
                 slices: Sequence[Sequence[BenchRequest]], warm: Sequence[BenchRequest],
-                args: argparse.Namespace, label: str) -> list[LevelResult]:
+                args: argparse.Namespace, label: str,
+                spec_counters: Callable[[], Awaitable[tuple[int, int] | None]] | None = None,
+                ) -> list[LevelResult]:
+    """Each concurrency level in turn (warm-up first); ``spec_counters`` (the target's
+    draft and accepted token counters) is read around each level."""
     out = []
     for c, reqs in zip(args.concurrency, slices):
         await _warm(send, warm)
+        before = await spec_counters() if spec_counters else None
         bar = _progress(len(reqs), f"{label} c={c}", args.no_progress)
         try:
             res = await run_level(send, reqs, c, request_rate=args.request_rate,
@@ -272,8 +280,24 @@ async def sweep(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
                                   on_done=lambda b=bar: b.update(1))
         finally:
             bar.close()
+        after = await spec_counters() if spec_counters else None
+        if before is not None and after is not None:
+            res = replace(res, spec=(after[0] - before[0], after[1] - before[1]))
         out.append(res)
     return out
+
+
+def spec_counters_from_metrics(text: str) -> tuple[int, int] | None:
+    """(draft tokens, accepted tokens) from a tokenserve ``/metrics`` page, or None when
+    it has no speculative-decoding counters (another server)."""
+    vals = {}
+    for line in text.splitlines():
+        for key in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+            if line.startswith(key):
+                vals[key] = int(float(line.rsplit(" ", 1)[1]))
+    if len(vals) != 2:
+        return None
+    return vals["spec_decode_num_draft_tokens_total"], vals["spec_decode_num_accepted_tokens_total"]
 
 
 def _served_model_name(url: str, fallback: str) -> str:
@@ -308,7 +332,14 @@ async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenize
             return await send_http(http, backend, req, model_name, count_text,
                                    ignore_eos=args.ignore_eos)
 
-        return await sweep(send, slices, warm, args, backend.name)
+        async def counters() -> tuple[int, int] | None:
+            try:
+                r = await http.get("/metrics")
+            except httpx.HTTPError:
+                return None
+            return spec_counters_from_metrics(r.text) if r.status_code == 200 else None
+
+        return await sweep(send, slices, warm, args, backend.name, counters)
 
 
 def engine_config(args: argparse.Namespace):
@@ -334,8 +365,12 @@ async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRe
     ignore_eos = (args.ignore_eos if args.ignore_eos is not None
                   else get_backend(args.backend).ignore_eos)  # as the family would send it
     try:
+        async def counters() -> tuple[int, int]:
+            st = engine.stats()
+            return st.num_draft_tokens, st.num_accepted_tokens
+
         return await sweep(lambda r: send_engine(engine, r, ignore_eos), slices, warm, args,
-                           "engine")
+                           "engine", counters)
     finally:
         await engine.stop()
 
@@ -466,15 +501,22 @@ def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[Leve
     """The results document (what ``--out`` writes). ``ours`` is the target (llama.cpp
     itself with ``--backend llamacpp``: ``meta.system`` says which); ``baseline`` the hf
     run; a level gets ``llamacpp``, ``ratio_llamacpp`` (ours/llamacpp) and
-    ``records.llamacpp`` only when llama.cpp ran as the second baseline."""
+    ``records.llamacpp`` only when llama.cpp ran as the second baseline, and
+    ``spec_decode`` (``draft_tokens``, ``accepted_tokens``, ``acceptance``) only when the
+    target drafted tokens at some level (speculative decoding on)."""
     slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     levels = []
+    drafting = any(res.spec and res.spec[0] for res in ours)  # else no spec_decode key
     for k, res in enumerate(ours):
         s_ours = summarize(res.records, res.duration_s, **slo)
         level: dict[str, Any] = {"concurrency": res.concurrency,
                                  "num_prompts": len(res.records), "ours": s_ours,
                                  "baseline": None, "ratio": None,
                                  "records": {"ours": [r.to_json() for r in res.records]}}
+        if drafting and res.spec is not None:
+            drafted, accepted = res.spec
+            level["spec_decode"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                    "acceptance": accepted / drafted if drafted else None}
         if base is not None:
             b = base[k]
             s_base = summarize(b.records, b.duration_s, **slo)

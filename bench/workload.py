@@ -18,21 +18,29 @@ Length distributions (``--dataset``):
   fraction ``long_fraction`` of requests has prompts uniform around ``long_input_len``,
   the rest uniform around ``input_len``; outputs uniform around ``output_len``.
 
+- ``repeat``: input-grounded chat requests whose answers quote the prompt (repeat, correct or
+  reformat a given passage: ``bench/passages_repeat.json``), where speculative decoding by
+  prompt lookup pays; prompt lengths are those of the passages (``input_len`` is unused),
+  outputs ``output_len`` tokens at most.
+
 ``shared_prefix_len`` makes the first that many tokens identical across requests (a system
 prompt; exercises the prefix cache); it counts inside each request's input length.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-DATASETS = ("fixed", "uniform", "chat", "mixed")
+DATASETS = ("fixed", "uniform", "chat", "mixed", "repeat")
+PASSAGES = Path(__file__).with_name("passages_repeat.json")
 _WORD = re.compile(r"Ġ[a-z]{3,12}")
 #: log-normal spread of the ``chat`` dataset (natural-log standard deviation)
 CHAT_SIGMA = 0.8
@@ -120,6 +128,8 @@ def build_workload(tokenizer: Any, cfg: WorkloadConfig, *, words: Sequence[int] 
         ValueError: a generated prompt does not encode back to its ids (should not happen
             with :func:`word_ids`; checked because exact lengths are the point).
     """
+    if cfg.dataset == "repeat":
+        return _repeat_workload(tokenizer, cfg, first_index)
     words = list(words) if words is not None else word_ids(tokenizer)
     rng = np.random.default_rng(cfg.seed)
     if cfg.dataset == "mixed":
@@ -141,6 +151,26 @@ def build_workload(tokenizer: Any, cfg: WorkloadConfig, *, words: Sequence[int] 
         if tokenizer.encode(text, add_special_tokens=False) != ids:
             raise ValueError(f"prompt {k} does not round-trip through the tokenizer")
         out.append(BenchRequest(first_index + k, tuple(ids), text, n_out))
+    return out
+
+
+def _repeat_workload(tokenizer: Any, cfg: WorkloadConfig,
+                     first_index: int) -> list[BenchRequest]:
+    """``cfg.num_prompts`` chat prompts (instruction x passage, in a seeded order, cycled)
+    rendered with the model's chat template."""
+    data = json.loads(PASSAGES.read_text())
+    texts = [i.format(p) for i in data["instructions"] for p in data["passages"]]
+    order = np.random.default_rng(cfg.seed).permutation(len(texts))
+    out = []
+    for k in range(cfg.num_prompts):
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": texts[order[k % len(texts)]]}],
+            add_generation_prompt=True)
+        ids = tokenizer.encode(chat, add_special_tokens=False)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if tokenizer.encode(text, add_special_tokens=False) != ids:
+            raise ValueError(f"prompt {k} does not round-trip through the tokenizer")
+        out.append(BenchRequest(first_index + k, tuple(ids), text, cfg.output_len))
     return out
 
 

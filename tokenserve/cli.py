@@ -6,11 +6,13 @@ of a repository checkout)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from dataclasses import replace
 
 from tokenserve.config import DTYPES, PdConfig, check_model_path, select_device
+from tokenserve.engine.ngram import SpecConfig
 from tokenserve.http.tls import CERT_REQS, TlsSettings
 from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
 
@@ -83,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-long-partial-prefills", type=_positive_int, default=None,
                    help="long prefills in progress at once (maxLongPartialPrefills; "
                         "default 1)")
+    s.add_argument("--speculative-config", type=_spec_config, default=None, metavar="JSON",
+                   help="speculative decoding by prompt lookup, vLLM's object: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also "
+                        "max_draft_rows, min_acceptance, backoff_steps); greedy outputs are "
+                        "identical with it on or off (default off; config.json "
+                        "ModelConfig speculative_config)")
     s.add_argument("--max-connections", type=_positive_int, default=None,
                    help="open connections per business listener; one more gets 503 "
                         "(maxLinkNum; default 1000; management/metrics listeners: a "
@@ -134,10 +143,26 @@ _ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device"
                  "max_num_batched_tokens", "max_prefill_batch_size", "kv_cache_bytes",
                  "block_size", "max_seq_len", "max_input_len", "max_iter_times",
                  "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
-                 "long_prefill_token_threshold", "max_long_partial_prefills")
+                 "long_prefill_token_threshold", "max_long_partial_prefills",
+                 "speculative_config")
 #: serve flags that override ServerOptions fields of the same name
 _SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port",
                  "max_connections")
+
+
+def _spec_config(text: str) -> SpecConfig:
+    """``--speculative-config``: a JSON object (argparse reports a ValueError as a usage
+    error naming the flag)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    try:
+        return SpecConfig.from_dict(obj)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenserve.engine.ngram import SpecConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -61,6 +63,9 @@ class EngineConfig:
         kv_trans_timeout_s: PD prefill: seconds a request's KV blocks are held for the
             decode instance to pull (MindIE ``kv_trans_timeout``, spec
             pd_disaggregation.md §8.2).
+        speculative_config: speculative decoding by prompt lookup
+            (:class:`~tokenserve.engine.ngram.SpecConfig`, vLLM's ``--speculative-config``
+            object), or None (off, the default).
     """
 
     model: str | None = None
@@ -84,6 +89,7 @@ class EngineConfig:
     served_model_name: str | None = None
     quantization: str = "auto"
     kv_trans_timeout_s: float = 10.0
+    speculative_config: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -204,6 +210,7 @@ class PdConfig:
     kv_protocol: str = "tcp"
     kv_device: str = ""
     kv_trans_timeout_s: float = 10.0
+    speculative_config: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if self.infer_mode not in ("standard", "dmi"):

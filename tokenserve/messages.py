@@ -264,6 +264,12 @@ class ScheduledSeq:
     tokens), so it is not sent again. ``export_state``: return the generator's state
     after this step's draw in :attr:`StepResult.generator_states` (PD prefill: the
     decode instance continues from it).
+
+    ``draft`` (speculative decoding, ``tokenserve/engine/ngram.py``): draft tokens appended
+    to a decode's one token, so ``token_ids`` is ``(last token, *draft)``; the block table
+    covers them too. The model thread verifies them in this one forward pass: it samples
+    every position and returns, beyond the first token, the accepted ones
+    (:attr:`StepResult.accepted`).
     """
 
     request_id: str
@@ -274,11 +280,12 @@ class ScheduledSeq:
     params: SamplingParams
     start: SeqStart | None = None
     export_state: bool = False
+    draft: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
-        """A decode computes exactly one token on top of a non-empty cache."""
-        return len(self.token_ids) == 1 and self.num_computed > 0
+        """A decode computes one token (plus any draft) on top of a non-empty cache."""
+        return len(self.token_ids) - len(self.draft) == 1 and self.num_computed > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +314,10 @@ class StepResult:
     that could not be computed alone (the rest of the step stands): those requests
     fail with FinishReason.ERROR, the others continue. ``generator_states`` maps
     request_id -> ``torch.Generator.get_state()`` bytes after this step's draw, for
-    sampled seqs with ``export_state`` (greedy requests have none).
+    sampled seqs with ``export_state`` (greedy requests have none). ``accepted`` maps
+    request_id -> the tokens after the sampled one that a seq with a ``draft`` gained
+    (t1..ta where the draft's first a tokens equal t0..t(a-1), the model's own choices:
+    each ti is what plain decoding would have produced next; empty when none matched).
     """
 
     step_id: int
@@ -317,3 +327,4 @@ class StepResult:
     logprobs: Mapping[str, TokenLogprob] = field(default_factory=dict)
     failed: Mapping[str, str] = field(default_factory=dict)
     generator_states: Mapping[str, bytes] = field(default_factory=dict)
+    accepted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenserve.config import EngineConfig, PdConfig
+from tokenserve.engine.ngram import SpecConfig
 from tokenserve.http.listeners import ALL_INTERFACES
 from tokenserve.http.tls import TlsSettings
 
@@ -155,6 +156,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
         raise ValueError(f"config {w}.ModelConfig: expected a list of at most one model")
     model, name, kv_bytes = eng.model, eng.served_model_name, eng.kv_cache_bytes
     quantization = eng.quantization
+    spec = eng.speculative_config
     mc_kv_timeout = None
     if models:
         mc, w2 = models[0], f"{w}.ModelConfig[0]"
@@ -173,6 +175,13 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
                              "got an empty string")
         # ours (MindIE reads it from the weights): none | gguf | auto, see EngineConfig
         quantization = _get(mc, "quantization", str, w2, default=quantization)
+        # ours: vLLM's speculative-config object (tokenserve.engine.ngram.SpecConfig)
+        spec_cfg = _get(mc, "speculative_config", dict, w2, default=None)
+        if spec_cfg is not None:
+            try:
+                spec = SpecConfig.from_dict(spec_cfg)
+            except ValueError as exc:
+                raise ValueError(f"config {w2}.speculative_config: {exc}") from None
         npu_gb = _get(mc, "npuMemSize", int, w2, -1, 2**31 - 1, -1)
         cpu_gb = _get(mc, "cpuMemSize", int, w2, 0, None, 0)
         if npu_gb == 0:
@@ -188,7 +197,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
                          eng.max_prefill_batch_size) or max_batch
     eng = replace(
         eng, model=model, served_model_name=name, kv_cache_bytes=kv_bytes,
-        quantization=quantization,
+        quantization=quantization, speculative_config=spec,
         max_seq_len=max_seq_len, max_input_len=max_input,
         block_size=_get(sch, "cacheBlockSize", int, w, 1, 128, eng.block_size),
         max_batch_size=max_batch, max_prefill_batch_size=prefill_batch,

@@ -48,6 +48,8 @@ class SamplingParams:
         logprobs: None for none; k >= 0 returns each sampled token's log-probability and
             the k most likely alternatives (log-softmax of the logits after the
             penalties, before temperature/top-k/top-p, as vLLM reports them).
+        speculative: False opts this request out of speculative decoding (drafts are
+            verified losslessly, so this only trades its speed against the batch's).
     """
 
     max_new_tokens: int = 20
@@ -66,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     min_p: float = 0.0
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

@@ -67,7 +67,7 @@ class AsyncEngine:
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_batched_tokens, self.max_model_len,
                             cfg.max_prefill_batch_size, cfg.enable_chunked_prefill,
                             cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills,
-                            eos_token_ids=eos), self.pool)
+                            eos_token_ids=eos, spec=cfg.speculative_config), self.pool)
         self.scheduler.park_timeout_s = cfg.kv_trans_timeout_s
         #: longest prompt the KV cache can hold, leaving room for one token
         kv_tokens = runner.num_blocks * cfg.block_size - 1
@@ -277,7 +277,9 @@ class AsyncEngine:
         return EngineStats(len(s.running), len(s.waiting), self.pool.num_blocks,
                            self.pool.num_free, s.num_preemptions,
                            {r.value: n for r, n in self.actor.finished_by_reason.items()},
-                           s.prefix_query_tokens, s.prefix_hit_tokens, self.pool.num_cached)
+                           s.prefix_query_tokens, s.prefix_hit_tokens, self.pool.num_cached,
+                           num_draft_tokens=s.num_draft_tokens,
+                           num_accepted_tokens=s.num_accepted_tokens)
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is queued or running (tests: the leak invariant)."""

@@ -68,6 +68,9 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     num_cached_blocks: int = 0
     num_swapped: int = 0
+    #: speculative decoding: draft tokens verified, and of those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -107,13 +107,13 @@ class ModelRunner:
                 if (g := self.states[s.request_id].generator) is not None}
         rewind = {rid: g.get_state() for rid, g in gens.items()}
         try:
-            sampled, logprobs, bad = self._step(plan.step_id, seqs)
+            sampled, logprobs, bad, accepted = self._step(plan.step_id, seqs)
         except Exception as exc:
             if len(seqs) == 1:
                 raise
             log.warning("step %d failed (%s: %s); re-running its %d requests one by one",
                         plan.step_id, type(exc).__name__, exc, len(seqs))
-            sampled, logprobs, bad = {}, {}, {}
+            sampled, logprobs, bad, accepted = {}, {}, {}, {}
             for s in seqs:
                 if s.request_id in gens:
                     gens[s.request_id].set_state(rewind[s.request_id])
@@ -127,18 +127,26 @@ class ModelRunner:
                 sampled.update(r[0])
                 logprobs.update(r[1])
                 bad.update(r[2])
+                accepted.update(r[3])
         for rid, tok in sampled.items():
             self.states[rid].history.append(tok)
+            self.states[rid].history.extend(accepted.get(rid, ()))
         exported = {s.request_id: generator_state(gens[s.request_id]) for s in seqs
                     if s.export_state and s.request_id in sampled and s.request_id in gens}
         return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
                           logprobs=logprobs, failed={**failed, **bad},
-                          generator_states=exported)
+                          generator_states=exported, accepted=accepted)
 
     def _step(self, step_id: int, seqs: list[ScheduledSeq]
-              ) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str]]:
+              ) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str],
+                         dict[str, tuple[int, ...]]]:
         """One forward + sample over ``seqs`` (their states exist); histories untouched.
-        Returns (sampled, logprobs, failed rows)."""
+        Returns (sampled, logprobs, failed rows, accepted draft continuations).
+
+        A seq with a draft has its last ``1 + len(draft)`` positions sampled, position j
+        with the history extended by the draft's first j tokens, exactly as plain decoding
+        would sample them once those tokens were generated; the draft's longest prefix
+        that equals the samples is accepted, plus the sample after it."""
         if self.fault_hook is not None:
             self.fault_hook(seqs)
         input_ids, meta = self.prepare(seqs)
@@ -146,26 +154,46 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        rows = [i for i, s in enumerate(seqs) if s.sample]
-        if rows:
-            to_sample = [seqs[i] for i in rows]
-            states = [self.states[s.request_id] for s in to_sample]
-            last = meta.query_start_loc[1:].to(torch.int64)[rows] - 1  # each seq's last token
-            logits = self.model.compute_logits(hidden.index_select(0, last)).cpu()
-            toks = sample(logits, [s.params for s in to_sample],
-                          [st.generator for st in states], [st.history for st in states],
-                          num_prompt_tokens=[st.num_prompt_tokens for st in states]).tolist()
-            for s, t in zip(to_sample, toks):
-                if t < 0:
+        accepted: dict[str, tuple[int, ...]] = {}
+        to_sample = [s for s in seqs if s.sample]
+        if to_sample:
+            ends = meta.query_start_loc[1:].tolist()
+            rows, params, gens, hists, nprompt = [], [], [], [], []
+            for s, end in zip(seqs, ends):
+                if not s.sample:
+                    continue
+                st = self.states[s.request_id]
+                for j in range(len(s.draft) + 1):  # the draft's positions, then the last
+                    rows.append(end - 1 - len(s.draft) + j)
+                    params.append(s.params)
+                    gens.append(st.generator)
+                    hists.append(st.history + list(s.draft[:j]) if j else st.history)
+                    nprompt.append(st.num_prompt_tokens)
+            logits = self.model.compute_logits(
+                hidden.index_select(0, torch.tensor(rows, device=hidden.device))).cpu()
+            toks = sample(logits, params, gens, hists, num_prompt_tokens=nprompt).tolist()
+            first_rows, i = [], 0
+            for s in to_sample:
+                mine = toks[i:i + len(s.draft) + 1]
+                first_rows.append(i)
+                i += len(mine)
+                if min(mine) < 0:
                     failed[s.request_id] = ("the model produced non-finite logits for this "
                                             "request (NaN or inf); it cannot be sampled")
-                else:
-                    sampled[s.request_id] = t
-            want = [i for i, s in enumerate(to_sample)
-                    if s.params.logprobs is not None and toks[i] >= 0]
-            if want:
-                logprobs = token_logprobs(logits, torch.tensor(toks), want, to_sample)
-        return sampled, logprobs, failed
+                    continue
+                sampled[s.request_id] = mine[0]
+                a = 0
+                while a < len(s.draft) and s.draft[a] == mine[a]:
+                    a += 1
+                if s.draft:
+                    accepted[s.request_id] = tuple(mine[1:a + 1])
+            want = [k for k, s in enumerate(to_sample)
+                    if s.params.logprobs is not None and s.request_id in sampled]
+            if want:  # drafts never carry logprobs: their one row is first_rows[k]
+                sel = torch.tensor([first_rows[k] for k in want])
+                logprobs = token_logprobs(logits[sel], torch.tensor(toks)[sel],
+                                          list(range(len(want))), [to_sample[k] for k in want])
+        return sampled, logprobs, failed, accepted
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],

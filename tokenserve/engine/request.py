@@ -92,6 +92,10 @@ class Request:
     prefill_only: bool = False
     pull_tokens: int = 0
     recompute_elsewhere: bool = False
+    #: speculative decoding: running acceptance rate (accepted / drafted, exponential
+    #: average) and decode steps left without drafts after it fell too low
+    spec_acceptance: float = 1.0
+    spec_backoff: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -43,6 +43,20 @@ another request owns).
 Admission looks the prompt up in the prefix cache first (see ``block_pool.py``): the
 cached blocks are shared, and only the rest is computed. The hit is capped so at least
 one token is computed, since the last position's logits are needed to sample.
+
+Speculative decoding (``SchedulerConfig.spec``, ``ngram.py``): once the step is planned, a
+greedy decode may carry up to k draft tokens from prompt lookup, in the budget left over
+and in blocks that are free (a draft never preempts). The model thread verifies them in
+the same forward pass; :meth:`Scheduler.update` commits the accepted tokens (their K/V
+are already in the cache), checks the finish rules token by token, and frees the blocks
+that only rejected drafts used (the K/V of a rejected position is overwritten when the
+position is computed again). Greedy tokens are the model's own argmax at every position
+and our logits do not depend on how a step is shaped, so the output is bit-identical to
+plain decoding. Drafts go only to requests that can use them losslessly and cheaply:
+greedy, no logprobs, no stop strings (text after a stop must not be generated), not a PD
+prefill; only in steps with at most ``max_draft_rows`` decodes (a wider batch is already
+compute-bound on a CPU); and not for a request whose acceptance rate has fallen below
+``min_acceptance`` (it backs off for ``backoff_steps`` decode steps).
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ from dataclasses import dataclass
 from tokenserve.engine import finish as rules
 from tokenserve.engine.block_pool import BlockPool, block_key
 from tokenserve.engine.finish import Finish
+from tokenserve.engine.ngram import SpecConfig, propose
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.messages import FinishReason, ScheduledSeq, SeqStart
 
@@ -81,6 +96,7 @@ class SchedulerConfig:
             then only limits admissions), stalling running decodes for that step.
         eos_token_ids: ids that end a request (unless ``ignore_eos``), from the model's
             generation config.
+        spec: speculative decoding by prompt lookup, or None (off).
     """
 
     max_batch_size: int = 200
@@ -91,6 +107,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_long_partial_prefills: int = 1
     eos_token_ids: frozenset[int] = frozenset()
+    spec: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold < 0:
@@ -128,6 +145,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found there
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified
+        self.num_accepted_tokens = 0  # of which accepted
         # a prefill with more tokens than this left is long; without chunking, none is
         self._long_threshold = sys.maxsize
         if cfg.enable_chunked_prefill:
@@ -283,45 +302,68 @@ class Scheduler:
                 plan, reqs, longs, budget, prefills, longs_only=True)
             if not admitted:
                 break
-        return [self._seq(r, plan[r.request_id]) for r in reqs]
+        drafts = self._drafts(reqs, plan, budget)
+        return [self._seq(r, plan[r.request_id], drafts.get(r.request_id, ())) for r in reqs]
 
-    def update(self, seqs: list[ScheduledSeq], sampled: dict[str, int],
-               now: float) -> list[tuple[Request, list[int]]]:
+    def update(self, seqs: list[ScheduledSeq], sampled: dict[str, int], now: float,
+               accepted: dict[str, tuple[int, ...]] | None = None,
+               ) -> list[tuple[Request, list[int]]]:
         """Apply a step's results.
 
         Args:
             seqs: the plan :meth:`schedule` returned.
             sampled: request_id -> sampled token for seqs with ``sample``.
             now: monotonic time (s) of the step's end.
+            accepted: request_id -> the tokens after the sampled one that a seq with a
+                draft gained (``StepResult.accepted``).
 
         Returns:
-            (request, new token ids) for each request that gained a token; finished
+            (request, new token ids) for each request that gained tokens; finished
             requests have been removed and their blocks freed.
         """
         out = []
+        accepted = accepted or {}
         for seq in seqs:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished while the step ran
-            req.num_computed += len(seq.token_ids)
-            self._register_full_blocks(req)
             if not seq.sample:
+                req.num_computed += len(seq.token_ids)
+                self._register_full_blocks(req)
                 continue
-            tok = sampled[seq.request_id]
-            req.token_ids.append(tok)
+            new = [sampled[seq.request_id], *accepted.get(seq.request_id, ())]
+            # K/V are valid for the step's own token(s) and the accepted drafts
+            req.num_computed += len(seq.token_ids) - len(seq.draft) + len(new) - 1
+            base = req.num_tokens
+            req.token_ids += new  # the blocks now full may hold accepted drafts
+            self._register_full_blocks(req)
+            del req.token_ids[base:]
+            if seq.draft:
+                self._note_draft(req, len(seq.draft), len(new) - 1)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            fin = rules.after_token(
-                req.params, tok, num_output_tokens=req.num_output_tokens,
-                num_tokens=req.num_tokens, max_seq_len=self.cfg.max_seq_len,
-                eos_token_ids=self.cfg.eos_token_ids,
-                next_fits=self.pool.blocks_for(req.num_tokens + 1) <= self.pool.num_blocks)
+            fin = None
+            for n, tok in enumerate(new, 1):
+                req.token_ids.append(tok)
+                fin = rules.after_token(
+                    req.params, tok, num_output_tokens=req.num_output_tokens,
+                    num_tokens=req.num_tokens, max_seq_len=self.cfg.max_seq_len,
+                    eos_token_ids=self.cfg.eos_token_ids,
+                    next_fits=self.pool.blocks_for(req.num_tokens + 1) <= self.pool.num_blocks)
+                if fin is not None:
+                    new = new[:n]
+                    break
             if fin is not None:
                 self.finish(req.request_id, fin.reason, stop_reason=fin.stop_reason)
             elif req.prefill_only:
                 self._park(req, now)
-            out.append((req, [tok]))
+            elif seq.draft:  # blocks only rejected drafts used go back to the pool
+                keep = self.pool.blocks_for(req.num_tokens)
+                if len(req.block_table) > keep:
+                    self.pool.free(req.block_table[keep:])
+                    del req.block_table[keep:]
+            out.append((req, new))
         return out
 
     # ------------------------------------------------------------------ internals
@@ -437,7 +479,59 @@ class Scheduler:
             req.block_table += self.pool.allocate(need)
         return total - planned
 
-    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+    def _may_draft(self, req: Request) -> bool:
+        """Whether ``req``'s decode may carry a draft (see the module doc)."""
+        p = req.params
+        if (p.do_sample or p.logprobs is not None or p.stop or not p.speculative
+                or req.prefill_only or req.first_token_time is None):
+            return False
+        if req.spec_backoff > 0:
+            req.spec_backoff -= 1
+            return False
+        return True
+
+    def _drafts(self, reqs: list[Request], plan: dict[str, int],
+                budget: int) -> dict[str, tuple[int, ...]]:
+        """Draft tokens for this step's eligible decodes, in the ``budget`` left and in
+        free blocks (allocated here); request_id -> draft."""
+        spec = self.cfg.spec
+        if spec is None or budget <= 0:
+            return {}
+        decodes = [r for r in reqs if plan[r.request_id] == 1
+                   and r.num_tokens - r.num_computed == 1]
+        if not decodes or len(decodes) > spec.max_draft_rows:
+            return {}
+        bs, out = self.pool.block_size, {}
+        for req in decodes:
+            if budget <= 0 or not self._may_draft(req):
+                continue
+            room = ((len(req.block_table) + self.pool.num_free) * bs
+                    - req.num_computed - 1)  # positions after the decode's own token
+            k = min(spec.num_speculative_tokens, budget, room,
+                    req.params.max_new_tokens - req.num_output_tokens - 1,
+                    self.cfg.max_seq_len - req.num_tokens - 1)
+            draft = propose(req.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if not draft:
+                continue
+            need = self.pool.blocks_for(req.num_computed + 1 + len(draft)) - len(req.block_table)
+            if need > 0:
+                req.block_table += self.pool.allocate(need)
+            out[req.request_id] = draft
+            budget -= len(draft)
+        return out
+
+    def _note_draft(self, req: Request, drafted: int, accepted: int) -> None:
+        """Count a verified draft; a request whose running acceptance rate falls below
+        ``min_acceptance`` backs off."""
+        spec = self.cfg.spec
+        assert spec is not None
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * (accepted / drafted)
+        if req.spec_acceptance < spec.min_acceptance:
+            req.spec_backoff, req.spec_acceptance = spec.backoff_steps, 1.0
+
+    def _seq(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
         start = req.num_computed
         first = None
         if not req.on_runner:  # the model thread sees it for the first time
@@ -447,13 +541,14 @@ class Scheduler:
         sample = start + n == req.num_tokens
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=tuple(req.token_ids[start:start + n]),
+            token_ids=tuple(req.token_ids[start:start + n]) + draft,
             num_computed=start,
             block_table=tuple(req.block_table),
             sample=sample,
             params=req.params,
             start=first,
             export_state=sample and req.prefill_only,
+            draft=draft,
         )
 
     def _start_pull(self, req: Request) -> bool:

@@ -153,7 +153,7 @@ class SchedulerActor:
             for rid, why in result.failed.items():  # rows that failed alone
                 self._finish(rid, Finish(FinishReason.ERROR, error=why))
             now = time.monotonic()
-            for req, toks in self.scheduler.update(seqs, result.sampled, now):
+            for req, toks in self.scheduler.update(seqs, result.sampled, now, result.accepted):
                 self._emit(req, toks, now, result.logprobs.get(req.request_id),
                            result.generator_states.get(req.request_id))
 

@@ -336,6 +336,10 @@ class _Collector(Collector):
                     queries)
         yield gauge("npu_radix_match_hit_num", "Prompt tokens found in the prefix cache", hits)
         yield counter("num_preemptions", "Preemptions", st.num_preemptions)
+        yield counter("spec_decode_num_draft_tokens",
+                      "Speculative decoding: draft tokens verified", st.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens",
+                      "Speculative decoding: draft tokens accepted", st.num_accepted_tokens)
 
 
 def _mean(values: collections.deque[float]) -> float:

@@ -140,6 +140,8 @@ def _parse_sampling(obj: dict[str, Any], native: bool) -> tuple[dict[str, Any], 
         "include_stop_str_in_output": get_bool(obj, "include_stop_str_in_output", False),
         "ignore_eos": get_bool(obj, "ignore_eos", False),
         "skip_special_tokens": get_bool(obj, "skip_special_tokens", True),
+        # ours [I]: false opts the request out of speculative decoding
+        "speculative": get_bool(obj, "speculative", True),
     }
     return kwargs, greedy
 

@@ -143,6 +143,8 @@ def parse_vllm_body(
         "stop_token_ids": stop_token_ids, "include_stop_str_in_output": include_stop,
         "ignore_eos": ignore_eos, "skip_special_tokens": skip_special_tokens,
         "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
+        # ours [I]: false opts the request out of speculative decoding
+        "speculative": bool(get_bool(obj, "speculative", True)),
     }
     if temperature:
         kwargs["temperature"] = temperature
