@@ -1,7 +1,10 @@
 """Speculative decoding by prompt lookup on the real model: greedy outputs are the same
 tokens with drafts on and off, alone and 16 at a time, on input-grounded prompts (repeat
 or edit a given passage: drafts mostly accepted) and open chat prompts (drafts mostly
-rejected); drafts are really made and accepted; every KV block is free afterwards.
+rejected); drafts are really made and accepted; every KV block is free afterwards. A
+decode instance (PD) drafts too: a request handed off by a prefill-only step and adopted
+continues with drafts and gives the mixed run's tokens (one engine plays P and D, as in
+``test_pd_engine.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest_asyncio
 from tokenserve.config import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.ngram import SpecConfig
-from tokenserve.messages import GenerateRequest
+from tokenserve.messages import GenerateRequest, KvAdoption
 from tokenserve.sampling_params import SamplingParams
 
 PASSAGES = [
@@ -56,11 +59,22 @@ async def engines():
                            kv_cache_bytes=64 << 20, max_batch_size=32,
                            max_num_batched_tokens=512, speculative_config=spec)
         e = await asyncio.to_thread(AsyncEngine.build, cfg)
+        e.set_kv_puller(_local_puller(e))
         await e.start()
         made.append(e)
     yield made
     for e in made:
         await e.stop()
+
+
+def _local_puller(engine: AsyncEngine):
+    """A KV puller that copies between the engine's own blocks (it plays P and D)."""
+    region = engine.kv_region
+
+    def pull(source, dst_blocks, num_tokens):
+        n = engine.pool.blocks_for(num_tokens)
+        region[:, :, dst_blocks] = region[:, :, list(source[:n])]
+    return pull
 
 
 async def _generate(engine: AsyncEngine, ids: list[int], max_new: int) -> list[int]:
@@ -103,3 +117,33 @@ async def test_greedy_tokens_identical_with_and_without_drafts(engines, concurre
         s = e.stats()
         assert s.num_free_blocks == s.num_blocks, "KV blocks leaked"
         assert e.executor.runner.states == {}, "sampling state leaked"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_decode_instance_drafts_after_a_handoff(engines):
+    plain, spec = engines
+    prompt = tuple(_prompts(spec.tokenizer)[0])  # repeat a passage: drafts pay
+    params = SamplingParams(max_new_tokens=40, do_sample=False)
+    want = await _generate(plain, list(prompt), 40)
+    p_id = f"spec-{next(_ids)}"
+    p_handle = spec.generate(GenerateRequest(p_id, prompt, params, prefill_only=True))
+    first = await p_handle.get()
+    h = first.handoff
+    assert h is not None and len(first.new_token_ids) == 1
+    before = spec.stats()
+    d_ids = []
+    async for o in spec.generate(GenerateRequest(
+            f"spec-{next(_ids)}", prompt, params,
+            adopt=KvAdoption(first.new_token_ids, h.generator_state, h.num_computed,
+                             source=h.block_table))):
+        assert o.error is None, o.error
+        if not o.replay:
+            d_ids += o.new_token_ids
+    assert list(first.new_token_ids) + d_ids == want
+    after = spec.stats()
+    assert after.num_accepted_tokens > before.num_accepted_tokens, "D made no accepted draft"
+    assert spec.release(p_id)
+    assert (await p_handle.get()).finished
+    await spec.wait_idle(timeout=30)
+    st = spec.stats()
+    assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
