@@ -334,10 +334,7 @@ class Scheduler:
             new = [sampled[seq.request_id], *accepted.get(seq.request_id, ())]
             # K/V are valid for the step's own token(s) and the accepted drafts
             req.num_computed += len(seq.token_ids) - len(seq.draft) + len(new) - 1
-            base = req.num_tokens
-            req.token_ids += new  # the blocks now full may hold accepted drafts
-            self._register_full_blocks(req)
-            del req.token_ids[base:]
+            self._register_full_blocks(req, pending=new[:-1])
             if seq.draft:
                 self._note_draft(req, len(seq.draft), len(new) - 1)
             if req.first_token_time is None:
@@ -588,13 +585,16 @@ class Scheduler:
             self.prefix_hit_tokens += min(req.num_computed, req.num_prompt_tokens)
         return True
 
-    def _register_full_blocks(self, req: Request) -> None:
-        """Enter the request's newly full, computed blocks into the prefix cache."""
+    def _register_full_blocks(self, req: Request, pending: list[int] | None = None) -> None:
+        """Enter the request's newly full, computed blocks into the prefix cache;
+        ``pending``: tokens after ``req.token_ids`` whose K/V are computed but that are
+        not committed yet (accepted drafts)."""
         bs = self.pool.block_size
+        ids = req.token_ids + pending if pending else req.token_ids
         while len(req.block_hashes) < req.num_computed // bs:
             i = len(req.block_hashes)
             prev = req.block_hashes[-1] if req.block_hashes else None
-            key = block_key(prev, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            key = block_key(prev, tuple(ids[i * bs:(i + 1) * bs]))
             req.block_hashes.append(self.pool.register(req.block_table[i], key))
 
     def _preempt_for_priority(self) -> None:
