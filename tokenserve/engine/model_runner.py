@@ -177,14 +177,14 @@ class ModelRunner:
                 mine = toks[i:i + len(s.draft) + 1]
                 first_rows.append(i)
                 i += len(mine)
-                if min(mine) < 0:
+                a = 0  # a failed row (< 0) never equals a draft token: acceptance stops
+                while a < len(s.draft) and s.draft[a] == mine[a]:
+                    a += 1
+                if min(mine[:a + 1]) < 0:  # only the rows plain decoding would compute
                     failed[s.request_id] = ("the model produced non-finite logits for this "
                                             "request (NaN or inf); it cannot be sampled")
                     continue
                 sampled[s.request_id] = mine[0]
-                a = 0
-                while a < len(s.draft) and s.draft[a] == mine[a]:
-                    a += 1
                 if s.draft:
                     accepted[s.request_id] = tuple(mine[1:a + 1])
             want = [k for k, s in enumerate(to_sample)
