@@ -210,7 +210,6 @@ class PdConfig:
     kv_protocol: str = "tcp"
     kv_device: str = ""
     kv_trans_timeout_s: float = 10.0
-    speculative_config: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if self.infer_mode not in ("standard", "dmi"):
