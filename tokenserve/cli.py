@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the decode instance (MindIE kv_trans_timeout; default 10)")
     s.add_argument("--kv-protocol", choices=["tcp", "rdma"], default=None,
                    help="PD: Mooncake transport for the KV hand-off (default tcp)")
+    s.add_argument("--kv-port-range", type=_port_range, default=None, metavar="MIN-MAX",
+                   help="PD: ports Mooncake's two listeners may bind, for firewalls "
+                        "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT; default 15000-17000)")
     s.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; DEBUG logs every step)")
     from tokenserve.pd.coordinator import add_parser as add_coordinator_parser
@@ -148,6 +151,14 @@ _ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device"
 #: serve flags that override ServerOptions fields of the same name
 _SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port",
                  "max_connections")
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    """``--kv-port-range MIN-MAX`` (checked by PdConfig)."""
+    lo, sep, hi = text.partition("-")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX, e.g. 16000-16100, got {text!r}")
+    return int(lo), int(hi)
 
 
 def _spec_config(text: str) -> SpecConfig:
@@ -211,6 +222,8 @@ def _pd_flags(args: argparse.Namespace, pd: PdConfig, host: str) -> PdConfig:
         changes["kv_trans_timeout_s"] = args.kv_trans_timeout
     if args.kv_protocol is not None:
         changes["kv_protocol"] = args.kv_protocol
+    if args.kv_port_range is not None:
+        changes["kv_port_range"] = args.kv_port_range
     all_zeros = host in ("0.0.0.0", "::")
     if args.advertise_ip is not None:
         changes["ip_address"] = args.advertise_ip

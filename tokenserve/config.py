@@ -201,6 +201,9 @@ class PdConfig:
         kv_device: RDMA device name(s) for Mooncake; ``""`` for tcp.
         kv_trans_timeout_s: seconds P holds a request's blocks for D; seconds D waits
             for a hand-off call.
+        kv_port_range: (lowest, highest) TCP port Mooncake's listeners (handshake RPC
+            and TCP data) may bind, for firewalls (Mooncake's ``MC_MIN_RPC_PORT`` /
+            ``MC_MAX_RPC_PORT``); None: the environment's, else Mooncake's 15000-17000.
     """
 
     infer_mode: str = "standard"
@@ -210,8 +213,14 @@ class PdConfig:
     kv_protocol: str = "tcp"
     kv_device: str = ""
     kv_trans_timeout_s: float = 10.0
+    kv_port_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_port_range is not None:
+            lo, hi = self.kv_port_range
+            if not 1024 <= lo <= hi <= 65535 or hi - lo < 1:
+                raise ValueError(f"kv port range must be MIN-MAX with 1024 <= MIN < MAX <= "
+                                 f"65535 (two listeners), got {lo}-{hi}")
         if self.infer_mode not in ("standard", "dmi"):
             raise ValueError(f"inferMode must be standard or dmi, got {self.infer_mode!r}")
         if self.role is not None and self.role not in ROLES:

@@ -37,3 +37,15 @@ def test_config_json_infer_mode_and_kv_trans_timeout(tmp_path):
     cfg = _cfg("--config", str(path), "--infer-mode", "dmi")
     assert cfg.pd.infer_mode == "dmi" and cfg.pd.ip_address == "10.0.0.7"
     assert cfg.pd.kv_trans_timeout_s == 1.0 == cfg.engine.kv_trans_timeout_s  # <= 0 -> 1
+
+
+def test_kv_port_range_flag():
+    """``--kv-port-range`` bounds Mooncake's listeners (firewalls); checked at parse."""
+    assert _cfg("--role", "decode", "--kv-port-range", "16000-16100").pd.kv_port_range == \
+        (16000, 16100)
+    assert _cfg("--role", "decode").pd.kv_port_range is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-port-range", "16000"])
+    for bad in ("900-1000", "16100-16000", "16000-16000", "60000-70000"):
+        with pytest.raises(ValueError, match="kv port range"):
+            _cfg("--role", "decode", "--kv-port-range", bad)

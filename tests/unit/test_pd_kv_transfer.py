@@ -216,6 +216,22 @@ def p_side(mooncake_ok):
     p.stop()
 
 
+def test_listeners_bind_inside_the_port_range(mooncake_ok):
+    """``port_range`` (``--kv-port-range``) bounds Mooncake's listener; in a fresh process,
+    as the server's, where the KvTransfer is what imports Mooncake."""
+    child = ("import torch\n"
+             "from tokenserve.pd.kv_transfer import KvTransfer\n"
+             "kv = torch.zeros(1, 2, 2, 1, 2, 2, dtype=torch.bfloat16)\n"
+             "with KvTransfer('127.0.0.1', kv, port_range=(16511, 16531)) as t:\n"
+             "    print('SESSION', t.session_id, flush=True)\n")
+    for _ in range(3):  # three fresh processes: three random ports, each inside
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                             timeout=60)
+        line = next(x for x in out.stdout.splitlines() if x.startswith("SESSION"))
+        port = int(line.rsplit(":", 1)[1])
+        assert 16511 <= port <= 16531, out.stdout + out.stderr
+
+
 def test_engine_rejects_bad_regions(mooncake_ok):
     with pytest.raises(KvTransferError, match="contiguous tensor"):
         KvTransfer("127.0.0.1", torch.zeros(4, 2, 3, 1, 2, 2).transpose(0, 2))

@@ -254,13 +254,18 @@ class _ScopedEnv:
             _ENV_LOCK.release()
 
 
-def load_mooncake() -> type:
-    """``mooncake.engine.TransferEngine``, imported with this module's log level default.
+def load_mooncake(port_range: tuple[int, int] | None = None) -> type:
+    """``mooncake.engine.TransferEngine``, imported with this module's log level default
+    and, where given, the listeners' port range (``MC_MIN_RPC_PORT`` /
+    ``MC_MAX_RPC_PORT``: Mooncake reads them when its library loads, so they only take
+    effect on the process's first import).
 
     Raises:
         KvTransferError: Mooncake is not installed (or its library does not load).
     """
-    with _ScopedEnv(_IMPORT_ENV):
+    ports = {} if port_range is None else {"MC_MIN_RPC_PORT": str(port_range[0]),
+                                           "MC_MAX_RPC_PORT": str(port_range[1])}
+    with _ScopedEnv(_IMPORT_ENV, ports):
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -294,8 +299,7 @@ class KvTransfer:
     Args:
         host: the address other hosts reach this instance at (IP or name; never assume
             loopback). Mooncake's two listeners (handshake RPC and TCP data) bind every
-            interface on random ports in ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]``
-            (default 15000-17000).
+            interface on random ports in ``port_range``.
         kv: the KV region, one contiguous [num_layers, 2, num_blocks, Hkv, block_size,
             head_dim] tensor (CPU with the ``-non-cuda`` wheel).
         protocol: Mooncake transport: ``tcp``, or ``rdma`` where the hardware has it.
@@ -303,15 +307,21 @@ class KvTransfer:
         timeout_s: bound of one stalled pull (``kv_trans_timeout``), passed to Mooncake as
             ``MC_TRANSFER_TIMEOUT`` (it clamps to >= 5 s and adds 1 ns per byte); None:
             the environment's ``MC_TRANSFER_TIMEOUT``, else Mooncake's 30 s.
+        port_range: (lowest, highest) port of those listeners, passed to Mooncake as
+            ``MC_MIN_RPC_PORT`` / ``MC_MAX_RPC_PORT``, which it reads once, when it is
+            first imported in the process (this constructor imports it); None: the
+            environment's, else 15000-17000.
 
     Raises:
-        KvTransferError: Mooncake missing, a bad ``kv``, or the engine cannot start or
-            register the memory.
+        KvTransferError: Mooncake missing, a bad ``kv``, the engine cannot start or
+            register the memory, or its listener is outside ``port_range`` (Mooncake was
+            imported earlier in the process, with other settings).
     """
 
     def __init__(self, host: str, kv: torch.Tensor, *, protocol: str = "tcp",
-                 device_name: str = "", timeout_s: float | None = None) -> None:
-        engine_cls = load_mooncake()
+                 device_name: str = "", timeout_s: float | None = None,
+                 port_range: tuple[int, int] | None = None) -> None:
+        engine_cls = load_mooncake(port_range)
         try:
             self.layout = KvLayout.from_tensor(kv)
         except ValueError as exc:
@@ -331,7 +341,13 @@ class KvTransfer:
                 raise KvTransferError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, "
                                       f"{protocol!r}, {device_name!r}) failed (rc={rc}; its "
                                       "log says why)")
-            self.session_id = _session_id(host, self._engine.get_rpc_port())
+            port = self._engine.get_rpc_port()
+            self.session_id = _session_id(host, port)
+            if port_range is not None and not port_range[0] <= port <= port_range[1]:
+                raise KvTransferError(
+                    f"Mooncake listens on port {port}, outside {port_range[0]}-"
+                    f"{port_range[1]}: it was imported earlier in this process, before the "
+                    "port range was set")
             rc = self._engine.register_memory(self._base, self.layout.nbytes)
             if rc != 0:
                 raise KvTransferError(f"Mooncake register_memory of the {self.layout.nbytes} "

@@ -82,7 +82,8 @@ class PdNode:
 
         self.kv = KvTransfer(self.cfg.ip_address, self.engine.kv_region,
                              protocol=self.cfg.kv_protocol, device_name=self.cfg.kv_device,
-                             timeout_s=self.cfg.kv_trans_timeout_s)
+                             timeout_s=self.cfg.kv_trans_timeout_s,
+                             port_range=self.cfg.kv_port_range)
 
     async def aclose(self) -> None:
         if self.client is not None:
