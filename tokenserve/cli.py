@@ -256,6 +256,20 @@ def _tls_flags(args: argparse.Namespace) -> dict[str, TlsSettings]:
             "management_tls": replace(public, cert_reqs=2) if cas else public}
 
 
+def _check_pd_extra(pd: PdConfig) -> None:
+    """Load Mooncake now (with the port range, which it reads once, at load).
+
+    Raises:
+        ValueError: it is not installed or its library does not load.
+    """
+    from tokenserve.pd.kv_transfer import KvTransferError, load_mooncake
+
+    try:
+        load_mooncake(pd.kv_port_range)
+    except KvTransferError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _bench(argv: list[str]) -> int:
     """``tokenserve bench``: the ``bench`` package at the root of a repository checkout."""
     from pathlib import Path
@@ -289,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             cfg = serve_config(args)
+            if cfg.pd.pd:  # before the model loads: a missing PD extra is one line
+                _check_pd_extra(cfg.pd)
             from tokenserve.http.app import run_server
 
             run_server(cfg)

@@ -49,3 +49,20 @@ def test_kv_port_range_flag():
     for bad in ("900-1000", "16100-16000", "16000-16000", "60000-70000"):
         with pytest.raises(ValueError, match="kv port range"):
             _cfg("--role", "decode", "--kv-port-range", bad)
+
+
+def test_pd_without_mooncake_is_one_line_and_exit_2_before_the_model_loads(monkeypatch, capsys):
+    import sys
+
+    import tokenserve.http.app as app
+    from tokenserve.cli import main
+
+    def run_server(cfg):
+        raise AssertionError("the server (and the model) started before the check")
+
+    monkeypatch.setattr(app, "run_server", run_server)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails, as uninstalled
+    assert main(["serve", "--role", "prefill", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "pip install 'tokenserve[pd]'" in err and "libibverbs1" in err and "libnuma1" in err

@@ -270,9 +270,10 @@ def load_mooncake(port_range: tuple[int, int] | None = None) -> type:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
             raise KvTransferError(
-                "PD needs the Mooncake Transfer Engine: pip install "
-                "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine "
-                f"(CUDA) ({exc})") from exc
+                "PD needs the Mooncake Transfer Engine: pip install 'tokenserve[pd]' (its "
+                "CPU wheel links Debian's libibverbs1 and libnuma1: apt-get install -y "
+                f"libibverbs1 libnuma1; on CUDA use mooncake-transfer-engine) ({exc})"
+            ) from exc
     return TransferEngine
 
 
