@@ -130,15 +130,15 @@ class AsyncEngine:
         model = runner.model
         per_block = model.kv_bytes_per_token() * cfg.block_size
         num_blocks = runner.num_blocks
+        engine = cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name,
+                     device=device.type, executor=executor)
         log.info("model %s (%s) loaded on %s as %s in %.1f s", model_cfg.name, model_dir,
                  device, cfg.dtype, time.perf_counter() - t0)
-        log.info("kernels: %s; GEMM: %s", model.kernels.describe(),
-                 describe_gemms(model.linears()))
+        log.info("kernels: %s; GEMM: %s", model.kernels.describe(), engine.info.gemm)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token)",
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
                  num_blocks * per_block / 2**20, model.kv_bytes_per_token())
-        return cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name,
-                   device=device.type, executor=executor)
+        return engine
 
     # ------------------------------------------------------------------ lifecycle
 
