@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tokenserve.pd.dresult import DresultParser
+from tokenserve.pd.wire import DresultParser
 
 
 def _reader(url: str, events: dict[str, float], stop: threading.Event) -> None:

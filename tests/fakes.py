@@ -1,6 +1,6 @@
 """Fakes shared by the API tests: a scripted engine and a one-char-per-token tokenizer.
 
-``FakeEngine`` implements the ``EngineClient`` protocol (tokenserve/http/api/engine_client.py)
+``FakeEngine`` implements the ``EngineClient`` protocol (tokenserve/api/engine_client.py)
 without a model, so each API family's parsing, formatting and disconnect handling can be
 tested over a real socket in milliseconds. Like the real engine it hands out a
 ``RequestHandle`` per request and ends every request with one final output, an aborted
@@ -193,8 +193,8 @@ async def serve_fake(engine: Any, max_body_bytes: int = 64 * 1024):
     ``(server, client)`` with an httpx client bound to it."""
     import httpx
 
-    from tokenserve.http.app import build_router
-    from tokenserve.http.server import HttpServer
+    from tokenserve.server.app import build_router
+    from tokenserve.transport.server import HttpServer
 
     server = HttpServer(build_router(engine), max_body_bytes=max_body_bytes)
     await server.start("127.0.0.1", 0)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from tokenserve.config import DTYPES, PdConfig, check_model_path, select_device
 from tokenserve.engine.ngram import SpecConfig
-from tokenserve.http.tls import CERT_REQS, TlsSettings
+from tokenserve.transport.tls import CERT_REQS, TlsSettings
 from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
 
 
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT; default 15000-17000)")
     s.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO; DEBUG logs every step)")
-    from tokenserve.pd.coordinator import add_parser as add_coordinator_parser
+    from tokenserve.coordinator.app import add_parser as add_coordinator_parser
 
     add_coordinator_parser(sub)
     s.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"], default=None,
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = serve_config(args)
             if cfg.pd.pd:  # before the model loads: a missing PD extra is one line
                 _check_pd_extra(cfg.pd)
-            from tokenserve.http.app import run_server
+            from tokenserve.server.app import run_server
 
             run_server(cfg)
         except (ValueError, FileNotFoundError) as exc:
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 0
     if args.command == "coordinator":
-        from tokenserve.pd.coordinator import main as coordinator_main
+        from tokenserve.coordinator.app import main as coordinator_main
 
         return coordinator_main(args)
     return 2

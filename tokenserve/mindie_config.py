@@ -8,7 +8,7 @@ this server (NPU ids, backend names, ...) are accepted and ignored.
 
 HTTPS (config.md §1 ``httpsEnabled``, spec interfaces.md §0.2): each plane's certificate,
 key, CA files and CRL files (``tlsCert`` ..., ``managementTls*``, ``metricsTls*``) become
-a :class:`~tokenserve.http.tls.TlsSettings` that requires client certificates (mutual TLS,
+a :class:`~tokenserve.transport.tls.TlsSettings` that requires client certificates (mutual TLS,
 as MindIE does). [I] Relative paths are relative to the config file's directory (MindIE:
 its install directory); a plane with none of its own keys uses the business plane's
 material; the CRL and key-password files are used only when their keys are given.
@@ -30,8 +30,8 @@ from typing import Any
 
 from tokenserve.config import EngineConfig, PdConfig
 from tokenserve.engine.ngram import SpecConfig
-from tokenserve.http.listeners import ALL_INTERFACES
-from tokenserve.http.tls import TlsSettings
+from tokenserve.transport.listeners import ALL_INTERFACES
+from tokenserve.transport.tls import TlsSettings
 
 GB = 1 << 30
 

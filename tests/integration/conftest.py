@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from tokenserve.config import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
-from tokenserve.http.app import serve
+from tokenserve.server.app import serve
 
 
 @dataclass

@@ -31,7 +31,7 @@ STREAM = {"input_id": [1, 2, 3], "stream": True, "parameters": {"max_new_tokens"
 FAKE_SERVER = """
 import logging, sys
 from tests.fakes import FakeEngine
-from tokenserve.http.app import run, serve_engine
+from tokenserve.server.app import run, serve_engine
 from tokenserve.mindie_config import ServeConfig, ServerOptions
 
 class Engine(FakeEngine):

@@ -26,11 +26,11 @@ from cryptography.x509.oid import NameOID
 
 from tests.fakes import FakeEngine
 from tokenserve.cli import build_parser, serve_config
-from tokenserve.http.app import serve
-from tokenserve.http.listeners import bind_listeners
-from tokenserve.http.planes import Plane, plane_layout
-from tokenserve.http.server import HttpServer
-from tokenserve.http.tls import TlsSettings
+from tokenserve.server.app import serve
+from tokenserve.transport.listeners import bind_listeners
+from tokenserve.transport.planes import Plane, plane_layout
+from tokenserve.transport.server import HttpServer
+from tokenserve.transport.tls import TlsSettings
 from tokenserve.mindie_config import load_mindie_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +185,7 @@ def test_max_link_num_and_the_all_zero_guard(tmp_path: Path, pki: Path) -> None:
 
 
 def test_all_interfaces_logs_the_exposed_planes(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "tokenserve.http.listeners"):
+    with caplog.at_level(logging.WARNING, "tokenserve.transport.listeners"):
         bound = bind_listeners(plane_layout("0.0.0.0", 0, "127.0.0.1", 0))
     for b in bound:
         b.sock.close()

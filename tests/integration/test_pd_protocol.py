@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from tests.integration.pd_cluster import Proc
-from tokenserve.pd.dresult import CLOSE_ID, DMessage, DresultParser
+from tokenserve.pd.wire import CLOSE_ID, DMessage, DresultParser
 
 PROMPT = "The capital of France is"
 

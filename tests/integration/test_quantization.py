@@ -327,7 +327,7 @@ def test_cli_flag_and_config_key(tmp_path, monkeypatch):
 @needs_c
 @pytest.mark.asyncio(loop_scope="session")
 async def test_metrics_gauge_reports_the_weights(engine):
-    from tokenserve.http.metrics import ServerMetrics
+    from tokenserve.server.metrics import ServerMetrics
 
     text = ServerMetrics(engine).render().decode()
     line = next(ln for ln in text.splitlines() if ln.startswith("model_weights_bytes{"))

@@ -26,9 +26,9 @@ from tests.fakes import (
     wait_for,
 )
 from tests.sse import sse_events
-from tokenserve.http.api.common import json_depth_exceeds, parse_json
-from tokenserve.http.app import build_router, run
-from tokenserve.http.server import HttpServer
+from tokenserve.api.common import json_depth_exceeds, parse_json
+from tokenserve.server.app import build_router, run
+from tokenserve.transport.server import HttpServer
 from tokenserve.messages import FinishReason
 
 

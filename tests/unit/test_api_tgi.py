@@ -15,7 +15,7 @@ import pytest
 
 from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, serve_fake, token_text, wait_for
 from tests.sse import sse_events
-from tokenserve.http.server import HttpServer
+from tokenserve.transport.server import HttpServer
 from tokenserve.messages import FinishReason
 
 

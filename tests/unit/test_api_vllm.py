@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, serve_fake, token_text, wait_for
-from tokenserve.http.app import GENERATE_ROUTING_ERROR
-from tokenserve.http.server import HttpServer
+from tokenserve.server.app import GENERATE_ROUTING_ERROR
+from tokenserve.transport.server import HttpServer
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 

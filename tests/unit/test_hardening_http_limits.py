@@ -16,10 +16,10 @@ import orjson
 import pytest
 
 from tests.fakes import FakeEngine
-from tokenserve.http.app import build_router, serve
-from tokenserve.http.cycle import HttpRequest, HttpResponse
-from tokenserve.http.limits import HeadMeter, HttpLimits
-from tokenserve.http.server import HttpServer
+from tokenserve.server.app import build_router, serve
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.limits import HeadMeter, HttpLimits
+from tokenserve.transport.server import HttpServer
 
 IO_TIMEOUT = 3.0
 

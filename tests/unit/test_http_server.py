@@ -14,9 +14,9 @@ import h11
 import orjson
 import pytest
 
-from tokenserve.http.errors import HttpError, body_too_large_message
-from tokenserve.http.router import Router, compile_pattern
-from tokenserve.http.server import (
+from tokenserve.transport.errors import HttpError, body_too_large_message
+from tokenserve.transport.router import Router, compile_pattern
+from tokenserve.transport.server import (
     ClientDisconnected,
     HttpLimits,
     HttpProtocol,

@@ -14,16 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes import FakeEngine, serve_fake, wait_for
 from tokenserve.engine.engine import EngineStats
-from tokenserve.http.app import build_router
-from tokenserve.http.context import RequestRegistry, ServeContext
-from tokenserve.http.metrics import (
+from tokenserve.server.app import build_router
+from tokenserve.api.context import RequestRegistry, ServeContext
+from tokenserve.server.metrics import (
     E2E_BUCKETS,
     TOKEN_BUCKETS,
     TPOT_BUCKETS,
     TTFT_BUCKETS,
     ServerMetrics,
 )
-from tokenserve.http.server import HttpServer
+from tokenserve.transport.server import HttpServer
 from tokenserve.messages import FinishReason
 
 M = "fake-model"

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEngine, FakeTokenizer, wait_for
-from tokenserve.http.app import build_router
-from tokenserve.http.server import HttpServer
+from tokenserve.server.app import build_router
+from tokenserve.transport.server import HttpServer
 from tokenserve.messages import EngineOverloadedError
 
 MESSAGE = "too many requests"

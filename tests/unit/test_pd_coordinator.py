@@ -24,18 +24,18 @@ import orjson
 import pytest
 
 from tokenserve.cli import build_parser
-from tokenserve.http.cycle import HttpRequest, HttpResponse
-from tokenserve.http.errors import HttpError
-from tokenserve.http.router import Router
-from tokenserve.http.server import HttpServer
-from tokenserve.pd.coord_config import (
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Router
+from tokenserve.transport.server import HttpServer
+from tokenserve.coordinator.config import (
     CoordinatorConfig,
     InstanceAddr,
     ReqIdGenerator,
     parse_instances,
 )
-from tokenserve.pd.coordinator import INFERENCE_ROUTES, config_from_args, serve_coordinator
-from tokenserve.pd.dresult import close_message, encode, vllm_body
+from tokenserve.coordinator.app import INFERENCE_ROUTES, config_from_args, serve_coordinator
+from tokenserve.pd.wire import close_message, encode, vllm_body
 
 TEST_TIMEOUT_S = 15.0
 MODEL = "m1"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenserve.pd.dresult import (
+from tokenserve.pd.wire import (
     CLOSE_ID,
     CLOSE_TEXT,
     HEARTBEAT,

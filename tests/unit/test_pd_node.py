@@ -12,8 +12,8 @@ import pytest
 from tests.fakes import FakeEngine
 from tokenserve.config import PdConfig
 from tokenserve.engine.info import EngineStats
-from tokenserve.http.app import build_router
-from tokenserve.http.server import HttpServer
+from tokenserve.server.app import build_router
+from tokenserve.transport.server import HttpServer
 from tokenserve.pd.node import PdNode
 
 ROLE_BODY = {"local": {"id": 0, "server_ip": "10.0.0.1", "host_ip": "10.0.0.1",

@@ -11,9 +11,9 @@ import pytest
 
 from tests.fakes import FakeEngine
 from tokenserve.cli import build_parser
-from tokenserve.http.app import serve
-from tokenserve.http.planes import ALL_PLANES, Plane, plane_layout, plane_of
-from tokenserve.http.server import HttpServer
+from tokenserve.server.app import serve
+from tokenserve.transport.planes import ALL_PLANES, Plane, plane_layout, plane_of
+from tokenserve.transport.server import HttpServer
 
 B, MG, MT = Plane.BUSINESS, Plane.MANAGEMENT, Plane.METRICS
 M = "fake-model"

@@ -1,6 +1,6 @@
 """AsyncEngine: wires tokenizer, model, KV cache, scheduler and executor actors.
 
-Public surface used by the HTTP layer (``EngineClient`` in ``http/api/engine_client.py``)::
+Public surface used by the HTTP layer (``EngineClient`` in ``api/engine_client.py``)::
 
     engine = AsyncEngine.build(EngineConfig(...))     # loads the model (blocking)
     await engine.start()

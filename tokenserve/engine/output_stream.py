@@ -65,7 +65,7 @@ class Signal(asyncio.Event):
         super().__init__()
         self._subscribers: list[Callable[[], None]] = []
         #: PD: what watches the engine outputs of the request this signal belongs to
-        #: (``tokenserve.http.api.engine_stream.StreamObserver``); None outside PD
+        #: (``tokenserve.api.engine_stream.StreamObserver``); None outside PD
         self.observer: Any = None
 
     def subscribe(self, fn: Callable[[], None]) -> None:

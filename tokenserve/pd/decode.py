@@ -39,12 +39,12 @@ import httpx
 import orjson
 
 from tokenserve.engine.output_stream import Signal
-from tokenserve.http.api.common import FAILED_FINISH, failure_text, parse_json_object
-from tokenserve.http.cycle import ClientDisconnected, HttpRequest, HttpResponse
-from tokenserve.http.errors import HttpError
-from tokenserve.http.router import Handler, Router
+from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
+from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Handler, Router
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
-from tokenserve.pd.dresult import HEARTBEAT, close_message, encode
+from tokenserve.pd.wire import HEARTBEAT, close_message, encode
 from tokenserve.pd.node import PdNode, inter_comm_url
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
@@ -217,7 +217,7 @@ class DecodeSink(CaptureResponse):
 def _body(chunk: bytes) -> str:
     """A /dresult body never holds NUL (spec §6.3): [I] the NUL that ends each vLLM
     stream chunk (``{json}\\0``) travels as a newline (JSON never holds a raw one); the
-    coordinator turns them back (:func:`tokenserve.pd.dresult.vllm_body`)."""
+    coordinator turns them back (:func:`tokenserve.pd.wire.vllm_body`)."""
     return chunk.decode("utf-8").replace("\0", "\n")
 
 

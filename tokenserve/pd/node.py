@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 
 from tokenserve.config import ROLES, PdConfig
-from tokenserve.http.api.common import parse_json_object
-from tokenserve.http.api.engine_client import EngineClient
-from tokenserve.http.cycle import HttpRequest, HttpResponse
-from tokenserve.http.errors import HttpError
-from tokenserve.http.router import Router
+from tokenserve.api.common import parse_json_object
+from tokenserve.api.engine_client import EngineClient
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Router
 
 logger = logging.getLogger(__name__)
 

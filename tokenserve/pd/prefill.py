@@ -32,11 +32,11 @@ from typing import Any
 import orjson
 
 from tokenserve.engine.output_stream import Signal
-from tokenserve.http.api.common import parse_json_object
-from tokenserve.http.api.engine_stream import RequestHandedOff
-from tokenserve.http.cycle import HttpRequest, HttpResponse
-from tokenserve.http.errors import HttpError
-from tokenserve.http.router import Handler
+from tokenserve.api.common import parse_json_object
+from tokenserve.api.engine_stream import RequestHandedOff
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Handler
 from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
 from tokenserve.pd.node import PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body

@@ -1,7 +1,7 @@
 """Responses that are not written to a socket (PD): the family handlers run unchanged on a
 prefill or decode instance and write into one of these instead of the client's connection.
 
-:class:`CaptureResponse` has the :class:`tokenserve.http.cycle.HttpResponse` interface
+:class:`CaptureResponse` has the :class:`tokenserve.transport.cycle.HttpResponse` interface
 (``send`` / ``send_json`` / ``send_error`` once, or ``start_stream``, ``write``..., ``end``)
 and records what was written. Subclasses decide where the bytes go.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from tokenserve.http.errors import error_body
+from tokenserve.transport.errors import error_body
 
 
 class CaptureResponse:

@@ -1,0 +1,398 @@
+"""OpenAI-compatible routes (spec/interfaces.md §5; OpenAI API reference: Chat, Completions,
+Models).
+
+``POST /v1/chat/completions`` renders ``messages`` with the model's chat template
+(``add_generation_prompt=True``) and tokenises the result without adding special tokens;
+``POST /v1/completions`` takes a string, strings, token ids or id lists. Each prompt gets
+``n`` choices (index ``prompt_index * n + i``, as OpenAI and vLLM number them); every choice
+is its own engine request (``<id>-<index>``), all run concurrently, and a client
+disconnect aborts every one of them (spec §0.4 step 10). With ``seed``, choice ``i`` of a
+prompt samples with ``seed + i``: choices differ yet are reproducible.
+
+Pipeline (spec §0.4): JSON / validation errors -> 422, template errors -> 422, a prompt
+longer than the context -> 424, an unknown model -> 404, engine failures -> 500 (statuses as
+MindIE's, spec §0.3). [I] Every error before the head is sent has the OpenAI shape plus
+MindIE's ``error_type`` (:func:`openai_error`): each route is wrapped by
+:func:`openai_errors`, which reformats any :class:`HttpError` (shared body parsing
+included) and unexpected exception. Once a stream has started, a timeout or engine failure
+is written as plain text and the connection closed (§0.4 step 9). Streams (SSE, spec §5.1/§5.2)::
+
+    chat         one role chunk per choice {"delta": {"role": "assistant", "content": ""}}
+                 content chunks (each delta repeats the role, as MindIE does)
+                 one finishing chunk per choice (finish_reason)
+    completions  text chunks (no role chunk), one finishing chunk per choice
+    both         usage on the last finishing chunk, or with stream_options.include_usage
+                 one extra chunk {"choices": [], "usage": ...} (spec §5.1 [I]);
+                 then data: [DONE]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenserve.api.common import (
+    DEFAULT_MAX_JSON_DEPTH,
+    FAILED_FINISH,
+    TOKENIZE_OFFLOAD_CHARS,
+    EngineClient,
+    FamilyApi,
+    close_stream,
+    encode_text,
+    failure_text,
+    guard_stream,
+    sse,
+)
+from tokenserve.api.engine_stream import FanOut
+from tokenserve.api.openai.protocol import (
+    SSE_DONE,
+    OpenAIBody,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    openai_error,
+    parse_chat_body,
+    parse_completion_body,
+    usage,
+)
+from tokenserve.api.context import ServeContext
+from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.transport.errors import INTERNAL_ERROR_MESSAGE, HttpError
+from tokenserve.transport.router import Handler, Router
+from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
+from tokenserve.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: spec §5.3/§5.4: ``owned_by`` of every model.
+OWNER = "MindIE Server"
+
+
+@dataclass
+class Choice:
+    """One choice = one engine request, and what it has produced so far."""
+
+    index: int
+    prompt_index: int
+    request: GenerateRequest
+    prefix: str = ""  # echoed prompt text (completions ``echo``)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offset: int = 0  # completions text_offset of the next token
+    final: RequestOutput | None = None
+
+
+@dataclass
+class Plan:
+    """A validated request fanned out into choices."""
+
+    id: str
+    chat: bool
+    body: OpenAIBody
+    created: int
+    model: str
+    prompt_lens: list[int]
+    choices: list[Choice]
+
+    def usage(self) -> dict[str, Any]:
+        """Prompt tokens count once per prompt, completion tokens over every choice;
+        ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served
+        (per prompt, from its first choice)."""
+        prompt = list(self.prompt_lens)
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            if c.final is not None and c.final.num_prompt_tokens:
+                prompt[c.prompt_index] = c.final.num_prompt_tokens
+                cached.setdefault(c.prompt_index, c.final.num_cached_tokens)
+        done = sum(c.final.num_output_tokens for c in self.choices if c.final is not None)
+        return usage(sum(prompt), done, sum(cached.values()))
+
+
+def openai_errors(handler: Handler) -> Handler:
+    """Answer ``handler``'s errors in the OpenAI shape (:func:`openai_error`).
+
+    An :class:`HttpError` keeps its status, message, ``error_type`` and headers; any other
+    exception is logged and answered 500 ``Server internal error`` (as the server would).
+    Once the response has started the error is re-raised, so the server closes the
+    connection as before; a disconnect is never answered.
+    """
+
+    @functools.wraps(handler)
+    async def wrapped(request: HttpRequest, response: HttpResponse) -> None:
+        try:
+            await handler(request, response)
+        except ClientDisconnected:
+            raise
+        except HttpError as exc:
+            if response.started:
+                raise
+            body = openai_error(exc.status, exc.message, exc.error_type)
+            await response.send_json(exc.status, body, exc.headers)
+        except Exception:
+            if response.started:
+                raise
+            logger.exception("unhandled error in handler for %s %s", request.method,
+                             request.path)
+            await response.send_json(500, openai_error(500, INTERNAL_ERROR_MESSAGE))
+
+    return wrapped
+
+
+class OpenAIApi(FamilyApi):
+    """Handlers of the OpenAI family (spec §5).
+
+    ``openai_support`` is MindIE's ``ServerConfig.openAiSupport``: ``"vllm"`` (default)
+    or anything else for the "native OpenAI" ranges on chat (spec §5.1).
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+        openai_support: str = "vllm",
+        context: ServeContext | None = None,
+    ) -> None:
+        super().__init__(engine, max_json_depth=max_json_depth, context=context)
+        self._native = openai_support != "vllm"
+        self._started = int(time.time())
+        self._texts = TokenTexts(engine.tokenizer)
+        self._root = engine.info.model_path or engine.info.model_name
+
+    def register(self, router: Router) -> None:
+        """Add the §5 routes to ``router``, each answering errors in the OpenAI shape."""
+        router.post("/v1/chat/completions", openai_errors(self.chat_completions))
+        router.post("/v1/completions", openai_errors(self.completions))
+        router.get("/v1/models", openai_errors(self.list_models))
+        router.get("/v1/models/{model}", openai_errors(self.get_model))
+
+    # ------------------------------------------------------------------ models
+
+    async def list_models(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``GET /v1/models`` (spec §5.3): 4-space indented (hence stdlib json), base
+        model's ``parent`` is the string ``"null"``; [I] ``created`` added."""
+        card = {"id": self._info.model_name, "object": "model", "created": self._started,
+                "root": self._root, "owned_by": OWNER, "parent": "null"}
+        text = json.dumps({"object": "list", "data": [card]}, indent=4, ensure_ascii=False)
+        await response.send(200, text.encode(), "application/json")
+
+    async def get_model(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``GET /v1/models/{model}`` (spec §5.4); unknown -> 404 ``Model <m> not found.``"""
+        name = request.path_params.get("model", "")
+        if name != self._info.model_name:
+            raise HttpError(404, f"Model {name} not found.")
+        await response.send_json(200, {"id": name, "object": "model",
+                                       "created": self._started, "owned_by": OWNER})
+
+    # ------------------------------------------------------------------ requests
+
+    async def chat_completions(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /v1/chat/completions`` (spec §5.1)."""
+        try:
+            obj = self._json(request)
+            body = parse_chat_body(obj, self._native)
+            self._check_model(body.model, "Got model {m}, but not found in server"
+                              if self._native else "Model not found")
+            tok = self._engine.tokenizer
+            try:
+                text = tok.apply_chat_template(body.messages, add_generation_prompt=True,
+                                               **body.template_kwargs)
+            except Exception as exc:  # a template failure on client input is a 4xx
+                raise ValueError(f"Failed to apply the chat template: {exc}") from None
+            ids = await self._encode_chat(text)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        plan = self._plan("chatcmpl", True, body, [ids], [""], request.arrival_time)
+        await self._run(request, response, plan)
+
+    async def completions(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /v1/completions`` (spec §5.2)."""
+        try:
+            obj = self._json(request)
+            body = parse_completion_body(obj, self._info.vocab_size)
+            self._check_model(body.model,
+                              "Not found given model, please check modelName in config file.")
+            assert body.prompts is not None
+            prompts: list[list[int]] = []
+            echoes: list[str] = []
+            skip = body.sampling["skip_special_tokens"]
+            for p in body.prompts:
+                if p.ids is not None:
+                    prompts.append(p.ids)
+                    echoes.append(self._engine.tokenizer.decode(p.ids, skip_special_tokens=skip)
+                                  if body.echo else "")
+                else:
+                    assert p.text is not None
+                    prompts.append(await encode_text(self._engine.tokenizer, p.text))
+                    echoes.append(p.text if body.echo else "")
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        plan = self._plan("cmpl", False, body, prompts, echoes, request.arrival_time)
+        await self._run(request, response, plan)
+
+    def _check_model(self, model: str, message: str) -> None:
+        """spec §5.1: ``model`` must name the served model, or [I] its path; the error
+        keeps MindIE's message and [I] names the ids ``GET /v1/models`` lists."""
+        if model not in (self._info.model_name, self._root):
+            raise ValueError(f"{message.format(m=model[:256])} Available models: "
+                             f"{self._info.model_name}.")
+
+    async def _encode_chat(self, text: str) -> list[int]:
+        """A rendered chat prompt already holds its special tokens: encode it without
+        adding any (long texts in a worker thread)."""
+        encode = functools.partial(self._engine.tokenizer.encode, text, add_special_tokens=False)
+        if len(text) > TOKENIZE_OFFLOAD_CHARS:
+            ids = await asyncio.get_running_loop().run_in_executor(None, encode)
+        else:
+            ids = encode()
+        if not ids:
+            raise ValueError("The chat template rendered an empty prompt.")
+        return list(ids)
+
+    def _plan(
+        self, prefix: str, chat: bool, body: OpenAIBody, prompts: list[list[int]],
+        echoes: list[str], arrival: float,
+    ) -> Plan:
+        """One engine request per (prompt, choice); 424 for a prompt that leaves no room
+        (spec §0.4 step 8). ``max_tokens`` defaults to ``maxIterTimes`` and is capped by
+        the context (spec §1.2)."""
+        total = len(prompts) * body.n
+        if total > self._info.max_batch_size:
+            raise HttpError(422, f"The request asks for {total} sequences; at most "
+                                 f"{self._info.max_batch_size} (maxBatchSize) are allowed.")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        choices: list[Choice] = []
+        for p, ids in enumerate(prompts):
+            self._check_fits(len(ids))
+            room = self._info.max_model_len - len(ids)
+            want = body.max_tokens or self._info.max_iter_times or room
+            try:
+                params = SamplingParams(max_new_tokens=min(want, room), **body.sampling)
+            except ValueError as exc:
+                raise HttpError(422, str(exc)) from None
+            for i in range(body.n):
+                index = p * body.n + i
+                if body.seed is not None:
+                    params = replace(params, seed=(body.seed + i) % (MAX_SEED + 1))
+                elif i:  # a fresh random seed per choice
+                    params = replace(params, seed=random.randint(0, MAX_SEED))
+                greq = GenerateRequest(f"{rid}-{index}", tuple(ids), params,
+                                       arrival_time=arrival)
+                choices.append(Choice(index, p, greq, prefix=echoes[p], offset=len(echoes[p])))
+        return Plan(rid, chat, body, int(time.time()), self._info.model_name,
+                    [len(ids) for ids in prompts], choices)
+
+    async def _run(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
+        if plan.body.stream:
+            await self._stream(request, response, plan)
+        else:
+            await self._complete(request, response, plan)
+
+    # ------------------------------------------------------------------ non-stream
+
+    async def _complete(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
+        requests = [c.request for c in plan.choices]
+        async with FanOut(self._engine, requests, request.disconnected, context=self._context) as fan:
+            async for index, out in fan:
+                choice = plan.choices[index]
+                choice.texts.append(out.new_text)
+                choice.logprobs.extend(out.logprobs or ())
+                if out.finished:
+                    choice.final = out
+        for c in plan.choices:
+            if c.final is not None and c.final.finish_reason in FAILED_FINISH:
+                raise HttpError(500, failure_text(c.final))
+        result = self._envelope(plan, "chat.completion" if plan.chat else "text_completion")
+        result["choices"] = [self._final_choice(plan, c) for c in plan.choices]
+        result["usage"] = plan.usage()
+        await response.send_json(200, result)
+
+    def _final_choice(self, plan: Plan, c: Choice) -> dict[str, Any]:
+        assert c.final is not None
+        text = "".join(c.texts)
+        wants_lp = plan.body.sampling.get("logprobs") is not None
+        reason = finish_reason(c.final.finish_reason)
+        if plan.chat:
+            lp = chat_logprobs(c.logprobs, self._texts) if wants_lp else None
+            message = {"role": "assistant", "content": text, "tool_calls": []}
+            return {"index": c.index, "message": message, "logprobs": lp,
+                    "finish_reason": reason}
+        lp = completion_logprobs(c.logprobs, self._texts, c.offset)[0] if wants_lp else None
+        return {"index": c.index, "text": c.prefix + text, "logprobs": lp,
+                "stop_reason": c.final.stop_reason, "finish_reason": reason}
+
+    # ------------------------------------------------------------------ stream
+
+    async def _stream(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
+        if await guard_stream(response, self._pump(request, response, plan), logger, plan.id):
+            await response.end()
+
+    async def _pump(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> bool:
+        """Every choice admitted first (a full queue is a 503 answer), then the head and
+        the chunks; False when it closed the stream on a failed choice."""
+        kind = "chat.completion.chunk" if plan.chat else "text_completion"
+        open_choices = len(plan.choices)
+        requests = [c.request for c in plan.choices]
+        async with FanOut(self._engine, requests, request.disconnected, context=self._context) as fan:
+            await response.start_stream(200, "text/event-stream")
+            for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
+                if plan.chat or c.prefix:
+                    await response.write(sse(self._chunk(plan, kind, c, None, c.prefix)))
+            async for index, out in fan:
+                choice = plan.choices[index]
+                if out.finished and out.finish_reason in FAILED_FINISH:
+                    # spec §0.4 step 9: the error text is the last chunk, then close (the
+                    # other choices are aborted)
+                    await close_stream(response, failure_text(out))
+                    return False
+                if not (out.finished or out.new_text or out.logprobs):
+                    continue  # nothing to show (spec §5.1 item 2)
+                chunk = self._chunk(plan, kind, choice, out, out.new_text)
+                if out.finished:
+                    choice.final = out
+                    open_choices -= 1
+                    if open_choices == 0 and not plan.body.include_usage:
+                        chunk["usage"] = plan.usage()
+                await response.write(sse(chunk))
+            if plan.body.include_usage:
+                chunk = self._envelope(plan, kind)
+                chunk["choices"] = []
+                chunk["usage"] = plan.usage()
+                await response.write(sse(chunk))
+            await response.write(SSE_DONE)
+        return True
+
+    def _chunk(
+        self, plan: Plan, kind: str, c: Choice, out: RequestOutput | None, text: str
+    ) -> dict[str, Any]:
+        """One choice's chunk; ``out`` None is the chat role chunk or the echo chunk."""
+        entries = list(out.logprobs or ()) if out is not None else []
+        wants_lp = plan.body.sampling.get("logprobs") is not None and out is not None
+        reason = finish_reason(out.finish_reason) if out is not None and out.finished else None
+        if plan.chat:
+            lp = chat_logprobs(entries, self._texts) if wants_lp else None
+            item: dict[str, Any] = {"index": c.index,
+                                    "delta": {"role": "assistant", "content": text},
+                                    "logprobs": lp, "finish_reason": reason}
+        else:
+            lp = None
+            if wants_lp:
+                lp, c.offset = completion_logprobs(entries, self._texts, c.offset)
+            stop = out.stop_reason if out is not None and out.finished else None
+            item = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason,
+                    "stop_reason": stop}
+        chunk = self._envelope(plan, kind)
+        chunk["choices"] = [item]
+        return chunk
+
+    @staticmethod
+    def _envelope(plan: Plan, kind: str) -> dict[str, Any]:
+        return {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model}

@@ -1,0 +1,326 @@
+"""The PD coordinator: the client-facing entry point of a prefill/decode cluster (MindIE
+Motor's ``ms_coordinator``, spec/pd_disaggregation.md §2-§4, §6, §7.3, §9.4, §10, §11).
+
+``tokenserve coordinator --prefill HOST:PORT[@MGMT][,...] --decode HOST:PORT[@MGMT][,...]``
+serves, on one port, every family's inference routes (§3.1) and relays each request
+through a P and a D::
+
+    client --POST /infer ...--> Coordinator ---POST + req-type/req-id/d-target--> P
+                                    ^  <------ {"reqId","isStream","isLastResp","output"}
+                                    |                                       | hand-off
+                                    +--- GET /dresult (one per D) <-------- D
+
+One module per job: :mod:`~tokenserve.coordinator.config` (flags, ids),
+:mod:`~tokenserve.coordinator.ingress` (routes, stream detection, §3.2 errors),
+:mod:`~tokenserve.coordinator.pool` (status polling, P/D choice, stopInfer),
+:mod:`~tokenserve.coordinator.dlink` (the /dresult streams),
+:mod:`~tokenserve.coordinator.relay` (one request: submit, relay, resubmit).
+
+Other routes on the same port: ``GET /health``, ``/v1/models[/{m}]`` and ``POST
+/v1/tokenizer`` are forwarded to a P; the §9.4 status probes (``/v1/startup``,
+``/v1/health``, ``/v1/readiness``, ``/v2/health/live``, ``/v2/health/ready``,
+``/v2/models/{m}/ready``) answer 200 while a P and a D are usable, else 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable
+from typing import Any
+
+import httpx
+
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.drain import drain
+from tokenserve.transport.limits import HttpLimits
+from tokenserve.transport.router import Router
+from tokenserve.transport.server import HttpServer
+from tokenserve.coordinator import ingress as msg
+from tokenserve.coordinator.config import CoordinatorConfig, ReqIdGenerator, parse_instances
+from tokenserve.coordinator.dlink import DLink
+from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers, plain_error
+from tokenserve.coordinator.pool import Instance, InstancePool
+from tokenserve.coordinator.relay import Flow, FlowContext
+from tokenserve.pd.wire import DMessage
+
+logger = logging.getLogger(__name__)
+
+#: §3.1: the inference routes (``/generate`` is TGI or vLLM by its body).
+INFERENCE_ROUTES = ("/infer", "/infer_token", "/generate", "/generate_stream", "/",
+                    "/v1/chat/completions", "/v1/completions", "/v2/models/{model}/infer",
+                    "/v2/models/{model}/generate", "/v2/models/{model}/generate_stream")
+#: §9.4 status_port probes, served on the one port.
+PROBE_ROUTES = ("/v1/startup", "/v1/health", "/v1/readiness", "/v2/health/live",
+                "/v2/health/ready", "/v2/models/{model}/ready")
+#: seconds best-effort stops get to finish when the coordinator closes.
+STOP_GRACE_S = 2.0
+
+
+class Coordinator:
+    """The coordinator's state: upstream client, instances, /dresult links and the
+    requests in flight (by req-id). :meth:`start` before serving :meth:`router`,
+    :meth:`close` after."""
+
+    def __init__(self, cfg: CoordinatorConfig) -> None:
+        self.cfg = cfg
+        self._client: httpx.AsyncClient | None = None
+        self._pool: InstancePool | None = None
+        self._flows: dict[str, Flow] = {}
+        self._ids = ReqIdGenerator()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def pool(self) -> InstancePool:
+        assert self._pool is not None, "Coordinator.start() first"
+        return self._pool
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._flows)
+
+    async def start(self) -> None:
+        """Open the upstream client, start polling every instance and link every D."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(limits=limits, trust_env=False)
+        self._pool = InstancePool(self.cfg, self._client)
+        loop = asyncio.get_running_loop()
+        for inst in self._pool.prefill + self._pool.decode:
+            self._tasks.append(loop.create_task(self._pool.poll_forever(inst)))
+        for d in self._pool.decode:
+            link = DLink(d, self._client, self.cfg, self._on_message, self._on_drop)
+            self._tasks.append(loop.create_task(link.run()))
+
+    async def close(self) -> None:
+        """Stop polling and linking, give pending stops ``STOP_GRACE_S``, close the
+        client."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._background:
+            await asyncio.wait(self._background, timeout=STOP_GRACE_S)
+        for task in self._background:
+            task.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run a best-effort coroutine (a stop) in the background, tracked for close."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ /dresult
+
+    def _on_message(self, d: Instance, message: DMessage) -> None:
+        flow = self._flows.get(message.req_id or "")
+        if flow is not None:
+            flow.on_d_message(d.name, message)
+
+    def _on_drop(self, d: Instance) -> None:
+        for flow in list(self._flows.values()):
+            flow.on_d_dropped(d.name)
+
+    # ------------------------------------------------------------------ routes
+
+    def router(self) -> Router:
+        """Every route of the coordinator (module docstring)."""
+        router = Router()
+        for path in INFERENCE_ROUTES:
+            router.post(path, self.infer)
+        for path in PROBE_ROUTES:
+            router.get(path, self.probe)
+        for path in ("/health", "/v1/models", "/v1/models/{model}"):
+            router.get(path, self.forward)
+        router.post("/v1/tokenizer", self.forward)
+        return router
+
+    async def infer(self, request: HttpRequest, response: HttpResponse) -> None:
+        """An inference request (§3.1-§3.3): admitted (400 / 429 / 503 as plain text),
+        given a fresh req-id, then relayed through a P and a D (:class:`Flow`)."""
+        try:
+            ingress = classify(request.path, request.body, self.cfg.chars_per_token)
+            if self.in_flight >= self.cfg.max_requests:
+                raise AdmissionError(429, msg.TOO_MANY)
+            if not self.pool.ready():
+                raise AdmissionError(503, msg.NOT_READY)
+        except AdmissionError as exc:
+            await response.send(exc.status, plain_error(exc.message), "text/plain")
+            return
+        req_id = self._ids.next()
+        while req_id in self._flows:  # pragma: no cover - 2**64 ids
+            req_id = self._ids.next()
+        ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn)
+        flow = Flow(ctx, req_id, request, response, ingress)
+        self._flows[req_id] = flow  # before P sees it: D may answer first (§11)
+        try:
+            await flow.run()
+        finally:
+            del self._flows[req_id]
+
+    async def probe(self, request: HttpRequest, response: HttpResponse) -> None:
+        """§9.4 status probes: 200 (empty) while a P and a D are usable, else 503."""
+        if self.pool.ready():
+            await response.send(200, b"", "text/plain")
+        else:
+            await response.send(503, plain_error(msg.NOT_READY), "text/plain")
+
+    async def forward(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``/health``, ``/v1/models[/{m}]``, ``/v1/tokenizer``: the least loaded P's
+        answer, status and body unchanged. 503 when not ready; 408 ``Request tokenizer
+        timeout`` (tokenizer) or 500 ``Connect to p instance failed`` when P fails."""
+        p = self.pool.choose_p()
+        if p is None or (request.path == "/health" and not self.pool.ready()):
+            await response.send(503, plain_error(msg.NOT_READY), "text/plain")
+            return
+        url = p.addr.base_url + request.path + (f"?{request.query}" if request.query else "")
+        tokenizer = request.path == "/v1/tokenizer"
+        timeout = self.cfg.tokenizer_timeout_s if tokenizer else self.cfg.status_timeout_s
+        try:
+            resp = await self._client_or_fail().request(
+                request.method, url, headers=forward_headers(request.headers),
+                content=request.body or None, timeout=timeout)
+        except httpx.TimeoutException:
+            status, text = (408, msg.TOKENIZER_TIMEOUT) if tokenizer else (503, msg.NOT_READY)
+            await response.send(status, plain_error(text), "text/plain")
+            return
+        except httpx.HTTPError:
+            await response.send(500, plain_error(msg.CONNECT_P_FAILED), "text/plain")
+            return
+        await response.send(resp.status_code, resp.content,
+                            resp.headers.get("content-type", "application/json"))
+
+    def _client_or_fail(self) -> httpx.AsyncClient:
+        assert self._client is not None, "Coordinator.start() first"
+        return self._client
+
+
+# ---------------------------------------------------------------------- serving
+
+async def serve_coordinator(
+    cfg: CoordinatorConfig,
+    *,
+    started: asyncio.Future[Any] | None = None,
+    stop: asyncio.Event | None = None,
+    now: asyncio.Event | None = None,
+) -> None:
+    """Serve ``cfg`` until cancelled or ``stop`` is set, then drain: running requests
+    get ``cfg.drain_timeout_s`` seconds (``now`` set: none), then their connections
+    close and what still runs on P/D is stopped.
+
+    ``started`` receives the :class:`HttpServer` once it listens (``cfg.port == 0``:
+    read ``server.ports``).
+
+    Raises:
+        ValueError: the listener cannot be bound (a port in use, a bad address).
+    """
+    coord = Coordinator(cfg)
+    await coord.start()
+    server = HttpServer(coord.router(), limits=HttpLimits(max_body_bytes=cfg.max_body_bytes))
+    listening = False
+    try:
+        try:
+            await server.start(cfg.host, cfg.port)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {cfg.host}:{cfg.port}: "
+                             f"{exc.strerror or exc}") from None
+        listening = True
+        logger.info("coordinator on http://%s:%s: prefill %s, decode %s", cfg.host,
+                    server.ports[0], ",".join(a.name for a in cfg.prefill),
+                    ",".join(a.name for a in cfg.decode))
+        if started is not None and not started.done():
+            started.set_result(server)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        if listening:
+            await drain([server], None, cfg.drain_timeout_s, now)
+        await coord.close()
+
+
+async def _serve_with_signals(cfg: CoordinatorConfig) -> None:
+    from tokenserve.server.app import _Signals
+
+    signals = _Signals()
+    signals.serving = True
+    try:
+        await serve_coordinator(cfg, stop=signals.stop, now=signals.now)
+    finally:
+        signals.close()
+
+
+def run_coordinator(cfg: CoordinatorConfig) -> None:
+    """Blocking entry point (uvloop when installed): serve until SIGTERM/SIGINT (the
+    first drains, a second closes at once).
+
+    Raises:
+        ValueError: the listener cannot be bound.
+    """
+    from tokenserve.server.app import run
+
+    run(_serve_with_signals(cfg))
+
+
+# ---------------------------------------------------------------------- command line
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``coordinator`` subcommand to ``tokenserve``'s subparsers."""
+    c = sub.add_parser("coordinator", help="PD coordinator in front of P and D instances",
+                       description=__doc__.split("\n\n")[0])
+    c.add_argument("--prefill", required=True, metavar="HOST:PORT[@MGMT][,...]",
+                   help="prefill instances: business port [@ management port]")
+    c.add_argument("--decode", required=True, metavar="HOST:PORT[@MGMT][,...]",
+                   help="decode instances: business port [@ management port]")
+    c.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=1025, help="listen port (default 1025)")
+    for flag, dest, default, what in (
+            ("--schedule-timeout", "schedule_timeout_s", 600.0,
+             "a request waiting this long for a usable P and D gets 408"),
+            ("--first-token-timeout", "first_token_timeout_s", 600.0,
+             "P's first answer must come this long after arrival, else 408"),
+            ("--infer-timeout", "infer_timeout_s", 600.0,
+             "a request not done this long after arrival gets 408"),
+            ("--timeout-graceful-shutdown", "drain_timeout_s", 25.0,
+             "on SIGTERM/SIGINT, what running requests get to finish")):
+        c.add_argument(flag, dest=dest, type=float, default=default, metavar="S",
+                       help=f"seconds: {what} (default {default:g})")
+    c.add_argument("--max-requests", type=int, default=10000,
+                   help="in-flight requests before 429 (default 10000)")
+    c.add_argument("--max-retry", type=int, default=5,
+                   help="resubmissions per request and /dresult re-links (default 5)")
+    c.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    return c
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """The :class:`CoordinatorConfig` of parsed ``coordinator`` flags.
+
+    Raises:
+        ValueError: a bad instance address or value.
+    """
+    return CoordinatorConfig(
+        prefill=parse_instances(args.prefill), decode=parse_instances(args.decode),
+        host=args.host, port=args.port, schedule_timeout_s=args.schedule_timeout_s,
+        first_token_timeout_s=args.first_token_timeout_s,
+        infer_timeout_s=args.infer_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        max_requests=args.max_requests, max_retry=args.max_retry)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``tokenserve coordinator``: 0 after a signal, 2 (one line on stderr) on a bad
+    flag or a port that cannot be bound."""
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per status poll
+    try:
+        run_coordinator(config_from_args(args))
+    except ValueError as exc:
+        print(f"tokenserve coordinator: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a signal before the handlers were installed
+        pass
+    return 0

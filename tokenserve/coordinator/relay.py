@@ -1,0 +1,425 @@
+"""One client request through the P/D cluster: submit to P, relay P's answer and D's
+``/dresult`` messages, resubmit on ``retry:`` or a lost D (spec/pd_disaggregation.md
+§4.1, §5.3, §7.3, §10, §11; plan "Wire decisions").
+
+::
+
+    place: choose P (least prefill load) and D (most free blocks)      [408 schedule]
+    submit: POST <path> to P, headers req-type/req-id/d-target/d-port
+            (+ is-recompute), body unchanged or the recompute body
+            connect failed -> another P, p_connect_tries in all          [500 connect]
+    P answer (D's messages wait in the inbox meanwhile, §11 ordering)  [408 first token]
+        non-200 -> forwarded unchanged (while retrying: resubmit, §7.3)
+        stream: head + output; isLastResp -> end
+        non-stream: isLastResp -> output is the body
+    D messages, from the request's current D only                       [408 inference]
+        ids       -> token history (never relayed)
+        data      -> stream: written as is
+        lastData  -> stream: written, end; non-stream: the JSON body
+        error     -> stream: last chunk, close; else 500 {"error","error_type"}
+        retry     -> resubmit its body with is-recompute: true            [500 retry]
+        (drop)    -> the D's /dresult ended: resubmit the recompute body built from
+                     the history on another D (nothing lost, nothing repeated)
+    client gone at any point -> stopInfer on P and D (best effort)
+
+The history is what D reports in ``ids`` messages: its first one per submission is
+``L,p1..pL,o1..oK`` (prompt and every token the client has been sent), later ones append
+the ids of the text they come with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from tokenserve.api.common import close_stream
+from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.transport.errors import error_body
+from tokenserve.coordinator import ingress as msg
+from tokenserve.coordinator.config import CoordinatorConfig
+from tokenserve.coordinator.history import TokenHistory
+from tokenserve.coordinator.ingress import Ingress, forward_headers, plain_error
+from tokenserve.coordinator.pool import Instance, InstancePool
+from tokenserve.pd.wire import DMessage, vllm_body
+
+logger = logging.getLogger(__name__)
+
+#: how often a request waiting for a usable P and D looks again (seconds).
+PLACE_POLL_S = 0.05
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+class Failure(Exception):
+    """Ends a request with ``status`` and ``message``: plain text (§3.2) or, with
+    ``wrapper``, the JSON error wrapper; on a started stream the message is the last
+    chunk."""
+
+    def __init__(self, status: int, message: str, *, wrapper: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.wrapper = status, message, wrapper
+
+
+@dataclass(frozen=True)
+class Event:
+    """An inbox entry: a D message (``d``), a lost D (``drop``, during submission
+    number ``epoch``) or the client gone (``gone``); ``source`` names the D."""
+
+    kind: str
+    source: str = ""
+    message: DMessage | None = None
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class PReply:
+    """P's HTTP answer."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class FlowContext:
+    """What a flow uses of its coordinator: config, instances, the upstream client and
+    ``spawn`` (runs a best-effort coroutine in the background)."""
+
+    cfg: CoordinatorConfig
+    pool: InstancePool
+    client: httpx.AsyncClient
+    spawn: Callable[[Awaitable[None]], None]
+
+
+class Flow:
+    """One request (module docstring). The coordinator registers it under ``req_id``
+    before :meth:`run` and feeds :meth:`on_d_message` / :meth:`on_d_dropped`."""
+
+    def __init__(self, ctx: FlowContext, req_id: str, request: HttpRequest,
+                 response: HttpResponse, ingress: Ingress) -> None:
+        loop = asyncio.get_running_loop()
+        self.req_id = req_id
+        self._ctx, self._request, self._response, self._in = ctx, request, response, ingress
+        self._inbox: asyncio.Queue[Event] = asyncio.Queue()
+        self._gone: asyncio.Future[None] = loop.create_future()
+        now = loop.time()
+        self._first_deadline = now + ctx.cfg.first_token_timeout_s
+        self._deadline = now + ctx.cfg.infer_timeout_s
+        self._answered = False  # P has answered 200 once
+        self._completed = False  # the request ended on P/D: no stop needed
+        self.p: Instance | None = None
+        self.d: Instance | None = None
+        self._body = request.body
+        self._recompute = False
+        self._retries = 0
+        self._lost: set[str] = set()  # Ds this request was lost on
+        self._d_lost = False  # the current D dropped
+        self._epoch = 0  # submissions so far
+        self._prefer_p: Instance | None = None
+        self._delay = 0.0
+        self._history = TokenHistory()
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_d_message(self, source: str, message: DMessage) -> None:
+        """A ``/dresult`` message for this request from the D named ``source``."""
+        self._inbox.put_nowait(Event("d", source, message))
+
+    def on_d_dropped(self, source: str) -> None:
+        """The ``/dresult`` stream of the D named ``source`` ended."""
+        if self.d is not None and source == self.d.name and not self._d_lost:
+            self._d_lost = True
+            self._inbox.put_nowait(Event("drop", source, epoch=self._epoch))
+
+    def _on_gone(self) -> None:
+        if not self._gone.done():
+            self._gone.set_result(None)
+            self._inbox.put_nowait(Event("gone"))
+
+    # ------------------------------------------------------------------ driver
+
+    async def run(self) -> None:
+        """Serve the request to its end; never raises but for cancellation."""
+        self._request.disconnected.subscribe(self._on_gone)
+        if self._request.disconnected.is_set():
+            self._on_gone()
+        try:
+            while not await self._attempt():
+                pass
+        except ClientDisconnected:
+            logger.info("request %s: client gone", self.req_id)
+        except Failure as f:
+            logger.warning("request %s failed: %d %s", self.req_id, f.status, f.message)
+            with contextlib.suppress(ClientDisconnected):
+                await self._fail(f)
+        finally:
+            self._request.disconnected.unsubscribe(self._on_gone)
+            if not self._completed and self.p is not None:
+                stop = [i for i in (self.p, self.d) if i is not None]
+                self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
+
+    async def _attempt(self) -> bool:
+        """One submission to P and its relay; True when the request is done."""
+        reply = await self._submit()
+        done = await self._on_p(reply)
+        if done is None:  # resubmit (P error while retrying)
+            return False
+        return done or await self._relay()
+
+    async def _fail(self, f: Failure) -> None:
+        resp = self._response
+        if resp.finished:
+            return
+        if resp.started:
+            await close_stream(resp, f.message)
+        elif f.wrapper:
+            await resp.send(f.status, error_body(f.status, f.message), "application/json")
+        else:
+            await resp.send(f.status, plain_error(f.message), "text/plain")
+
+    # ------------------------------------------------------------------ P
+
+    async def _submit(self) -> PReply:
+        """Place and send to P, racing the client and the deadlines."""
+        loop = asyncio.get_running_loop()
+        if self._answered:
+            deadline, text = self._deadline, msg.INFER_TIMEOUT
+        else:
+            deadline, text = min((self._first_deadline, msg.FIRST_TOKEN_TIMEOUT),
+                                 (self._deadline, msg.INFER_TIMEOUT))
+        task = loop.create_task(self._call_p())
+        try:
+            await asyncio.wait({task, self._gone}, timeout=max(0.0, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self._gone.done():
+                raise ClientDisconnected()
+            if not task.done():
+                raise Failure(408, text)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Failure):
+                    await task
+
+    async def _call_p(self) -> PReply:
+        """§10: up to ``p_connect_tries`` P instances until one takes the connection."""
+        if self._delay:
+            await asyncio.sleep(self._delay)
+            self._delay = 0.0
+        for attempt in range(self._ctx.cfg.p_connect_tries):
+            placed = await self._place(wait=attempt == 0)
+            if placed is None:  # every P refused the connection
+                break
+            p, d = placed
+            try:
+                return await self._post(p, d)
+            except _CONNECT_ERRORS as exc:
+                logger.warning("request %s: cannot connect to P %s: %r", self.req_id,
+                               p.name, exc)
+                self._ctx.pool.mark_unreachable(p)
+                self._prefer_p = None
+        self._completed = True  # no P has it, and no D either: nothing to stop
+        raise Failure(500, msg.CONNECT_P_FAILED)
+
+    async def _place(self, *, wait: bool) -> tuple[Instance, Instance] | None:
+        """A usable P and D, waiting up to ``schedule_timeout_s`` for them; without
+        ``wait`` (a P just refused the connection) None when there is none now."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._ctx.cfg.schedule_timeout_s
+        pool = self._ctx.pool
+        blocks = pool.blocks_for(self._in.cost + len(self._history))
+        while True:
+            p = self._prefer_p
+            if p is None or not p.usable():
+                p = pool.choose_p()
+            if p is not None:
+                d = (pool.choose_d(frozenset(self._lost), assign=blocks, avoid=p.name)
+                     or pool.choose_d(assign=blocks, avoid=p.name))
+                if d is not None:
+                    return p, d
+            if not wait:
+                return None
+            if loop.time() >= deadline:
+                raise Failure(408, msg.SCHEDULE_TIMEOUT)
+            await asyncio.sleep(PLACE_POLL_S)
+
+    async def _post(self, p: Instance, d: Instance) -> PReply:
+        """The request to P (§4.1); transport errors other than connect ones become
+        the §3.2 failures."""
+        headers = forward_headers(self._request.headers)
+        headers.update({"req-type": "prefill", "req-id": self.req_id,
+                        "d-target": d.d_target(), "d-port": str(d.addr.port)})
+        if self._recompute:
+            headers["is-recompute"] = "true"
+        url = p.addr.base_url + self._request.path
+        if self._request.query:
+            url += "?" + self._request.query
+        self.p, self.d, self._d_lost = p, d, False
+        self._history.reset()
+        self._epoch += 1
+        self._purge_inbox()
+        logger.debug("request %s -> P %s, D %s%s", self.req_id, p.name, d.name,
+                     " (recompute)" if self._recompute else "")
+        cost = self._in.cost
+        p.prefill_load += cost
+        try:
+            resp = await self._ctx.client.post(
+                url, content=self._body, headers=headers,
+                timeout=httpx.Timeout(None, connect=self._ctx.cfg.connect_timeout_s))
+        except _CONNECT_ERRORS:
+            raise
+        except (httpx.WriteError, httpx.WriteTimeout):
+            raise Failure(500, msg.SEND_P_FAILED) from None
+        except httpx.HTTPError:
+            raise Failure(500, msg.RECV_P_FAILED) from None
+        finally:
+            p.prefill_load -= cost
+        return PReply(resp.status_code, resp.headers.get("content-type", "application/json"),
+                      resp.content)
+
+    async def _on_p(self, reply: PReply) -> bool | None:
+        """P's answer (§5.3): True when the request is done, False to go on with D's
+        messages, None to resubmit."""
+        if reply.status != 200:
+            return await self._on_p_error(reply)
+        try:
+            obj: Any = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict) or obj.get("reqId") != self.req_id:
+            raise Failure(500, msg.P_ERROR)
+        last, output = obj.get("isLastResp") is True, obj.get("output")
+        resp = self._response
+        if self._in.stream:
+            if not isinstance(output, str) or not isinstance(obj.get("isLastResp"), bool):
+                raise Failure(500, msg.P_ERROR)
+            if not resp.started:
+                await resp.start_stream(200, "text/event-stream")
+            if output:
+                await resp.write(output.encode())
+            if last:
+                await resp.end()
+        elif last:
+            if not isinstance(output, str):
+                raise Failure(500, msg.P_ERROR)
+            await resp.send(200, output.encode(), "application/json")
+        self._answered = True
+        self._completed = last
+        return last
+
+    async def _on_p_error(self, reply: PReply) -> bool | None:
+        """A non-200 P answer: forwarded unchanged, unless the request is being retried
+        (§7.3: again on the same P after ``retry_delay_s``) or its D was lost (another
+        D at once)."""
+        if self._recompute or self._d_lost:
+            self._count_retry()
+            if self._d_lost:
+                assert self.d is not None
+                self._lost.add(self.d.name)
+            else:
+                self._prefer_p, self._delay = self.p, self._ctx.cfg.retry_delay_s
+            return None
+        if self._response.started:  # cannot happen before a resubmission; be safe
+            raise Failure(reply.status, reply.body.decode(errors="replace"))
+        await self._response.send(reply.status, reply.body, reply.content_type)
+        self._completed = True  # P refused it: nothing runs
+        return True
+
+    def _count_retry(self) -> None:
+        if self._retries >= self._ctx.cfg.max_retry:
+            raise Failure(500, msg.RETRY_FAILED)
+        self._retries += 1
+
+    # ------------------------------------------------------------------ D
+
+    async def _relay(self) -> bool:
+        """D's messages until the request is done (True) or must be resubmitted."""
+        assert self.d is not None
+        while True:
+            ev = await self._next_event()
+            if ev.kind == "gone":
+                raise ClientDisconnected()
+            if ev.source != self.d.name:
+                continue  # a D this request has left
+            if ev.kind == "drop":
+                if ev.epoch == self._epoch:
+                    return self._after_drop()
+                continue
+            assert ev.message is not None
+            done = await self._on_d(ev.message)
+            if done is not None:
+                return done
+
+    async def _next_event(self) -> Event:
+        left = self._deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(self._inbox.get(), max(0.0, left))
+        except asyncio.TimeoutError:
+            raise Failure(408, msg.INFER_TIMEOUT) from None
+
+    async def _on_d(self, m: DMessage) -> bool | None:
+        """One D message: True done, False resubmit, None go on."""
+        resp, stream = self._response, self._in.stream
+        if m.kind == "ids":
+            if not self._history.feed(m.body):
+                logger.warning("request %s: bad ids message %r", self.req_id, m.body[:100])
+        elif m.kind == "data":
+            if stream:
+                await resp.write(self._stream_body(m.body))
+        elif m.kind == "lastData":
+            self._completed = True
+            if stream:
+                await resp.write(self._stream_body(m.body))
+                await resp.end()
+            else:
+                await resp.send(200, m.body.encode(), "application/json")
+            return True
+        elif m.kind == "error":
+            self._completed = True
+            raise Failure(500, m.body, wrapper=True)
+        elif m.kind == "retry":
+            self._count_retry()
+            logger.info("request %s: D %s asks for a recompute", self.req_id, self.d.name)
+            self._body, self._recompute = m.body.encode(), True
+            return False
+        return None
+
+    def _stream_body(self, body: str) -> bytes:
+        """A D stream body as the client's bytes (vLLM: newlines back to NULs)."""
+        return (vllm_body(body) if self._in.family == "vllm" else body).encode()
+
+    def _after_drop(self) -> bool:
+        """The current D's stream ended: resubmit on another D (False), from the
+        history when there is one, from the start when the client has nothing yet."""
+        assert self.d is not None
+        lost = self.d
+        self._lost.add(lost.name)
+        self._ctx.spawn(self._ctx.pool.stop_infer([lost], self.req_id))
+        self._count_retry()
+        body = self._history.recompute_body(self._request.path, self._in.body)
+        if body is not None:
+            self._body, self._recompute = body, True
+        elif not self._response.started:
+            self._body, self._recompute = self._request.body, False
+        else:
+            raise Failure(500, msg.RETRY_FAILED)
+        logger.warning("request %s: D %s lost, resubmitting", self.req_id, lost.name)
+        return False
+
+    def _purge_inbox(self) -> None:
+        """Drop the D events of earlier submissions (a D that kept messages while its
+        stream was down may flush them on re-link); a client gone stays."""
+        kept = []
+        while not self._inbox.empty():
+            ev = self._inbox.get_nowait()
+            if ev.kind == "gone":
+                kept.append(ev)
+        for ev in kept:
+            self._inbox.put_nowait(ev)

@@ -1,0 +1,353 @@
+"""Prometheus metrics of one server (spec/interfaces.md §7.7) and ``/metrics-json`` (§7.6).
+
+One :class:`ServerMetrics` per server, with its own ``CollectorRegistry`` (no module-global
+registry: tests and the PD coordinator run several servers in one process). Everything
+is read at scrape time by one custom collector:
+
+- per-request numbers, recorded by :class:`~tokenserve.api.engine_stream.EngineStream` (the
+  one place every API family passes through) via :meth:`ServerMetrics.request_started` ->
+  :class:`RequestTracker`: ``request_received_total`` when the request enters the engine,
+  then at its end ``request_success_total`` or ``request_failed_total`` and the TTFT,
+  TPOT, e2e and token-count histograms;
+- engine state, read from ``engine.stats()`` at scrape time: running / waiting / swapped
+  gauges, KV cache usage, ``num_preemptions_total``, and the prefix cache:
+  ``npu_prefix_cache_hit_rate`` = ``prefix_cache_hit_rate``, ``all_radix_match_num`` /
+  ``npu_radix_match_hit_num`` = prompt tokens looked up / found (``prefix_query_tokens``
+  / ``prefix_hit_tokens``; 0 when the stats have no such fields).
+
+Every series carries ``model_name="<engine.info.model_name>"`` (spec §7.7).
+
+[I] decisions:
+- MindIE serves ``/metrics`` only when env ``MIES_SERVICE_MONITOR_MODE=1`` (else 500);
+  we always serve it (vLLM/TGI users expect ``/metrics``); the variable is not read.
+- success = the engine's final output ended with EOS/stop or length; anything else
+  (timeout, engine error, client disconnect, stopInfer abort) counts as failed, so
+  ``received == success + failed`` whenever no request is in flight. Requests rejected
+  by validation (4xx) never reach the engine and are not counted.
+- TPOT is observed once per request: the summed ``decode_time_ms`` of its outputs after
+  the first, divided by the tokens those outputs carried (tokens merged into the first
+  output have no decode time of their own).
+- ``failed_request_perc`` = failed / (success + failed).
+- KV usage goes to ``npu_cache_usage_perc`` when the KV cache lives on an accelerator
+  (NPU or CUDA) and to ``cpu_cache_usage_perc`` when it lives in host memory; the other
+  gauge is 0 (we have no swap space).
+- throughput gauges: tokens per second over the interval since the previous scrape
+  (at least 1 s; a faster scrape repeats the previous value).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+#: spec §7.7 content type ([I] with the text-format version, as prometheus_client 0.x).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: spec §7.7 buckets (seconds / tokens).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+TOKEN_BUCKETS = (10, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 16000, 20000, 32000,
+                 50000, 64000, 128000)
+#: /metrics-json: TTFT/TBT are averages over this many recent requests (spec §7.6).
+RECENT_WINDOW = 100
+_OK = (FinishReason.EOS, FinishReason.LENGTH)
+
+
+class Histogram:
+    """A plain histogram (observations on the event loop; read at scrape time)."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last: above every bound (+Inf only)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs ending with ``+Inf``."""
+        out, acc = [], 0
+        for bound, n in zip(self.bounds, self.counts):
+            acc += n
+            out.append((_le(bound), acc))
+        out.append(("+Inf", self.count))
+        return out
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class RequestTracker:
+    """One request's numbers, from entering the engine to its end."""
+
+    __slots__ = (
+        "_decode_ms",
+        "_decode_tokens",
+        "_done",
+        "_metrics",
+        "_prompt_tokens",
+        "_start",
+        "_tokens",
+        "_ttft_s",
+    )
+
+    def __init__(self, metrics: ServerMetrics, request: GenerateRequest) -> None:
+        self._metrics = metrics
+        self._start = request.arrival_time or time.monotonic()
+        self._prompt_tokens = len(request.prompt_token_ids)
+        self._ttft_s: float | None = None
+        self._decode_ms = 0.0
+        self._decode_tokens = 0
+        self._tokens = 0
+        self._done = False
+
+    def output(self, out: RequestOutput) -> None:
+        """Account one engine output (called for every output, in order)."""
+        n = len(out.new_token_ids)
+        if n == 0:
+            return
+        if self._ttft_s is None:
+            ms = out.prefill_time_ms
+            self._ttft_s = (time.monotonic() - self._start) if ms is None else ms / 1e3
+            self._metrics.live_prompt_tokens += self._prompt_tokens
+        elif out.decode_time_ms is not None:
+            self._decode_ms += out.decode_time_ms
+            self._decode_tokens += n
+        self._tokens += n
+        self._metrics.live_generation_tokens += n
+
+    def finished(self, last: RequestOutput | None) -> None:
+        """The request is over (``last`` is its final output, or None when it never
+        got one: disconnect, engine failure). Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        ok = last is not None and last.finished and last.finish_reason in _OK
+        tokens = max(self._tokens, last.num_output_tokens if last is not None else 0)
+        self._metrics.record_end(
+            ok=ok, prompt_tokens=self._prompt_tokens, generation_tokens=tokens,
+            ttft_s=self._ttft_s,
+            tpot_s=self._decode_ms / self._decode_tokens / 1e3 if self._decode_tokens else None,
+            e2e_s=time.monotonic() - self._start)
+
+
+class ServerMetrics:
+    """The metrics of one server (spec §7.7) over its own ``CollectorRegistry``.
+
+    Args:
+        engine: its ``info`` (model name, KV cache device) and, at scrape time,
+            ``stats()`` (None or a failure leaves the engine-state series out).
+        model_name: the ``model_name`` label (default ``engine.info.model_name``).
+    """
+
+    def __init__(self, engine: Any, model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name or engine.info.model_name
+        device = engine.info.device
+        self.kv_device = device if device in ("npu", "cuda", "cpu") else "cpu"
+        #: ``<managementIp>:<port>`` for ``/metrics-json`` (set by ``serve``).
+        self.instance = ""
+        self.received = 0
+        self.success = 0
+        self.failed = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.generation_tokens = Histogram(TOKEN_BUCKETS)
+        #: tokens as they are processed (the ``*_tokens_total`` counters, throughput)
+        self.live_prompt_tokens = 0
+        self.live_generation_tokens = 0
+        self._recent_ttft_ms: collections.deque[float] = collections.deque(maxlen=RECENT_WINDOW)
+        self._recent_tbt_ms: collections.deque[float] = collections.deque(maxlen=RECENT_WINDOW)
+        self._rate_mark = (time.monotonic(), 0, 0)
+        self._rates = (0.0, 0.0)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    # ------------------------------------------------------------------ recording
+
+    def request_started(self, request: GenerateRequest) -> RequestTracker:
+        """``request_received_total`` += 1; the tracker records the rest."""
+        self.received += 1
+        return RequestTracker(self, request)
+
+    def record_end(self, *, ok: bool, prompt_tokens: int, generation_tokens: int,
+                   ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
+        """Account one ended request (see the module docstring for what counts)."""
+        if ok:
+            self.success += 1
+        else:
+            self.failed += 1
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            self._recent_ttft_ms.append(ttft_s * 1e3)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+            self._recent_tbt_ms.append(tpot_s * 1e3)
+
+    # ------------------------------------------------------------------ reading
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (spec §7.7)."""
+        return generate_latest(self.registry)
+
+    def stats(self) -> Any | None:
+        """``engine.stats()``, or None when it has none or fails."""
+        try:
+            return self.engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed")
+            return None
+
+    def throughput(self) -> tuple[float, float]:
+        """(prompt, generation) tokens/s since the previous call (>= 1 s apart)."""
+        now = time.monotonic()
+        t0, p0, g0 = self._rate_mark
+        if now - t0 >= 1.0:
+            dt = now - t0
+            self._rates = ((self.live_prompt_tokens - p0) / dt,
+                           (self.live_generation_tokens - g0) / dt)
+            self._rate_mark = (now, self.live_prompt_tokens, self.live_generation_tokens)
+        return self._rates
+
+    def json_snapshot(self) -> dict[str, Any]:
+        """``GET /metrics-json`` (spec §7.6): TTFT / TBT moving averages (ms) over the
+        last requests, queue sizes and free KV blocks, values as strings."""
+        st = self.stats()
+        values = {
+            "TTFT": _mean(self._recent_ttft_ms),
+            "TBT": _mean(self._recent_tbt_ms),
+            "waitingInferRequestNum": st.num_waiting if st is not None else 0,
+            "processingInferRequestNum": st.num_running if st is not None else 0,
+            "remainBlocks": st.num_free_blocks if st is not None else 0,
+        }
+        return {
+            "resultType": "vector",
+            "result": [
+                {"metric": [{"__name__": name, "job": "node", "instance": self.instance}],
+                 "value": _num(value)}
+                for name, value in values.items()
+            ],
+        }
+
+    def register(self, router: Any) -> None:
+        """Add ``GET /metrics`` (spec §7.7) and ``GET /metrics-json`` (spec §7.6)."""
+        router.get("/metrics", self._handle_metrics)
+        router.get("/metrics-json", self._handle_json)
+
+    async def _handle_metrics(self, request: Any, response: Any) -> None:
+        await response.send(200, self.render(), CONTENT_TYPE)
+
+    async def _handle_json(self, request: Any, response: Any) -> None:
+        await response.send_json(200, self.json_snapshot())
+
+
+class _Collector(Collector):
+    """Builds every family at scrape time from :class:`ServerMetrics` and the engine."""
+
+    def __init__(self, m: ServerMetrics) -> None:
+        self._m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        lbl = ["model_name"]
+        val = [m.model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=lbl)
+            c.add_metric(val, value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=lbl)
+            g.add_metric(val, value)
+            return g
+
+        def hist(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+            f = HistogramMetricFamily(name, doc, labels=lbl)
+            f.add_metric(val, h.buckets(), h.sum)
+            return f
+
+        yield counter("request_received", "Requests received by the engine", m.received)
+        yield counter("request_success", "Requests completed", m.success)
+        yield counter("request_failed", "Requests failed", m.failed)
+        yield gauge("failed_request_perc", "Failed / finished requests (1 = 100%)",
+                    m.failed / (m.success + m.failed) if m.success + m.failed else 0.0)
+        yield hist("time_to_first_token_seconds", "Time to first token", m.ttft)
+        yield hist("time_per_output_token_seconds", "Time per output token", m.tpot)
+        yield hist("e2e_request_latency_seconds", "End-to-end request latency", m.e2e)
+        yield hist("request_prompt_tokens", "Prompt tokens per request", m.prompt_tokens)
+        yield hist("request_generation_tokens", "Generated tokens per request",
+                   m.generation_tokens)
+        yield counter("prompt_tokens", "Prompt tokens processed", m.live_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated", m.live_generation_tokens)
+        prompt_rate, gen_rate = m.throughput()
+        yield gauge("avg_prompt_throughput_toks_per_s", "Prompt throughput", prompt_rate)
+        yield gauge("avg_generation_throughput_toks_per_s", "Generation throughput", gen_rate)
+        weights = getattr(m.engine.info, "weights_bytes", 0)
+        if weights:
+            yield gauge("model_weights_bytes", "Bytes of model weights the kernels read "
+                        "(quantised or packed copies, embedding table, norms)", weights)
+
+        st = m.stats()
+        if st is None:
+            return
+        yield gauge("num_requests_running", "Requests running", st.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting", st.num_waiting)
+        yield gauge("num_requests_swapped", "Requests swapped out", st.num_swapped)
+        usage = 1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0
+        on_host = m.kv_device == "cpu"
+        yield gauge("npu_cache_usage_perc", "Device KV cache usage (1 = 100%)",
+                    0.0 if on_host else usage)
+        yield gauge("cpu_cache_usage_perc", "Host KV cache usage (1 = 100%)",
+                    usage if on_host else 0.0)
+        queries, hits = st.prefix_query_tokens, st.prefix_hit_tokens
+        rate = st.prefix_cache_hit_rate
+        yield gauge("npu_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)", rate)
+        yield gauge("all_radix_match_num", "Prompt tokens looked up in the prefix cache",
+                    queries)
+        yield gauge("npu_radix_match_hit_num", "Prompt tokens found in the prefix cache", hits)
+        yield counter("num_preemptions", "Preemptions", st.num_preemptions)
+        yield counter("spec_decode_num_draft_tokens",
+                      "Speculative decoding: draft tokens verified", st.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens",
+                      "Speculative decoding: draft tokens accepted", st.num_accepted_tokens)
+
+
+def _mean(values: collections.deque[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _num(value: float) -> str:
+    """spec §7.6 values are strings; integers without a fraction."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return f"{value:.3f}"
