@@ -417,7 +417,7 @@ def run_llamacpp(args: argparse.Namespace, slices: Sequence[Sequence[BenchReques
                  ) -> tuple[list[LevelResult], dict[str, Any]]:
     """The same slices through llama.cpp's ``/completion`` (a started ``--llama-server``
     or ``--llamacpp-url``); returns the levels and what ``meta.llamacpp`` records."""
-    from tokenserve.server.app import run as run_loop
+    from tokenserve.transport.runtime import run as run_loop
 
     server = None
     try:
@@ -572,9 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tokenserve bench: {exc}", file=sys.stderr)
             return 2
     from bench import report
-    from tokenserve.server.app import run as run_loop
     from tokenserve.models.loader import ModelConfig, resolve_model
     from tokenserve.models.tokenizer import Tokenizer
+    from tokenserve.transport.runtime import run as run_loop
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer(model_dir)

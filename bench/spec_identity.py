@@ -60,7 +60,7 @@ async def run(engine, ps: list[list[int]], max_new: int, concurrency: int
 async def main(argv: list[str] | None = None) -> int:
     from tokenserve.config import EngineConfig
     from tokenserve.engine.engine import AsyncEngine
-    from tokenserve.engine.ngram import SpecConfig
+    from tokenserve.config import SpecConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=200)

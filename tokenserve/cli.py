@@ -11,10 +11,9 @@ import logging
 import sys
 from dataclasses import replace
 
-from tokenserve.config import DTYPES, PdConfig, check_model_path, select_device
-from tokenserve.engine.ngram import SpecConfig
-from tokenserve.transport.tls import CERT_REQS, TlsSettings
+from tokenserve.config import DTYPES, PdConfig, SpecConfig, check_model_path, select_device
 from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
+from tokenserve.transport.tls import CERT_REQS, TlsSettings
 
 
 def _positive_int(text: str) -> int:
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = serve_config(args)
             if cfg.pd.pd:  # before the model loads: a missing PD extra is one line
                 _check_pd_extra(cfg.pd)
-            from tokenserve.server.app import run_server
+            from tokenserve.server.main import run_server
 
             run_server(cfg)
         except (ValueError, FileNotFoundError) as exc:

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tokenserve.config import EngineConfig, PdConfig
-from tokenserve.engine.ngram import SpecConfig
+from tokenserve.config import EngineConfig, PdConfig, SpecConfig
 from tokenserve.transport.listeners import ALL_INTERFACES
 from tokenserve.transport.tls import TlsSettings
 

@@ -31,7 +31,8 @@ STREAM = {"input_id": [1, 2, 3], "stream": True, "parameters": {"max_new_tokens"
 FAKE_SERVER = """
 import logging, sys
 from tests.fakes import FakeEngine
-from tokenserve.server.app import run, serve_engine
+from tokenserve.server.main import serve_engine
+from tokenserve.transport.runtime import run
 from tokenserve.mindie_config import ServeConfig, ServerOptions
 
 class Engine(FakeEngine):

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from tokenserve.config import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
-from tokenserve.engine.ngram import SpecConfig
+from tokenserve.config import SpecConfig
 from tokenserve.messages import GenerateRequest, KvAdoption
 from tokenserve.sampling_params import SamplingParams
 

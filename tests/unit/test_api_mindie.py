@@ -27,9 +27,10 @@ from tests.fakes import (
 )
 from tests.sse import sse_events
 from tokenserve.api.common import json_depth_exceeds, parse_json
-from tokenserve.server.app import build_router, run
-from tokenserve.transport.server import HttpServer
 from tokenserve.messages import FinishReason
+from tokenserve.server.app import build_router
+from tokenserve.transport.runtime import run
+from tokenserve.transport.server import HttpServer
 
 
 @pytest.fixture

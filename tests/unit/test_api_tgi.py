@@ -15,8 +15,8 @@ import pytest
 
 from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, serve_fake, token_text, wait_for
 from tests.sse import sse_events
-from tokenserve.transport.server import HttpServer
 from tokenserve.messages import FinishReason
+from tokenserve.transport.server import HttpServer
 
 
 @pytest.fixture

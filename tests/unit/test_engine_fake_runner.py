@@ -222,7 +222,7 @@ async def test_abort_with_error_ends_as_error(engine):
 
 
 async def test_get_returns_none_on_disconnect_without_cancelling(engine):
-    from tokenserve.engine.output_stream import Signal
+    from tokenserve.aio import Signal
 
     gone = Signal()
     handle = engine.generate(greq(max_new_tokens=1000))

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEngine
-from tokenserve.server.app import build_router
 from tokenserve.api.management import INVALID_WAIT, ServedConfig, parse_wait
+from tokenserve.server.app import build_router
 from tokenserve.transport.server import HttpServer
 
 SERVED = ServedConfig.build("fake-model", 64, 1 << 30, False, 512, 128)

@@ -13,9 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes import FakeEngine, serve_fake, wait_for
+from tokenserve.api.context import ServeContext
 from tokenserve.engine.engine import EngineStats
+from tokenserve.messages import FinishReason
 from tokenserve.server.app import build_router
-from tokenserve.api.context import RequestRegistry, ServeContext
 from tokenserve.server.metrics import (
     E2E_BUCKETS,
     TOKEN_BUCKETS,
@@ -23,8 +24,8 @@ from tokenserve.server.metrics import (
     TTFT_BUCKETS,
     ServerMetrics,
 )
+from tokenserve.transport.drain import RequestRegistry
 from tokenserve.transport.server import HttpServer
-from tokenserve.messages import FinishReason
 
 M = "fake-model"
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEngine, FakeTokenizer, wait_for
+from tokenserve.messages import EngineOverloadedError
 from tokenserve.server.app import build_router
 from tokenserve.transport.server import HttpServer
-from tokenserve.messages import EngineOverloadedError
 
 MESSAGE = "too many requests"
 

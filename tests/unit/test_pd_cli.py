@@ -54,7 +54,7 @@ def test_kv_port_range_flag():
 def test_pd_without_mooncake_is_one_line_and_exit_2_before_the_model_loads(monkeypatch, capsys):
     import sys
 
-    import tokenserve.server.app as app
+    import tokenserve.server.main as app
     from tokenserve.cli import main
 
     def run_server(cfg):

@@ -23,19 +23,20 @@ import httpx
 import orjson
 import pytest
 
+from tokenserve.api.routes import INFERENCE
 from tokenserve.cli import build_parser
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
-from tokenserve.transport.server import HttpServer
+from tokenserve.coordinator.app import config_from_args, serve_coordinator
 from tokenserve.coordinator.config import (
     CoordinatorConfig,
     InstanceAddr,
     ReqIdGenerator,
     parse_instances,
 )
-from tokenserve.coordinator.app import INFERENCE_ROUTES, config_from_args, serve_coordinator
 from tokenserve.pd.wire import close_message, encode, vllm_body
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Router
+from tokenserve.transport.server import HttpServer
 
 TEST_TIMEOUT_S = 15.0
 MODEL = "m1"
@@ -208,8 +209,8 @@ class FakeP(FakeServer):
         r.get("/v1/models", self._models)
         r.get("/health", self._health)
         r.post("/v1/tokenizer", self._tokenizer)
-        for path in INFERENCE_ROUTES:
-            r.post(path, self._infer)
+        for route in INFERENCE:
+            r.post(route.path, self._infer)
         return r
 
     async def _status(self, request: HttpRequest, response: HttpResponse) -> None:

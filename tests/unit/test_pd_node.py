@@ -12,9 +12,9 @@ import pytest
 from tests.fakes import FakeEngine
 from tokenserve.config import PdConfig
 from tokenserve.engine.info import EngineStats
+from tokenserve.pd.node import PdNode
 from tokenserve.server.app import build_router
 from tokenserve.transport.server import HttpServer
-from tokenserve.pd.node import PdNode
 
 ROLE_BODY = {"local": {"id": 0, "server_ip": "10.0.0.1", "host_ip": "10.0.0.1",
                        "device": [{"device_ip": "192.168.1.10", "device_id": "0",

@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEngine
+from tokenserve.api.routes import plane_of
 from tokenserve.cli import build_parser
 from tokenserve.server.app import serve
-from tokenserve.transport.planes import ALL_PLANES, Plane, plane_layout, plane_of
+from tokenserve.transport.planes import ALL_PLANES, Plane, plane_layout
 from tokenserve.transport.server import HttpServer
 
 B, MG, MT = Plane.BUSINESS, Plane.MANAGEMENT, Plane.METRICS

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenserve.engine.block_pool import BlockPool
-from tokenserve.engine.ngram import SpecConfig, propose
+from tokenserve.config import SpecConfig
+from tokenserve.engine.ngram import propose
 from tokenserve.engine.request import Request
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.messages import FinishReason

@@ -23,20 +23,21 @@ from typing import Any
 import numpy as np
 import orjson
 
+from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_client import EngineClient, EngineInfo
 from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, EngineStream
 from tokenserve.api.fields import MAX_TOKENS_NUM, show
-from tokenserve.api.context import ServeContext
-from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
+from tokenserve.api.framing import close_stream
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
 
 __all__ = [
     "DEFAULT_MAX_JSON_DEPTH", "FAILED_FINISH", "MINDIE_FINISH_REASONS", "PARSE_ERROR",
     "TOKENIZE_OFFLOAD_CHARS", "Collected", "EngineClient", "EngineStream", "FamilyApi",
-    "check_final", "check_json_content_type", "check_prompt_fits", "close_stream", "collect",
+    "check_final", "check_json_content_type", "check_prompt_fits", "collect",
     "encode_text", "failure_text", "guard_stream", "json_depth_exceeds",
-    "mindie_finish_reason", "parse_json", "parse_json_object", "run_stream", "sse",
+    "mindie_finish_reason", "parse_json", "parse_json_object", "run_stream",
 ]
 
 logger = logging.getLogger(__name__)
@@ -292,18 +293,6 @@ async def collect(
         yield Collected(texts, ids, check_final(stream.last))
 
 
-def sse(event: Any) -> bytes:
-    """One server-sent event ``data: <json>\\n\\n``."""
-    return b"data: " + orjson.dumps(event) + b"\n\n"
-
-
-async def close_stream(response: HttpResponse, text: str) -> None:
-    """spec §0.4 step 9: ``text`` as the plain-text last chunk of a started stream, then
-    the connection closes."""
-    await response.write(text.encode())
-    await response.end(close_connection=True)
-
-
 async def guard_stream(
     response: HttpResponse, body: Awaitable[bool], log: logging.Logger, what: str
 ) -> bool:
@@ -313,7 +302,7 @@ async def guard_stream(
     as the last chunk, then close (False). Before the head, the failure is raised."""
     try:
         return await body
-    except ClientDisconnected:
+    except HandlerExit:
         raise
     except Exception as exc:
         if not response.started:  # refused at admission: an ordinary error answer

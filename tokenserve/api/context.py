@@ -15,67 +15,27 @@ module-global state::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from tokenserve.server.metrics import ServerMetrics
-
-
-class Stoppable(Protocol):
-    """A live request as the registry sees it (``EngineStream`` implements it)."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    async def stop(self, error: str | None = None) -> bool: ...
+from tokenserve.messages import GenerateRequest, RequestOutput
+from tokenserve.transport.drain import RequestRegistry
 
 
-class RequestRegistry:
-    """Live requests by every id a client may use to stop them (spec §2.3): the
-    server request id (the engine's ``request_id``) and any client-supplied id (the
-    Triton ``id``). Several live requests may share a client id; ``find`` returns all.
+class RequestMetrics(Protocol):
+    """What a request reports to the server's metrics
+    (``tokenserve.server.metrics.RequestTracker``)."""
 
-    Synchronous and only touched from the event loop thread.
-    """
+    def output(self, out: RequestOutput) -> None: ...
 
-    def __init__(self) -> None:
-        self._by_id: dict[str, list[Stoppable]] = {}
+    def finished(self, last: RequestOutput | None) -> None: ...
 
-    def add(self, stream: Stoppable, ids: Iterable[str]) -> None:
-        """Register ``stream`` under each of ``ids`` (duplicates and empty ids skipped)."""
-        for rid in dict.fromkeys(ids):
-            if rid:
-                self._by_id.setdefault(rid, []).append(stream)
 
-    def remove(self, stream: Stoppable, ids: Iterable[str]) -> None:
-        """Undo :meth:`add` for ``stream`` (ids it is not registered under are ignored)."""
-        for rid in dict.fromkeys(ids):
-            streams = self._by_id.get(rid)
-            if not streams:
-                continue
-            try:
-                streams.remove(stream)
-            except ValueError:
-                continue
-            if not streams:
-                del self._by_id[rid]
+class Metrics(Protocol):
+    """The server's metrics as the families see them
+    (``tokenserve.server.metrics.ServerMetrics``, spec §7.6-§7.7)."""
 
-    def find(self, rid: str) -> list[Stoppable]:
-        """The live requests registered under ``rid`` (empty when none)."""
-        return list(self._by_id.get(rid, ()))
-
-    def live(self) -> list[Stoppable]:
-        """Every distinct live request (the server's drain ends them all)."""
-        return list({id(s): s for streams in self._by_id.values() for s in streams}.values())
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._by_id
-
-    def __len__(self) -> int:
-        """Number of distinct live requests."""
-        return len({id(s) for streams in self._by_id.values() for s in streams})
+    def request_started(self, request: GenerateRequest) -> RequestMetrics: ...
 
 
 @dataclass
@@ -88,4 +48,4 @@ class ServeContext:
     """
 
     registry: RequestRegistry = field(default_factory=RequestRegistry)
-    metrics: ServerMetrics | None = None
+    metrics: Metrics | None = None

@@ -14,17 +14,20 @@ answers it with the request's final output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Protocol, Self
 
-from tokenserve.engine.output_stream import RequestHandle, Signal
-from tokenserve.api.engine_client import EngineClient
+from tokenserve.aio import Signal
 from tokenserve.api.context import ServeContext
-from tokenserve.transport.cycle import ClientDisconnected
-from tokenserve.transport.errors import HttpError
+from tokenserve.api.engine_client import EngineClient
+from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.messages import EngineOverloadedError, GenerateRequest, RequestOutput
+from tokenserve.transport.cycle import ClientDisconnected, HandlerExit
+from tokenserve.transport.errors import HttpError
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +35,18 @@ logger = logging.getLogger(__name__)
 NO_FINAL_OUTPUT = "Engine stream ended without a final output."
 
 
-class RequestHandedOff(ClientDisconnected):
+class RequestHandedOff(HandlerExit):
     """Raised out of the family handler when its request continues on another instance
     (PD prefill -> decode, spec/pd_disaggregation.md §5): the handler stops, and the engine
-    request is NOT aborted (its KV blocks wait for the decode instance)."""
+    request is NOT aborted (its KV blocks wait for the decode instance). Not a disconnect:
+    the prefill side (:func:`tokenserve.pd.prefill.serve_prefill`) matches it and answers
+    the coordinator."""
 
 
 class StreamObserver(Protocol):
-    """PD: watches the engine side of one HTTP request (``HttpRequest.disconnected.
-    observer``) so the family handler can run unchanged on a prefill or decode instance."""
+    """PD: watches the engine side of one HTTP request (installed with :func:`observed`
+    around the family handler) so the handler runs unchanged on a prefill or decode
+    instance."""
 
     def admit(self, request: GenerateRequest) -> GenerateRequest:
         """The engine request to submit instead of ``request`` (id, prompt, PD fields);
@@ -52,6 +58,23 @@ class StreamObserver(Protocol):
 
     def on_output(self, out: RequestOutput) -> None:
         """Called with every output, before the handler renders it."""
+
+
+#: the observer of the family handler running in this task (:func:`observed`); None
+#: outside PD. A context variable, so the family handlers keep their (request, response)
+#: signature and a handler can never see another request's observer.
+_OBSERVER: ContextVar[StreamObserver | None] = ContextVar("stream_observer", default=None)
+
+
+@contextlib.contextmanager
+def observed(observer: StreamObserver) -> Iterator[None]:
+    """Run a family handler inside this block with ``observer`` watching every
+    :class:`EngineStream` / :class:`FanOut` it opens (PD prefill and decode sides)."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
 
 
 class EngineStream:
@@ -80,7 +103,7 @@ class EngineStream:
         context: ServeContext | None = None,
         aliases: Iterable[str] = (),
     ) -> None:
-        self._observer: StreamObserver | None = disconnected.observer
+        self._observer: StreamObserver | None = _OBSERVER.get()
         if self._observer is not None:
             request = self._observer.admit(request)
         self._engine = engine
@@ -216,6 +239,7 @@ class FanOut:
         context: ServeContext | None = None,
     ) -> None:
         self._disconnected = disconnected
+        self._observer: StreamObserver | None = _OBSERVER.get()
         self._streams = [EngineStream(engine, r, disconnected, context=context)
                          for r in requests]
         self._entered: list[EngineStream] = []
@@ -273,8 +297,8 @@ class FanOut:
                 return list(items)
             if self._disconnected.is_set():
                 raise ClientDisconnected()
-            if self._disconnected.observer is not None:
-                await self._disconnected.observer.before_wait()
+            if self._observer is not None:
+                await self._observer.before_wait()
             self._wake.clear()
             await self._wake.wait()
 

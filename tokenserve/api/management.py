@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from tokenserve.api.engine_client import engine_healthy
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
 from tokenserve.messages import EngineOverloadedError, FinishReason, GenerateRequest
 from tokenserve.sampling_params import SamplingParams
+from tokenserve.transport.errors import HttpError
 
 if TYPE_CHECKING:
     from tokenserve.api.common import EngineClient
@@ -117,29 +116,29 @@ def kv_mem_sizes(kv_cache_bytes: int, accelerator: bool) -> tuple[float, float]:
     return (size, 0) if accelerator else (-1, size)
 
 
-def register(router: Router, engine: EngineClient, served: ServedConfig | None) -> None:
-    """Add ``GET /health/timed``, ``/health/timed-{n}`` (spec §7.1) and ``GET /v1/config``
+class ManagementApi:
+    """``GET /health/timed``, ``/health/timed-{n}`` (spec §7.1) and ``GET /v1/config``
     (spec §7.3; 500 wrapper when ``served`` is None: no model configured)."""
 
-    async def timed(request: HttpRequest, response: HttpResponse) -> None:
+    def __init__(self, engine: EngineClient, served: ServedConfig | None) -> None:
+        self._engine = engine
+        self._served = served
+
+    async def timed(self, request: HttpRequest, response: HttpResponse) -> None:
         try:
             wait_s = parse_wait(request.path_params.get("n"))
         except ValueError as exc:
             raise HttpError(404, str(exc)) from None
-        if not engine_healthy(engine):
+        if not engine_healthy(self._engine):
             await response.send(503, b"", "application/json")
             return
         try:
-            await virtual_inference(engine, wait_s)
+            await virtual_inference(self._engine, wait_s)
         except RuntimeError as exc:
             raise HttpError(500, str(exc)) from None
         await response.send_json(200, {"status": "healthy"})
 
-    async def config(request: HttpRequest, response: HttpResponse) -> None:
-        if served is None:
+    async def config(self, request: HttpRequest, response: HttpResponse) -> None:
+        if self._served is None:
             raise HttpError(500, "No model is configured.")
-        await response.send_json(200, asdict(served))
-
-    router.get("/health/timed", timed)
-    router.get("/health/timed-{n}", timed)
-    router.get("/v1/config", config)
+        await response.send_json(200, asdict(self._served))

@@ -33,11 +33,7 @@ from typing import Any
 
 import httpx
 
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
-from tokenserve.transport.drain import drain
-from tokenserve.transport.limits import HttpLimits
-from tokenserve.transport.router import Router
-from tokenserve.transport.server import HttpServer
+from tokenserve.api.routes import ROUTES, Coord, path_of
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.config import CoordinatorConfig, ReqIdGenerator, parse_instances
 from tokenserve.coordinator.dlink import DLink
@@ -45,16 +41,15 @@ from tokenserve.coordinator.ingress import AdmissionError, classify, forward_hea
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
 from tokenserve.pd.wire import DMessage
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.drain import drain
+from tokenserve.transport.limits import HttpLimits
+from tokenserve.transport.router import Router
+from tokenserve.transport.runtime import Signals, run
+from tokenserve.transport.server import HttpServer
 
 logger = logging.getLogger(__name__)
 
-#: §3.1: the inference routes (``/generate`` is TGI or vLLM by its body).
-INFERENCE_ROUTES = ("/infer", "/infer_token", "/generate", "/generate_stream", "/",
-                    "/v1/chat/completions", "/v1/completions", "/v2/models/{model}/infer",
-                    "/v2/models/{model}/generate", "/v2/models/{model}/generate_stream")
-#: §9.4 status_port probes, served on the one port.
-PROBE_ROUTES = ("/v1/startup", "/v1/health", "/v1/readiness", "/v2/health/live",
-                "/v2/health/ready", "/v2/models/{model}/ready")
 #: seconds best-effort stops get to finish when the coordinator closes.
 STOP_GRACE_S = 2.0
 
@@ -131,13 +126,11 @@ class Coordinator:
     def router(self) -> Router:
         """Every route of the coordinator (module docstring)."""
         router = Router()
-        for path in INFERENCE_ROUTES:
-            router.post(path, self.infer)
-        for path in PROBE_ROUTES:
-            router.get(path, self.probe)
-        for path in ("/health", "/v1/models", "/v1/models/{model}"):
-            router.get(path, self.forward)
-        router.post("/v1/tokenizer", self.forward)
+        handlers = {Coord.RELAY: self.infer, Coord.PROBE: self.probe,
+                    Coord.FORWARD: self.forward}
+        for route in ROUTES:
+            if route.coordinator is not Coord.NONE:
+                router.add(route.method, route.path, handlers[route.coordinator])
         return router
 
     async def infer(self, request: HttpRequest, response: HttpResponse) -> None:
@@ -175,11 +168,11 @@ class Coordinator:
         answer, status and body unchanged. 503 when not ready; 408 ``Request tokenizer
         timeout`` (tokenizer) or 500 ``Connect to p instance failed`` when P fails."""
         p = self.pool.choose_p()
-        if p is None or (request.path == "/health" and not self.pool.ready()):
+        if p is None or (request.path == path_of("server.health") and not self.pool.ready()):
             await response.send(503, plain_error(msg.NOT_READY), "text/plain")
             return
         url = p.addr.base_url + request.path + (f"?{request.query}" if request.query else "")
-        tokenizer = request.path == "/v1/tokenizer"
+        tokenizer = request.path == path_of("mindie.tokenizer")
         timeout = self.cfg.tokenizer_timeout_s if tokenizer else self.cfg.status_timeout_s
         try:
             resp = await self._client_or_fail().request(
@@ -243,9 +236,7 @@ async def serve_coordinator(
 
 
 async def _serve_with_signals(cfg: CoordinatorConfig) -> None:
-    from tokenserve.server.app import _Signals
-
-    signals = _Signals()
+    signals = Signals()
     signals.serving = True
     try:
         await serve_coordinator(cfg, stop=signals.stop, now=signals.now)
@@ -260,8 +251,6 @@ def run_coordinator(cfg: CoordinatorConfig) -> None:
     Raises:
         ValueError: the listener cannot be bound.
     """
-    from tokenserve.server.app import run
-
     run(_serve_with_signals(cfg))
 
 

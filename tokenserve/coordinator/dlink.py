@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import httpx
 
+from tokenserve.api.routes import path_of
 from tokenserve.coordinator.config import CoordinatorConfig
 from tokenserve.coordinator.pool import Instance
 from tokenserve.pd.wire import DMessage, DresultParser
@@ -74,7 +75,7 @@ class DLink:
         timeout = httpx.Timeout(cfg.dresult_idle_timeout_s, connect=cfg.connect_timeout_s)
         opened = False
         try:
-            async with self._client.stream("GET", inst.addr.base_url + "/dresult",
+            async with self._client.stream("GET", inst.addr.base_url + path_of("pd.dresult"),
                                            timeout=timeout) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread())[:200]

@@ -2,12 +2,9 @@
 (spec/pd_disaggregation.md §3.1-§3.2, §4.1): its family, whether it streams, the minimal
 validation MindIE Motor does, its cost, and the headers forwarded to P.
 
-Stream detection (§3.1)::
-
-    TGI     path has generate_stream -> stream; has generate -> not; POST / -> body stream
-    vLLM, OpenAI, MindIE native      -> body ``stream`` (default false)
-    Triton  path has infer -> not; has generate_stream -> stream; else not ([I] we
-            look at the last segment only, so a model name cannot match)
+The family and stream rule of each route are the route table's
+(:mod:`tokenserve.api.routes`, the server's own: ``/generate`` is vLLM when ``prompt`` is
+non-null, else TGI).
 
 Everything beyond the checks here (types, ranges, the model name, ...) is P's to
 validate: P's non-200 answer reaches the client unchanged.
@@ -20,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from tokenserve.api.routes import inference_route
 
 #: §3.2: the admission errors' bodies (text/plain, each followed by CRLF on the wire).
 NOT_READY = "MindIE-MS Coordinator is not ready"
@@ -86,32 +85,16 @@ def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
         body = None
     if not isinstance(body, dict):
         raise AdmissionError(400, BAD_FORMAT)
-    family = _family(path, body)
+    route = inference_route("POST", path)
+    if route is None:
+        raise ValueError(f"{path} is not an inference route")
+    try:
+        resolved = route.resolve(body)
+    except ValueError:  # /generate with neither prompt nor inputs
+        raise AdmissionError(400, BAD_FORMAT) from None
+    family = resolved.family.value
     prompt = _prompt(family, body)
-    return Ingress(family, _is_stream(family, path, body), body,
-                   _cost(prompt, chars_per_token))
-
-
-def _family(path: str, body: dict[str, Any]) -> str:
-    if path in ("/infer", "/infer_token"):
-        return "mindie"
-    if path.startswith("/v1/"):
-        return "openai"
-    if path.startswith("/v2/"):
-        return "triton"
-    if path == "/generate" and body.get("inputs") is None:
-        if body.get("prompt") is None:
-            raise AdmissionError(400, BAD_FORMAT)
-        return "vllm"
-    return "tgi"
-
-
-def _is_stream(family: str, path: str, body: dict[str, Any]) -> bool:
-    if family == "triton":  # [I] the route's last segment, so a model name cannot match
-        return path.rsplit("/", 1)[-1] == "generate_stream"
-    if family == "tgi" and "generate" in path:
-        return "generate_stream" in path
-    return body.get("stream") is True
+    return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token))
 
 
 def _prompt(family: str, body: dict[str, Any]) -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from tokenserve.api.routes import path_of
 from tokenserve.coordinator.config import CoordinatorConfig, InstanceAddr
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class InstancePool:
     async def poll(self, inst: Instance) -> None:
         """One ``GET /v1/status`` of ``inst``; any failure makes it unusable."""
         try:
-            resp = await self._client.get(inst.addr.mgmt_url + "/v1/status",
+            resp = await self._client.get(inst.addr.mgmt_url + path_of("pd.status_v1"),
                                           timeout=self._cfg.status_timeout_s)
             doc = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
@@ -171,7 +172,7 @@ class InstancePool:
             return self._model
         for p in sorted(self.prefill, key=lambda p: not p.usable()):
             with contextlib.suppress(httpx.HTTPError, ValueError, LookupError, TypeError):
-                resp = await self._client.get(p.addr.base_url + "/v1/models",
+                resp = await self._client.get(p.addr.base_url + path_of("openai.models"),
                                               timeout=self._cfg.status_timeout_s)
                 self._model = str(resp.json()["data"][0]["id"])
                 return self._model
@@ -188,7 +189,7 @@ class InstancePool:
         await asyncio.gather(*(self._stop_one(i, model, req_id) for i in insts))
 
     async def _stop_one(self, inst: Instance, model: str, req_id: str) -> None:
-        url = f"{inst.addr.base_url}/v2/models/{model}/stopInfer"
+        url = inst.addr.base_url + path_of("mindie.stop_infer", model=model)
         for _ in range(1 + self._cfg.max_retry):
             try:
                 await self._client.post(url, json={"id": req_id},

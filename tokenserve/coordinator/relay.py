@@ -39,15 +39,15 @@ from typing import Any
 import httpx
 import orjson
 
-from tokenserve.api.common import close_stream
-from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
-from tokenserve.transport.errors import error_body
+from tokenserve.api.framing import close_stream
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.config import CoordinatorConfig
 from tokenserve.coordinator.history import TokenHistory
 from tokenserve.coordinator.ingress import Ingress, forward_headers, plain_error
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.pd.wire import DMessage, vllm_body
+from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.transport.errors import error_body
 
 logger = logging.getLogger(__name__)
 

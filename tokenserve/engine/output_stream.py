@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
+from tokenserve.aio import Signal
 from tokenserve.messages import RequestOutput
 
 
@@ -54,33 +54,6 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         replay=first.replay,
         handoff=next((o.handoff for o in outs if o.handoff is not None), None),
     )
-
-
-class Signal(asyncio.Event):
-    """A one-shot :class:`asyncio.Event` that also calls its subscribers when set, so one
-    await can wait on it and on something else without a helper task (the HTTP server
-    makes each request's ``disconnected`` one of these)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._subscribers: list[Callable[[], None]] = []
-        #: PD: what watches the engine outputs of the request this signal belongs to
-        #: (``tokenserve.api.engine_stream.StreamObserver``); None outside PD
-        self.observer: Any = None
-
-    def subscribe(self, fn: Callable[[], None]) -> None:
-        self._subscribers.append(fn)
-
-    def unsubscribe(self, fn: Callable[[], None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._subscribers.remove(fn)
-
-    def set(self) -> None:
-        if self.is_set():
-            return
-        super().set()
-        for fn in list(self._subscribers):
-            fn()
 
 
 #: ``abort(request_id, error)``: how a handle asks its engine to stop the request.

@@ -69,7 +69,8 @@ from dataclasses import dataclass
 from tokenserve.engine import finish as rules
 from tokenserve.engine.block_pool import BlockPool, block_key
 from tokenserve.engine.finish import Finish
-from tokenserve.engine.ngram import SpecConfig, propose
+from tokenserve.config import SpecConfig
+from tokenserve.engine.ngram import propose
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.messages import FinishReason, ScheduledSeq, SeqStart
 

@@ -38,16 +38,18 @@ from typing import Any
 import httpx
 import orjson
 
-from tokenserve.engine.output_stream import Signal
+from tokenserve.aio import Signal
 from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
-from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Handler, Router
+from tokenserve.api.engine_stream import observed
+from tokenserve.api.routes import path_of
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
-from tokenserve.pd.wire import HEARTBEAT, close_message, encode
 from tokenserve.pd.node import PdNode, inter_comm_url
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
+from tokenserve.pd.wire import HEARTBEAT, close_message, encode
+from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Handler, Router
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +241,6 @@ class DecodeServer:
         self._tasks: set[asyncio.Task] = set()
         self._release = httpx.Client(timeout=node.cfg.kv_trans_timeout_s)
 
-    def register(self, router: Router) -> None:
-        router.post("/v1/pd/decode", self.decode)
 
     def close(self) -> None:
         self._release.close()
@@ -264,7 +264,7 @@ class DecodeServer:
             raise
         finally:
             try:
-                self._release.post(inter_comm_url(p_addr, "/v1/pd/release"),
+                self._release.post(inter_comm_url(p_addr, path_of("pd.release")),
                                    json={"reqId": source["reqId"]})
             except httpx.HTTPError as exc:
                 logger.warning("release of %s on %s failed: %s", source["reqId"], p_addr, exc)
@@ -303,11 +303,9 @@ class DecodeServer:
                                            "errorMessage": exc.message})
             return
         obs = DecodeObserver(self.node, self.hub, params, body)
-        signal = Signal()
-        signal.observer = obs
         inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
                             query=params.get("query", ""), headers=params.get("headers", {}),
-                            body=params["body"].encode(), disconnected=signal,
+                            body=params["body"].encode(), disconnected=Signal(),
                             arrival_time=time.monotonic(), path_params=path_params)
         # the coordinator learns the request's history first (plan: ids)
         self.hub.publish(encode(obs.req_id, "ids", encode_history(obs.prompt, obs.delivered)))
@@ -325,7 +323,8 @@ class DecodeServer:
 
     async def _run(self, handler: Handler, request: HttpRequest, obs: DecodeObserver) -> None:
         try:
-            await handler(request, obs.sink)
+            with observed(obs):
+                await handler(request, obs.sink)
         except HttpError as exc:
             obs.error_message = exc.message
             if obs.admitted.is_set():

@@ -20,12 +20,11 @@ from typing import Any
 
 import httpx
 
-from tokenserve.config import ROLES, PdConfig
 from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_client import EngineClient
+from tokenserve.config import ROLES, PdConfig
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +118,17 @@ class PdNode:
 
     # ------------------------------------------------------------------ routes
 
-    def register(self, router: Router) -> None:
-        router.get("/v1/status", self.status_v1)
-        router.get("/v2/status", self.status_v2)
-        router.post("/v1/role/{role}", self.role_v1)
-        router.post("/v2/role/{role}", self.role_v2)
+    async def release(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /v1/pd/release`` ``{"reqId": ...}`` (management plane): D has pulled the
+        request's KV blocks (spec §8.1 ``ReleaseKVCacheChannel``); 200 ``{}`` either way."""
+        try:
+            rid = parse_json_object(request.body).get("reqId")
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        if not isinstance(rid, str):
+            raise HttpError(400, "reqId must be a string")
+        self.engine.release(rid)
+        await response.send_json(200, {})
 
     def _status(self) -> dict[str, Any]:
         st = self.engine.stats()

@@ -31,16 +31,16 @@ from typing import Any
 
 import orjson
 
-from tokenserve.engine.output_stream import Signal
 from tokenserve.api.common import parse_json_object
-from tokenserve.api.engine_stream import RequestHandedOff
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Handler
+from tokenserve.api.engine_stream import RequestHandedOff, observed
+from tokenserve.api.routes import path_of
 from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
 from tokenserve.pd.node import PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
+from tokenserve.transport.router import Handler
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +49,6 @@ MAX_REQ_ID = 1024
 #: hop-by-hop and PD headers not carried to D with the request
 _DROP_HEADERS = frozenset({"connection", "content-length", "transfer-encoding", "keep-alive",
                            "req-type", "req-id", "d-target", "d-port", "is-recompute", "host"})
-
-
-def is_inference(request: HttpRequest) -> bool:
-    """Whether ``request`` is an inference call of one of the five families (§3.1)."""
-    if request.method != "POST":
-        return False
-    p = request.path
-    return (p in ("/infer", "/infer_token", "/generate", "/generate_stream", "/",
-                  "/v1/chat/completions", "/v1/completions")
-            or (p.startswith("/v2/models/")
-                and p.endswith(("/infer", "/generate", "/generate_stream"))))
 
 
 def prefill_gate(node: PdNode, headers: dict[str, str]) -> tuple[str, str, bool]:
@@ -185,7 +174,7 @@ class PrefillObserver:
         }
 
     async def _send_decode(self) -> None:
-        url = inter_comm_url(self.target, "/v1/pd/decode")
+        url = inter_comm_url(self.target, path_of("pd.decode"))
         t0 = time.perf_counter()
         r = await self.node.http().post(url, content=orjson.dumps(self.decode_parameters()),
                                         headers={"content-type": "application/json"})
@@ -223,43 +212,21 @@ async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         body, history = orjson.dumps(restored), (prompt, outputs)
-    signal = Signal()
-    request.disconnected.subscribe(signal.set)
     sink = CaptureResponse()
     obs = PrefillObserver(node, req_id, target, request, body, history, sink)
-    signal.observer = obs
-    inner = replace(request, body=body, disconnected=signal)
+    inner = replace(request, body=body)
     try:
-        await handler(inner, sink)
+        with observed(obs):
+            await handler(inner, sink)
     except RequestHandedOff:
+        assert obs.handed_off, "only the observer hands the request off"
         if obs.error is not None:
             raise HttpError(500, obs.error) from None
-        if not obs.handed_off:
-            raise  # the coordinator went away
         await response.send(200, _answer(req_id, sink, last=False))
         return
-    finally:
-        request.disconnected.unsubscribe(signal.set)
     if sink.status is not None and sink.status != 200:  # forwarded as is (spec §5.3)
         await response.send(sink.status, b"".join(sink.chunks), sink.content_type)
         return
     if not sink.finished:
         raise HttpError(500, "[P Node] Failed to get tokenIds from inferResponse.")
     await response.send(200, _answer(req_id, sink, last=True))
-
-
-def make_release_handler(node: PdNode) -> Handler:
-    """``POST /v1/pd/release`` ``{"reqId": ...}`` (management plane): D has pulled the
-    request's KV blocks (spec §8.1 ``ReleaseKVCacheChannel``); 200 ``{}`` either way."""
-
-    async def release(request: HttpRequest, response: HttpResponse) -> None:
-        try:
-            rid = parse_json_object(request.body).get("reqId")
-        except ValueError as exc:
-            raise HttpError(400, str(exc)) from None
-        if not isinstance(rid, str):
-            raise HttpError(400, "reqId must be a string")
-        node.engine.release(rid)
-        await response.send_json(200, {})
-
-    return release

@@ -7,22 +7,20 @@ family's prompt field. [I] Unlike MindIE, which rebuilds each family's body from
 parameters, we keep the client's ORIGINAL body and replace only the prompt field; the
 original prompt value travels in ``origin_inputs`` (MindIE does that for TGI and vLLM; we
 do it for every family), so the prefill instance validates and renders exactly what the
-client sent::
-
-    family (path)                          prompt field
-    /infer, /infer_token                   inputs (input_id removed)
-    /generate, /generate_stream, /         inputs (TGI) or prompt (vLLM /generate)
-    /v1/chat/completions                   messages (a string here)
-    /v1/completions                        prompt
-    /v2/models/{m}/generate[_stream]       text_input
-    /v2/models/{m}/infer                   inputs[0].data = [L, p.., o..] (UINT32);
-                                           origin_inputs = the original inputs[0]
+client sent. The prompt field of each route is the route table's ``prompt`` column
+(:mod:`tokenserve.api.routes`); Triton ``/infer`` carries the history as
+``inputs[0].data = [L, p.., o..]`` (UINT32) with ``origin_inputs`` the original ``inputs[0]``,
+and a native body that used ``input_id`` moves it to ``origin_inputs`` (``origin_field``).
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+from tokenserve.api.routes import BY_NAME, Family, Route, inference_route
+
+_TRITON_INFER = BY_NAME["triton.infer"]
 
 #: where the original prompt value is kept (spec §7.2, TGI/vLLM ``origin_inputs``).
 ORIGIN = "origin_inputs"
@@ -31,27 +29,23 @@ ORIGIN_FIELD = "origin_field"
 
 
 def prompt_field(path: str, body: dict[str, Any]) -> str:
-    """The name of ``body``'s prompt field for the family served at ``path``.
+    """The name of ``body``'s prompt field for the inference route at ``path`` (the route
+    table's ``prompt`` column; ``/generate``: ``prompt`` when non-null, else ``inputs``).
 
     Raises:
         ValueError: ``path`` is not an inference route.
     """
-    if path in ("/infer", "/infer_token"):
+    route = _route(path)
+    if route.family is Family.GENERATE and body.get("prompt") is None:
         return "inputs"
-    if path in ("/generate_stream", "/"):
-        return "inputs"
-    if path == "/generate":
-        return "prompt" if body.get("prompt") is not None else "inputs"
-    if path == "/v1/chat/completions":
-        return "messages"
-    if path == "/v1/completions":
-        return "prompt"
-    if path.startswith("/v2/models/"):
-        if path.endswith("/infer"):
-            return "inputs"
-        if path.endswith(("/generate", "/generate_stream")):
-            return "text_input"
-    raise ValueError(f"{path} is not an inference route")
+    return route.resolve(body).prompt
+
+
+def _route(path: str) -> Route:
+    route = inference_route("POST", path)
+    if route is None:
+        raise ValueError(f"{path} is not an inference route")
+    return route
 
 
 def encode_history(prompt_ids: list[int], output_ids: list[int]) -> str:
@@ -94,7 +88,7 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
     field = prompt_field(path, body)
     out = copy.deepcopy(body)
     prompt, outputs = history[:num_prompt], history[num_prompt:]
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
+    if _route(path) is _TRITON_INFER:
         inputs = out.get("inputs")
         if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
             raise ValueError("Triton infer body without inputs[0]")
@@ -103,7 +97,7 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
         inputs[0]["data"] = data
         inputs[0]["shape"] = [1, len(data)]
         return out
-    if field == "inputs" and path in ("/infer", "/infer_token") and "input_id" in out \
+    if _route(path).family is Family.MINDIE and "input_id" in out \
             and out.get("inputs") is None:
         out[ORIGIN] = out.pop("input_id")
         out[ORIGIN_FIELD] = "input_id"
@@ -125,7 +119,7 @@ def parse_recompute_body(path: str, body: dict[str, Any]
     field = prompt_field(path, body)
     out = copy.deepcopy(body)
     origin = out.pop(ORIGIN)
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
+    if _route(path) is _TRITON_INFER:
         inputs = out.get("inputs")
         if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
             raise ValueError("Triton infer body without inputs[0]")

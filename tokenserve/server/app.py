@@ -1,134 +1,49 @@
-"""Wire every API family onto one router and serve it on its planes
-(spec/interfaces.md §0.1, §3.1, §3.6).
+"""The server's application: every served row of the route table bound to its handler,
+served on its planes (spec/interfaces.md §0.1).
 
-:func:`build_router` registers each family's routes on one :class:`Router`::
-
-    MindIE native  POST /infer, /infer_token (§2.1); /v1/tokenizer, stopInfer (§2.2-2.3)
-    TGI            POST /generate_stream, POST /, GET /info (§3)
-    vLLM           POST /generate with a ``prompt`` (§4.1)
-    OpenAI         /v1/chat/completions, /v1/completions, /v1/models[/{model}] (§5)
-    Triton         /v2/models/{model}/infer|generate|generate_stream, /v2 health and
-                   metadata (§6)
-    shared         POST /generate dispatch (§3.1), GET /health (§3.6),
-                   GET /metrics, /metrics-json (§7.6-7.7)
-    management     GET /health/timed[-N], /v1/config (§7.1, §7.3)
-
-``POST /generate`` belongs to two families: :func:`make_generate_dispatcher` parses the
-body once and hands it to vLLM when ``prompt`` is non-null, else to TGI when ``inputs`` is,
-else answers 422 with :data:`GENERATE_ROUTING_ERROR`. The families get the engine and
-the server's :class:`ServeContext` (stopInfer registry, metrics).
-
-:func:`serve` splits the routes over the listening planes (business, management, metrics;
-spec §0.1, :mod:`tokenserve.transport.planes`), one :class:`HttpServer` per distinct address
-(sockets bound by :mod:`tokenserve.transport.listeners`, with TLS where configured), until
-cancelled or ``stop`` is set, then drains (:mod:`tokenserve.transport.drain`). :func:`run` runs
-a coroutine on uvloop when it is installed (call it from the CLI: the engine's actors must
-be created inside the loop that serves them); :func:`serve_engine` / :func:`run_server`
-bind the listeners, then build the engine from a ``ServeConfig`` and serve it until
-SIGTERM or SIGINT (``tokenserve serve``)::
-
-    bind every listener (a port in use / bad TLS file: ValueError, nothing loaded yet)
-    load the model, start the engine
-    serve ... signal 1: drain (up to drain_timeout_s) ... signal 2: close now
-    stop the engine; return (exit status 0)
+:func:`build_router` binds each row of :data:`tokenserve.api.routes.SERVED` to the object
+that owns its handler (the five families, :class:`~tokenserve.api.shared.SharedApi` for
+``/health`` and the shared ``/generate``, management, metrics, the PD node and decode
+server); a PD prefill instance wraps the router so inference rows go through the prefill
+gate. :func:`serve` splits the routes over the listening planes (business, management,
+metrics; spec §0.1, :mod:`tokenserve.transport.planes`), one :class:`HttpServer` per
+distinct address (sockets bound by :mod:`tokenserve.transport.listeners`, with TLS where
+configured), until cancelled or ``stop`` is set, then drains
+(:mod:`tokenserve.transport.drain`). ``tokenserve serve`` itself is
+:mod:`tokenserve.server.main`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import gc
 import logging
-import os
-import signal
-import sys
-from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from tokenserve.api import management
-from tokenserve.api.common import (
-    DEFAULT_MAX_JSON_DEPTH,
-    EngineClient,
-    check_json_content_type,
-    parse_json_object,
-)
-from tokenserve.api.mindie.handlers import MindIEApi
+from tokenserve.api import routes
+from tokenserve.api.common import DEFAULT_MAX_JSON_DEPTH, EngineClient
+from tokenserve.api.context import ServeContext
+from tokenserve.api.management import ManagementApi, ServedConfig
 from tokenserve.api.mindie.extra import MindIEExtraApi
+from tokenserve.api.mindie.handlers import MindIEApi
 from tokenserve.api.openai.handlers import OpenAIApi
+from tokenserve.api.shared import SharedApi
 from tokenserve.api.tgi.handlers import TgiApi
 from tokenserve.api.triton.handlers import TritonApi
 from tokenserve.api.vllm.handlers import VllmApi
-from tokenserve.api.context import ServeContext
+from tokenserve.server.metrics import ServerMetrics
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.drain import drain
-from tokenserve.transport.errors import HttpError
 from tokenserve.transport.limits import HttpLimits
 from tokenserve.transport.listeners import BoundListener, bind_listeners, close_listeners
-from tokenserve.api.management import ServedConfig
-from tokenserve.server.metrics import ServerMetrics
 from tokenserve.transport.planes import Plane, plane_handler, plane_layout
 from tokenserve.transport.router import Handler, Router
 from tokenserve.transport.server import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY_BYTES, HttpServer
 
 if TYPE_CHECKING:
-    from tokenserve.mindie_config import ServeConfig
     from tokenserve.pd.node import PdNode
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def make_health_handler(engine: EngineClient) -> Handler:
-    """``GET /health`` (spec §3.6): 200 with an empty body when the engine is healthy,
-    otherwise 503 with an empty body."""
-
-    async def health(request: HttpRequest, response: HttpResponse) -> None:
-        try:
-            healthy = bool(engine.is_healthy())
-        except Exception:
-            logger.exception("engine health check failed")
-            healthy = False
-        await response.send(200 if healthy else 503, b"", "application/json")
-
-    return health
-
-
-#: spec §3.1: the ``error`` of a ``/generate`` body with neither ``prompt`` nor ``inputs``
-#: is itself a JSON document.
-GENERATE_ROUTING_ERROR = orjson.dumps(
-    {
-        "Error": "`inputs` or `prompt` must be necessary and data type must be string. "
-        "Additionally, the request body must be valid json",
-        "error_type": "validation",
-    }
-).decode()
-
-
-def make_generate_dispatcher(
-    vllm: VllmApi, tgi: TgiApi, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-) -> Handler:
-    """``POST /generate`` (spec §3.1): the body is parsed once here; a non-null ``prompt``
-    goes to the vLLM family (it wins over ``inputs``), else a non-null ``inputs`` to TGI,
-    else 422 with the nested-JSON message. An unparseable body is 422 as everywhere
-    (spec §0.4 step 3)."""
-
-    async def generate(request: HttpRequest, response: HttpResponse) -> None:
-        try:
-            check_json_content_type(request.headers)
-            obj = parse_json_object(request.body, max_json_depth)
-        except ValueError as exc:
-            raise HttpError(422, str(exc)) from None
-        if obj.get("prompt") is not None:
-            await vllm.generate(request, response, body=obj)
-        elif obj.get("inputs") is not None:
-            await tgi.generate(request, response, body=obj)
-        else:
-            raise HttpError(422, GENERATE_ROUTING_ERROR)
-
-    return generate
 
 
 def build_router(
@@ -139,27 +54,26 @@ def build_router(
     served_config: ServedConfig | None = None,
     pd: PdNode | None = None,
 ) -> Handler:
-    """A router with every family's routes, the shared ``POST /generate`` (spec §3.1),
-    ``GET /health`` (spec §3.6; [I] also on the business port, spec §0.1), the native
-    extras (``/v1/tokenizer``, ``stopInfer``, spec §2.2-2.3) and ``GET /metrics`` /
-    ``/metrics-json`` (spec §7.6-7.7), ``/health/timed[-N]`` and ``/v1/config`` (spec §7.1,
-    §7.3; ``served_config`` is what the latter reports) — every plane's routes; ``serve``
-    splits them.
+    """A router serving every row of :data:`tokenserve.api.routes.SERVED` — every plane's
+    routes; :func:`serve` splits them. Each row's ``handler`` (``owner.attribute``) is
+    bound to one of the owners below; an owner with a ``wrap`` method (OpenAI: its error
+    shape) wraps its handlers.
 
     ``context`` (default: a new one with fresh metrics) is the server's shared state; every
     family gets it, so every ``EngineStream`` registers its request for stopInfer and
-    records metrics.
+    records metrics (without metrics, ``/metrics`` and ``/metrics-json`` are 404).
+    ``served_config`` is what ``GET /v1/config`` reports.
 
     ``pd`` (default: a mixed-mode node) is the instance's PD identity
-    (spec/pd_disaggregation.md): ``/v1/status``, ``/v2/status``, ``/v1/role/*`` and
-    ``/v2/role/*`` always; with ``inferMode: dmi``, inference requests go through the
-    prefill side (:func:`tokenserve.pd.prefill.serve_prefill`) and ``/dresult`` /
-    ``/v1/pd/decode`` / ``/v1/pd/release`` serve the hand-off. Returns the handler of
-    every route (the router, wrapped for PD).
+    (spec/pd_disaggregation.md): its status and role routes always; with ``inferMode:
+    dmi``, inference requests go through the prefill side
+    (:func:`tokenserve.pd.prefill.serve_prefill`) and ``/dresult`` / ``/v1/pd/decode`` /
+    ``/v1/pd/release`` serve the hand-off. Returns the handler of every route (the
+    router, wrapped for PD).
     """
     from tokenserve.pd.decode import DecodeServer
     from tokenserve.pd.node import PdConfig, PdNode
-    from tokenserve.pd.prefill import is_inference, make_release_handler, serve_prefill
+    from tokenserve.pd.prefill import serve_prefill
 
     if context is None:
         context = ServeContext(metrics=ServerMetrics(engine))
@@ -167,28 +81,32 @@ def build_router(
     kw = {"max_json_depth": max_json_depth, "context": context}
     tgi = TgiApi(engine, **kw)
     vllm = VllmApi(engine, **kw)
-    for api in (MindIEApi(engine, **kw), tgi, vllm, OpenAIApi(engine, **kw),
-                TritonApi(engine, **kw)):
-        api.register(router)
-    router.post("/generate", make_generate_dispatcher(vllm, tgi, max_json_depth=max_json_depth))
-    router.get("/health", make_health_handler(engine))
-    management.register(router, engine, served_config)
-    MindIEExtraApi(engine, **kw).register(router)
-    if context.metrics is not None:
-        context.metrics.register(router)
     node = pd if pd is not None else PdNode(PdConfig(), engine)
-    node.register(router)
     decode = DecodeServer(node, router)
-    decode.register(router)
-    router.get("/dresult", decode.dresult)
-    router.post("/v1/pd/release", make_release_handler(node))
+    owners: dict[str, Any] = {
+        "mindie": MindIEApi(engine, **kw), "mindie_extra": MindIEExtraApi(engine, **kw),
+        "tgi": tgi, "vllm": vllm, "openai": OpenAIApi(engine, **kw),
+        "triton": TritonApi(engine, **kw),
+        "server": SharedApi(engine, vllm, tgi, max_json_depth=max_json_depth),
+        "management": ManagementApi(engine, served_config), "metrics": context.metrics,
+        "pd": node, "pd_decode": decode,
+    }
+    for route in routes.SERVED:
+        assert route.handler is not None
+        name, attr = route.handler.split(".")
+        owner = owners[name]
+        if owner is None:
+            continue
+        handler = getattr(owner, attr)
+        wrap = getattr(owner, "wrap", None)
+        router.add(route.method, route.path, wrap(handler) if wrap is not None else handler)
     if node.cfg.pd:
         engine.set_kv_puller(decode.pull)
     if not node.cfg.pd:
         return router
 
     async def handle(request: HttpRequest, response: HttpResponse) -> None:
-        if not is_inference(request):
+        if routes.inference_route(request.method, request.path) is None:
             await router(request, response)
             return
         handler, params = router.resolve(request.method, request.path)
@@ -253,7 +171,7 @@ async def serve(
     try:
         for b in bound:
             spec = b.spec
-            server = HttpServer(plane_handler(router, spec.planes),
+            server = HttpServer(plane_handler(router, spec.planes, routes.plane_of),
                                 limits=replace(base, max_connections=b.max_connections))
             await server.start(sock=b.sock, ssl=b.ssl)
             servers.append(server)
@@ -282,124 +200,3 @@ async def serve(
         await asyncio.shield(drain(servers, context.registry, shutdown_timeout_s, now))
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` to completion on a uvloop event loop when uvloop is installed,
-    else on the default asyncio loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    if sys.version_info >= (3, 11):
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(main)
-    loop = uvloop.new_event_loop()  # pragma: no cover - Python 3.10
-    try:
-        asyncio.set_event_loop(loop)
-        return loop.run_until_complete(main)
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
-
-
-class _Signals:
-    """SIGTERM and SIGINT on the running loop (systemd, Docker and Kubernetes send
-    SIGTERM; a terminal SIGINT): the first sets ``stop`` (drain), the second ``now``
-    (close at once). A second signal before the model has loaded exits at once."""
-
-    def __init__(self) -> None:
-        self.stop = asyncio.Event()
-        self.now = asyncio.Event()
-        self.serving = False
-        self._loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._loop.add_signal_handler(sig, self._on_signal, sig)
-
-    def _on_signal(self, sig: signal.Signals) -> None:
-        name = signal.Signals(sig).name
-        if not self.stop.is_set():
-            logger.warning("%s received: stopping%s", name,
-                           "" if self.serving else " once the model has loaded "
-                           "(signal again to stop now)")
-            self.stop.set()
-        elif not self.serving:
-            logger.warning("%s received again: stopping now", name)
-            os._exit(0)  # the model load runs in a thread that cannot be interrupted
-        else:
-            logger.warning("%s received again: stopping now", name)
-            self.now.set()
-
-    def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._loop.remove_signal_handler(sig)
-
-
-async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None) -> None:
-    """Bind ``cfg.server``'s listeners (errors before anything loads), build the engine
-    from ``cfg.engine`` (model load in a worker thread), start its actors and serve it
-    until SIGTERM / SIGINT (see :class:`_Signals` and :func:`serve`); the engine is
-    stopped on the way out. ``build`` (tests: a scripted engine with ``start`` and
-    ``stop``) replaces ``AsyncEngine.build(cfg.engine)``.
-
-    Raises:
-        ValueError: a listener cannot be bound or its TLS material is bad (nothing has
-            been loaded then), or the model cannot be loaded.
-    """
-    srv = cfg.server
-    layout = plane_layout(srv.host, srv.port, srv.management_host, srv.management_port,
-                          srv.metrics_port)
-    tls = {Plane.BUSINESS: srv.business_tls, Plane.MANAGEMENT: srv.management_tls,
-           Plane.METRICS: srv.metrics_tls}
-    bound = bind_listeners(layout, tls, srv.max_connections)
-    from tokenserve.config import select_device  # torch: after the cheap checks
-    from tokenserve.engine.engine import AsyncEngine
-
-    signals = _Signals()
-    try:
-        try:
-            engine = await asyncio.to_thread(
-                build or functools.partial(AsyncEngine.build, cfg.engine))
-        except BaseException:
-            close_listeners(bound)
-            raise
-        await engine.start()
-        # The model load leaves ~170k long-lived objects (tensors, GGUF metadata): move
-        # them out of the collector's reach, or a full collection walks them all (80 ms
-        # on the default model: one step's ITL spike) and the young ones cost ~1-3 % of
-        # a batch-1 decode step (perf: gc_collect_main).
-        gc.freeze()
-        e = cfg.engine
-        served = ServedConfig.build(
-            engine.info.model_name, engine.info.max_model_len, e.kv_cache_bytes,
-            select_device(e.device).type != "cpu", e.max_iter_times, e.block_size)
-        from tokenserve.pd.node import PdNode
-
-        node = PdNode(cfg.pd, engine)
-        if cfg.pd.pd:
-            await asyncio.to_thread(node.start_kv)
-            logger.info("PD: inferMode dmi, role %s, address %s, KV transfer %s",
-                        node.role or "none (waiting for POST /v1/role)", cfg.pd.ip_address,
-                        cfg.pd.kv_protocol)
-        signals.serving = True
-        try:
-            await serve(
-                engine,
-                max_json_depth=srv.max_json_depth,
-                limits=HttpLimits(max_body_bytes=srv.max_body_bytes),
-                stop=signals.stop,
-                now=signals.now,
-                shutdown_timeout_s=srv.drain_timeout_s,
-                bound=bound,
-                served_config=served,
-                pd=node,
-            )
-        finally:
-            await node.aclose()
-            await engine.stop()
-    finally:
-        signals.close()
-
-
-def run_server(cfg: ServeConfig) -> None:
-    """Blocking entry point for ``tokenserve serve`` (uvloop when installed); returns
-    after a graceful stop."""
-    run(serve_engine(cfg))

@@ -258,15 +258,12 @@ class ServerMetrics:
             ],
         }
 
-    def register(self, router: Any) -> None:
-        """Add ``GET /metrics`` (spec §7.7) and ``GET /metrics-json`` (spec §7.6)."""
-        router.get("/metrics", self._handle_metrics)
-        router.get("/metrics-json", self._handle_json)
-
-    async def _handle_metrics(self, request: Any, response: Any) -> None:
+    async def prometheus(self, request: Any, response: Any) -> None:
+        """``GET /metrics`` (spec §7.7): the Prometheus text exposition."""
         await response.send(200, self.render(), CONTENT_TYPE)
 
-    async def _handle_json(self, request: Any, response: Any) -> None:
+    async def json(self, request: Any, response: Any) -> None:
+        """``GET /metrics-json`` (spec §7.6)."""
         await response.send_json(200, self.json_snapshot())
 
 

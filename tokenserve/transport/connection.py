@@ -51,7 +51,7 @@ from urllib.parse import unquote, urlsplit
 import h11
 import orjson
 
-from tokenserve.engine.output_stream import Signal
+from tokenserve.aio import Signal
 from tokenserve.transport.cycle import (
     ClientDisconnected,
     HttpRequest,

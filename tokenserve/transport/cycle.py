@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import h11
 import orjson
 
-from tokenserve.engine.output_stream import Signal
+from tokenserve.aio import Signal
 from tokenserve.transport.errors import error_body
 
 
@@ -43,7 +43,13 @@ class Connection(Protocol):
         """Serialise h11 events and write them to the transport."""
 
 
-class ClientDisconnected(ConnectionError):
+class HandlerExit(Exception):
+    """A handler stops without answering, and it is not an error: the subclass says why
+    (:class:`ClientDisconnected`; the API layer's ``RequestHandedOff``). Error handlers
+    re-raise it untouched; whoever started the handler matches the subclass it expects."""
+
+
+class ClientDisconnected(HandlerExit, ConnectionError):
     """The client went away; raised by :class:`HttpResponse` writes after disconnect."""
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from tokenserve.api.context import RequestRegistry
 from tokenserve.transport.server import HttpServer
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,61 @@ logger = logging.getLogger(__name__)
 EXPIRY_GRACE_S = 2.0
 #: seconds handlers get to notice a forced close.
 FORCED_GRACE_S = 1.0
+
+
+class Stoppable(Protocol):
+    """A live request as the registry sees it (``EngineStream`` implements it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    async def stop(self, error: str | None = None) -> bool: ...
+
+
+class RequestRegistry:
+    """Live requests by every id a client may use to stop them (spec §2.3): the
+    server request id (the engine's ``request_id``) and any client-supplied id (the
+    Triton ``id``). Several live requests may share a client id; ``find`` returns all.
+
+    Synchronous and only touched from the event loop thread.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, list[Stoppable]] = {}
+
+    def add(self, stream: Stoppable, ids: Iterable[str]) -> None:
+        """Register ``stream`` under each of ``ids`` (duplicates and empty ids skipped)."""
+        for rid in dict.fromkeys(ids):
+            if rid:
+                self._by_id.setdefault(rid, []).append(stream)
+
+    def remove(self, stream: Stoppable, ids: Iterable[str]) -> None:
+        """Undo :meth:`add` for ``stream`` (ids it is not registered under are ignored)."""
+        for rid in dict.fromkeys(ids):
+            streams = self._by_id.get(rid)
+            if not streams:
+                continue
+            try:
+                streams.remove(stream)
+            except ValueError:
+                continue
+            if not streams:
+                del self._by_id[rid]
+
+    def find(self, rid: str) -> list[Stoppable]:
+        """The live requests registered under ``rid`` (empty when none)."""
+        return list(self._by_id.get(rid, ()))
+
+    def live(self) -> list[Stoppable]:
+        """Every distinct live request (the server's drain ends them all)."""
+        return list({id(s): s for streams in self._by_id.values() for s in streams}.values())
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._by_id
+
+    def __len__(self) -> int:
+        """Number of distinct live requests."""
+        return len({id(s) for streams in self._by_id.values() for s in streams})
 
 
 def drain_expired_message(timeout_s: float) -> str:

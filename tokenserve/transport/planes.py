@@ -10,8 +10,8 @@ one listener carries the union of their routes::
                                                       /metrics-json, /stopService, ...
     metrics     managementIpAddress:metricsPort       /metrics
 
-Every family registers all its routes on one :class:`Router`; :func:`plane_of` classifies
-a path by the spec's table and :func:`plane_handler` makes a listener answer 404 for the
+The route table (:mod:`tokenserve.api.routes`) gives each route its plane, and
+:func:`plane_handler` makes a listener answer 404 for the
 paths of planes it does not carry. [I] Defaults: a plane whose port is not given shares
 the listener of the plane it falls back to (management -> business, metrics ->
 management), so with no options everything is served on the business port.
@@ -20,12 +20,12 @@ management), so with no options everything is served on the business port.
 from __future__ import annotations
 
 import enum
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import PARAM_PATTERN, Handler
+from tokenserve.transport.router import Handler
 
 
 class Plane(str, enum.Enum):
@@ -38,27 +38,11 @@ class Plane(str, enum.Enum):
 
 ALL_PLANES = frozenset(Plane)
 
-#: spec §0.1 management routes.
-_MANAGEMENT = re.compile(
-    r"/(?:health(?:/timed(?:-\w+)?)?|info|metrics-json|stopService|v1/config|v[12]/status"
-    r"|v[12]/role/[^/]+|v1/(?:load|unload)_lora_adapter|v1/engine-server/[^/]+"
-    r"|v1/pd/(?:decode|release)"
-    rf"|v2/health/(?:live|ready)|v2/models/{PARAM_PATTERN}/(?:ready|getSlotCount))",
-    re.ASCII,
-)
-
-
-def plane_of(path: str) -> Plane:
-    """The plane that serves ``path`` (spec §0.1); unknown paths are business."""
-    if path == "/metrics":
-        return Plane.METRICS
-    if _MANAGEMENT.fullmatch(path):
-        return Plane.MANAGEMENT
-    return Plane.BUSINESS
-
-
-def plane_handler(handler: Handler, planes: frozenset[Plane]) -> Handler:
-    """``handler`` restricted to the routes of ``planes`` (others: 404, as unknown)."""
+def plane_handler(handler: Handler, planes: frozenset[Plane],
+                  plane_of: Callable[[str], Plane]) -> Handler:
+    """``handler`` restricted to the routes of ``planes`` (others: 404, as unknown);
+    ``plane_of`` classifies a path (the route table's
+    :func:`tokenserve.api.routes.plane_of`)."""
     if planes >= ALL_PLANES:
         return handler
 

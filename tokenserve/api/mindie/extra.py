@@ -17,12 +17,11 @@ from tokenserve.api.common import (
     EngineClient,
     FamilyApi,
 )
+from tokenserve.api.context import ServeContext
 from tokenserve.api.fields import MAX_TOKENS_NUM
 from tokenserve.api.triton.protocol import ID_PATTERN
-from tokenserve.api.context import ServeContext
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
 
 #: spec §2.2 messages.
 JSON_FAIL = "Req body converts to json fail."
@@ -45,10 +44,6 @@ class MindIEExtraApi(FamilyApi):
                  context: ServeContext | None = None) -> None:
         super().__init__(engine, max_json_depth=max_json_depth, context=context)
 
-    def register(self, router: Router) -> None:
-        """Add ``POST /v1/tokenizer`` and ``POST /v2/models/{model}/stopInfer``."""
-        router.post("/v1/tokenizer", self.tokenizer)
-        router.post("/v2/models/{model}/stopInfer", self.stop_infer)
 
     async def tokenizer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/tokenizer`` (spec §2.2): ``{"inputs": str, "do_decode": bool=true}``

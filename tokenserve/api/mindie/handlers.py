@@ -32,7 +32,6 @@ from tokenserve.api.common import (
     encode_text,
     mindie_finish_reason,
     run_stream,
-    sse,
 )
 from tokenserve.api.fields import (
     INT32_MAX,
@@ -44,11 +43,11 @@ from tokenserve.api.fields import (
     parse_sampling,
     parse_text_input,
 )
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
+from tokenserve.api.framing import sse
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.sampling_params import SamplingParams
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +134,6 @@ def _step_times(out: RequestOutput, first: bool, elapsed_ms: float) -> dict[str,
 class MindIEApi(FamilyApi):
     """Handlers of the MindIE native family (spec §2.1)."""
 
-    def register(self, router: Router) -> None:
-        """Add ``POST /infer`` and ``POST /infer_token`` (one handler, spec §9.1)."""
-        router.post("/infer", self.infer)
-        router.post("/infer_token", self.infer)
 
     async def _build(self, request: HttpRequest) -> tuple[InferBody, GenerateRequest]:
         """Steps 3-8 of spec §0.4; raises HttpError 422/424."""

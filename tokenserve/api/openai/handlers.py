@@ -44,15 +44,14 @@ from tokenserve.api.common import (
     TOKENIZE_OFFLOAD_CHARS,
     EngineClient,
     FamilyApi,
-    close_stream,
     encode_text,
     failure_text,
     guard_stream,
-    sse,
 )
+from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_stream import FanOut
+from tokenserve.api.framing import SSE_DONE, close_stream, sse
 from tokenserve.api.openai.protocol import (
-    SSE_DONE,
     OpenAIBody,
     TokenTexts,
     chat_logprobs,
@@ -63,12 +62,11 @@ from tokenserve.api.openai.protocol import (
     parse_completion_body,
     usage,
 )
-from tokenserve.api.context import ServeContext
-from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
-from tokenserve.transport.errors import INTERNAL_ERROR_MESSAGE, HttpError
-from tokenserve.transport.router import Handler, Router
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
+from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
+from tokenserve.transport.errors import INTERNAL_ERROR_MESSAGE, HttpError
+from tokenserve.transport.router import Handler
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +127,7 @@ def openai_errors(handler: Handler) -> Handler:
     async def wrapped(request: HttpRequest, response: HttpResponse) -> None:
         try:
             await handler(request, response)
-        except ClientDisconnected:
+        except HandlerExit:
             raise
         except HttpError as exc:
             if response.started:
@@ -167,12 +165,9 @@ class OpenAIApi(FamilyApi):
         self._texts = TokenTexts(engine.tokenizer)
         self._root = engine.info.model_path or engine.info.model_name
 
-    def register(self, router: Router) -> None:
-        """Add the §5 routes to ``router``, each answering errors in the OpenAI shape."""
-        router.post("/v1/chat/completions", openai_errors(self.chat_completions))
-        router.post("/v1/completions", openai_errors(self.completions))
-        router.get("/v1/models", openai_errors(self.list_models))
-        router.get("/v1/models/{model}", openai_errors(self.get_model))
+    def wrap(self, handler: Handler) -> Handler:
+        """Every §5 route answers its errors in the OpenAI shape (:func:`openai_errors`)."""
+        return openai_errors(handler)
 
     # ------------------------------------------------------------------ models
 

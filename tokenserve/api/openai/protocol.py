@@ -35,9 +35,9 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
-from tokenserve.transport.errors import error_type_for
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
+from tokenserve.transport.errors import error_type_for
 
 #: spec §5.1: ``n`` in [1, 8192], ``best_of`` in [1, 128], ``top_logprobs`` in [0, 20].
 MAX_N = 8192
@@ -369,7 +369,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _byte_decoder() -> dict[str, int]:

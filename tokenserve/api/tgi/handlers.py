@@ -36,7 +36,6 @@ from tokenserve.api.common import (
     encode_text,
     mindie_finish_reason,
     run_stream,
-    sse,
 )
 from tokenserve.api.engine_client import engine_healthy
 from tokenserve.api.fields import (
@@ -50,11 +49,11 @@ from tokenserve.api.fields import (
     parse_stop,
     parse_text_input,
 )
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
+from tokenserve.api.framing import sse
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.sampling_params import SamplingParams
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +129,6 @@ def _token_event(out: RequestOutput) -> dict[str, Any]:
 class TgiApi(FamilyApi):
     """Handlers of the TGI family (spec §3)."""
 
-    def register(self, router: Router) -> None:
-        """Add ``POST /generate_stream``, ``POST /`` and ``GET /info`` (``POST /generate``
-        is registered by the app's dispatcher, spec §3.1)."""
-        router.post("/generate_stream", self.generate_stream)
-        router.post("/", self.root)
-        router.get("/info", self.info)
 
     # ------------------------------------------------------------------ routes
 

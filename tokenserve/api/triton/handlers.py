@@ -46,6 +46,8 @@ from tokenserve.api.common import (
 )
 from tokenserve.api.engine_client import EngineStats
 from tokenserve.api.fields import INT32_MAX, get_int, get_object
+from tokenserve.api.framing import sse
+from tokenserve.api.management import kv_mem_sizes
 from tokenserve.api.triton.protocol import (
     ID_PATTERN,
     TritonParams,
@@ -54,11 +56,9 @@ from tokenserve.api.triton.protocol import (
     parse_parameters,
     parse_text_input,
 )
+from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
-from tokenserve.api.management import kv_mem_sizes
-from tokenserve.transport.router import Router
-from tokenserve.messages import GenerateRequest, RequestOutput
 
 __all__ = ["ID_PATTERN", "TritonApi"]
 
@@ -67,26 +67,9 @@ logger = logging.getLogger(__name__)
 BINARY_HEADER = "inference-header-content-length"
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"data:" + orjson.dumps(event) + b"\n\n"  # no space (spec §6.3, §9.4)
-
-
 class TritonApi(FamilyApi):
     """Handlers of the Triton family (spec §6)."""
 
-    def register(self, router: Router) -> None:
-        """Add this family's routes to ``router``."""
-        m = "/v2/models/{model}"
-        router.post(f"{m}/infer", self.infer)
-        router.post(f"{m}/generate", self.generate)
-        router.post(f"{m}/generate_stream", self.generate_stream)
-        router.get("/v2/health/live", self.health_live)
-        router.get("/v2/health/ready", self.health_ready)
-        router.get(f"{m}/ready", self.model_ready)
-        router.get("/v2", self.server_metadata)
-        router.get(m, self.model_metadata)
-        router.get(f"{m}/config", self.model_config)
-        router.get(f"{m}/getSlotCount", self.slot_count)
 
     # ------------------------------------------------------------------ helpers
 
@@ -307,12 +290,12 @@ class TritonApi(FamilyApi):
                 event["details"] = details
             last_time = now
             first = False
-            return _sse(event)
+            return sse(event, space=False)  # no space (spec §6.3, §9.4)
 
         def on_failure(out: RequestOutput) -> bytes | None:
             """Timeout / engine error (spec §0.4 step 9): the text that came with the final
             output goes out as a normal event before the error text."""
-            return _sse(self._envelope(rid, out.new_text)) if out.new_text else None
+            return sse(self._envelope(rid, out.new_text), space=False) if out.new_text else None
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
                          context=self._context,

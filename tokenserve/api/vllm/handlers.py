@@ -28,12 +28,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from tokenserve.api.common import (
     FAILED_FINISH,
     FamilyApi,
-    close_stream,
     encode_text,
     failure_text,
     guard_stream,
@@ -51,11 +48,11 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     parse_text_input,
 )
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
-from tokenserve.transport.errors import HttpError
-from tokenserve.transport.router import Router
+from tokenserve.api.framing import close_stream, nul_chunk
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.errors import HttpError
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +163,6 @@ def _cum_logprob(outs: list[RequestOutput]) -> float | None:
 class VllmApi(FamilyApi):
     """Handler of the vLLM family (spec §4.1)."""
 
-    def register(self, router: Router) -> None:
-        """Nothing: ``POST /generate`` is registered by the app's dispatcher (spec §3.1)."""
 
     @property
     def default_max_tokens(self) -> int:
@@ -259,7 +254,7 @@ class VllmApi(FamilyApi):
                     if item.finish_reason in FAILED_FINISH:
                         failed = failed or item
             if any(deltas) or (all(done) and not sent):
-                await response.write(orjson.dumps({"text": deltas}) + b"\0")
+                await response.write(nul_chunk({"text": deltas}))
                 sent = True
             if failed is not None or incomplete:
                 await close_stream(response, failure_text(failed) if failed else NO_FINAL_OUTPUT)
