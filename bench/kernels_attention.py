@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 
 H, HKV, D, BS = 9, 3, 64, 128
 DTYPE = torch.bfloat16

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 
 SHAPES = {  # name: (N, K)
     "qkv": (960, 576),

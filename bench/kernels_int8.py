@@ -16,8 +16,9 @@ import argparse
 import torch
 
 from bench.kernels_quant import HIDDEN, LAYER_SHAPES, LAYERS, VOCAB, _best_ms
-from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import QTYPE_IDS, quantize_ref, repack_x8
+from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.quant import quantize_ref, repack_x8
+from tokenserve.ops.quant_blocks import QTYPE_IDS
 from tokenserve.ops.quant_int8 import pack_int8, quantize_int8
 
 MS = (1, 16, 64)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from tokenserve.ops import layer_ref as ref
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 
 HIDDEN, H, HKV, D, INTER, BS = 576, 9, 3, 64, 1536, 128
 EPS = 1e-5

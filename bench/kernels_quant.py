@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import QTYPE_IDS, quantize_ref, repack_x8
+from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.quant import quantize_ref, repack_x8
+from tokenserve.ops.quant_blocks import QTYPE_IDS
 
 LAYER_SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
 VOCAB, HIDDEN, LAYERS = 49152, 576, 30

@@ -19,16 +19,9 @@ import argparse
 import torch
 
 from bench.kernels_quant import _best_ms
-from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import (
-    BLOCK_BYTES,
-    BLOCK_ELEMS,
-    K_QTYPES,
-    QTYPE_IDS,
-    QuantWeight,
-    quantize_ref,
-    repack_x8,
-)
+from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.quant import quantize_ref, repack_x8
+from tokenserve.ops.quant_blocks import BLOCK_BYTES, BLOCK_ELEMS, K_QTYPES, QTYPE_IDS, QuantWeight
 
 SHAPES = (("smol.down", 576, 1536), ("1b.qkv", 2560, 2048), ("1b.gate_up", 11264, 2048),
           ("1b.down", 2048, 5632))

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.sampling import pack_batch, sample_tensors_ref
 from tokenserve.sampling_params import SamplingParams
 

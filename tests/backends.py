@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 
 
 def _features() -> dict[str, bool]:

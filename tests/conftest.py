@@ -13,7 +13,7 @@ import pytest
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ.get("CI") and not os.environ.get("TOKENSERVE_DISABLE_C"):
-        from tokenserve.ops import load_kernels
+        from tokenserve.ops.dispatch import load_kernels
 
         if load_kernels() is None:
             raise pytest.UsageError(

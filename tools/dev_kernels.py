@@ -7,7 +7,7 @@ compiles ``csrc/module.cpp`` plus the given files (ninja, incremental) into
 
     TOKENSERVE_KERNELS_SO=/tmp/tokenserve_dev_NAME/_C_NAME.so python -m pytest tests/unit/...
 
-runs tests against it (``tokenserve.ops.load_kernels`` loads it instead of
+runs tests against it (``tokenserve.ops.dispatch.load_kernels`` loads it instead of
 ``tokenserve._C``). The package build (``setup.py``) uses the same flags.
 """
 

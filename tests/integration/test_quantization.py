@@ -40,8 +40,9 @@ from tokenserve.models.loader import (
     resolve_model,
     resolve_quantization,
 )
-from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import QuantWeight, dequantize_ref
+from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.quant import dequantize_ref
+from tokenserve.ops.quant_blocks import QuantWeight
 from tokenserve.ops.quant_int8 import Int8Weight
 from tokenserve.sampling_params import SamplingParams
 

@@ -12,8 +12,7 @@ from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
-from tokenserve.ops import load_kernels
-from tokenserve.ops.dispatch import Kernels
+from tokenserve.ops.dispatch import Kernels, load_kernels
 from tokenserve.sampling_params import SamplingParams
 
 PROMPTS = [

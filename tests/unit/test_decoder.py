@@ -13,8 +13,9 @@ from tests.kernel_checks import assert_releases_gil
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig
-from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import BLOCK_BYTES, K_QTYPES, QuantWeight, quantize_ref
+from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.quant import quantize_ref
+from tokenserve.ops.quant_blocks import BLOCK_BYTES, K_QTYPES, QuantWeight
 from tokenserve.ops.quant_int8 import quantize_int8
 
 C = load_kernels()

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.reference import paged_attention_ref
 
 C = load_kernels()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.layer_ref import (
     copy_blocks_ref,
     positions_and_slots_ref,

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.kernel_checks import assert_releases_gil
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear, linear_ref
 
 C = load_kernels()

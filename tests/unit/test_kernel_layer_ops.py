@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.layer_ref import fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 
 C = load_kernels()

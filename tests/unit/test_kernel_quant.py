@@ -19,12 +19,9 @@ import pytest
 import torch
 
 from tests.kernel_checks import activations, assert_releases_gil, assert_rows_invariant
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import (
-    BLOCK_BYTES,
-    QTYPE_IDS,
-    QuantWeight,
     dequantize_ref,
     dequantize_rows_ref,
     quant_linear_fp32_ref,
@@ -32,8 +29,8 @@ from tokenserve.ops.quant import (
     quantize_act_ref,
     quantize_ref,
     repack_x8,
-    unpack_x8,
 )
+from tokenserve.ops.quant_blocks import BLOCK_BYTES, QTYPE_IDS, QuantWeight, unpack_x8
 
 C = load_kernels()
 needs_c = pytest.mark.skipif(C is None or not hasattr(C, "quant_gemm"),

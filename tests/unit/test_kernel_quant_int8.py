@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tests.kernel_checks import activations, assert_rows_invariant
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear
-from tokenserve.ops.quant import QuantWeight, dequantize_ref, dequantize_rows_ref, repack_x8
+from tokenserve.ops.quant import dequantize_ref, dequantize_rows_ref, repack_x8
+from tokenserve.ops.quant_blocks import QuantWeight
 from tokenserve.ops.quant_int8 import (
     Int8Weight,
     int8_linear_fp32_ref,

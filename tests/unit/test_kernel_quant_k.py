@@ -27,14 +27,9 @@ import pytest
 import torch
 
 from tests.kernel_checks import activations, assert_rows_invariant
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import (
-    BLOCK_BYTES,
-    GROUP_BYTES,
-    K_QTYPES,
-    QTYPE_IDS,
-    QuantWeight,
     act_sums16_ref,
     dequantize_ref,
     dequantize_rows_ref,
@@ -42,8 +37,15 @@ from tokenserve.ops.quant import (
     quant_k_linear_ref,
     quant_linear_fp32_ref,
     quantize_act_ref,
-    repack_k8,
     repack_x8,
+)
+from tokenserve.ops.quant_blocks import (
+    BLOCK_BYTES,
+    GROUP_BYTES,
+    K_QTYPES,
+    QTYPE_IDS,
+    QuantWeight,
+    repack_k8,
     unpack_k8,
     unpack_x8,
 )

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.sampling import SamplingBatch, pack_batch, sample_tensors_ref
 from tokenserve.sampling_params import SamplingParams
 
@@ -361,7 +361,7 @@ def test_portable_path_matches_reference():
     process, hence the subprocess) picks the reference's tokens too."""
     code = """
 import torch
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.sampling import pack_batch, sample_tensors_ref
 from tokenserve.sampling_params import SamplingParams
 C = load_kernels()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenserve.messages import SeqStart
-from tokenserve.ops import load_kernels
+from tokenserve.ops.dispatch import c_op
 from tokenserve.ops.sampling import (  # noqa: F401 - re-exported for tests and callers
     History,
     SamplingBatch,
@@ -100,13 +100,6 @@ class SamplingState:
         self.num_prompt_tokens = start.num_prompt_tokens
 
 
-def kernel():
-    """``tokenserve._C.sample`` when the extension is loaded and has it, else None
-    (``load_kernels`` is a ``sys.modules`` look-up after the first call)."""
-    mod = load_kernels()
-    return getattr(mod, "sample", None) if mod is not None else None
-
-
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -140,7 +133,7 @@ def sample(
             ``[0, V)``, or presence/frequency penalties without ``num_prompt_tokens``.
     """
     batch, uniforms, x = prepare(logits, params, generators, histories, num_prompt_tokens)
-    fn = kernel()
+    fn = c_op("sample")
     if fn is None:
         return sample_tensors_ref(x, *batch, uniforms)
     return fn(x, *batch, uniforms)

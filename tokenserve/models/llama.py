@@ -33,7 +33,8 @@ from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.loader import ModelConfig, rope_inv_freq
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.linear import Linear
-from tokenserve.ops.quant import QuantWeight, dequantize_ref, repack_x8
+from tokenserve.ops.quant import dequantize_ref, repack_x8
+from tokenserve.ops.quant_blocks import QuantWeight
 
 log = logging.getLogger("tokenserve.models")
 
@@ -89,8 +90,8 @@ class LlamaForCausalLM:
         """``_C.Decoder`` holding every layer's prepared weights, when every projection runs
         on a C++ GEMM (``Linear.c_spec``) and the extension has it; None otherwise, and
         with ``TOKENSERVE_FUSED_DECODER=0`` (the Python loop, for profiling per kernel)."""
-        c = self.kernels.c
-        if (c is None or not hasattr(c, "Decoder") or self.device.type != "cpu"
+        decoder = self.kernels.op("Decoder")
+        if (decoder is None or self.device.type != "cpu"
                 or self.dtype not in (torch.bfloat16, torch.float32)
                 or os.environ.get("TOKENSERVE_FUSED_DECODER", "1") == "0"):
             return None
@@ -98,8 +99,8 @@ class LlamaForCausalLM:
         if any(s is None for layer in specs for s in layer):
             return None
         cfg = self.cfg
-        dec = c.Decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                        cfg.head_dim ** -0.5)
+        dec = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                      cfg.head_dim ** -0.5)
         for i, layer in enumerate(specs):
             dec.add_layer(*layer, self.w[f"{i}.ln1"], self.w[f"{i}.ln2"])
         dec.set_final_norm(self.w["norm"])
@@ -145,7 +146,7 @@ class LlamaForCausalLM:
                         kernels: Kernels | None = None) -> LlamaForCausalLM:
         """Fuse HF-named weights into this model's layout.
 
-        ``sd`` values may be :class:`~tokenserve.ops.quant.QuantWeight` (GGUF blocks, from
+        ``sd`` values may be :class:`~tokenserve.ops.quant_blocks.QuantWeight` (GGUF blocks, from
         ``load_weights(..., quantization="gguf")``): on a CPU they stay quantised (fused
         projections concatenate their rows when the formats agree, else the group is
         dequantised to ``dtype``); elsewhere they are dequantised.

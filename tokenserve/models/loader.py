@@ -33,7 +33,7 @@ from tokenserve.models.gguf_convert import (
     is_complete_conversion,
     read_quantized_tensors,
 )
-from tokenserve.ops.quant import FROM_GGML, QuantWeight
+from tokenserve.ops.quant_blocks import FROM_GGML, QuantWeight
 from tokenserve.ops.quant_int8 import quantize_int8
 
 logger = logging.getLogger("tokenserve.models")
@@ -398,8 +398,8 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = 
     With ``quantization`` ``gguf`` (or ``auto`` resolving to it, :func:`resolve_quantization`,
     with ``max_batch_size``) the weights come from the GGUF file behind ``model`` (the
     ``--model`` argument; None is the default model) instead: its Q4_0 / Q4_1 / Q8_0 and
-    Q4_K / Q5_K / Q6_K tensors (``tokenserve.ops.quant.FROM_GGML``) as
-    :class:`~tokenserve.ops.quant.QuantWeight` (the file's blocks), the rest (F32 norms, and
+    Q4_K / Q5_K / Q6_K tensors (``tokenserve.ops.quant_blocks.FROM_GGML``) as
+    :class:`~tokenserve.ops.quant_blocks.QuantWeight` (the file's blocks), the rest (F32 norms, and
     formats we have no kernel for, e.g. Q5_0) dequantised and cast to ``dtype``.
 
     With ``int8`` every projection (``*_proj.weight``) and the lm_head become an

@@ -1,9 +1,16 @@
-"""One entry point per kernel: ``tokenserve._C`` when it is built, else its torch reference.
+"""The one place that chooses between ``tokenserve._C`` and its torch references.
 
-The model and the runner call these methods and never ask which implementation runs;
-:class:`Kernels` decides once, at construction (``tokenserve.ops.load_kernels``). Every
-method's contract (shapes, dtypes, in-place behaviour) is the C++ kernel's, documented
-beside its reference (``tokenserve/ops/reference.py``, ``tokenserve/ops/layer_ref.py``).
+:func:`load_kernels` loads the extension (or says it is absent) and :meth:`Kernels.op` /
+:func:`c_op` say whether it has a given kernel; every caller asks these and never the
+extension itself: the model and the runner through :class:`Kernels` (one entry point per
+kernel, decided once, at construction), the GEMMs (``tokenserve/ops/linear.py``), the
+sampler (``tokenserve/engine/sampler.py``). Every method's contract (shapes, dtypes,
+in-place behaviour) is the C++ kernel's, documented beside its reference
+(``tokenserve/ops/reference.py``, ``tokenserve/ops/layer_ref.py``).
+
+Set ``TOKENSERVE_DISABLE_C=1`` to run on the references alone (what the "with and without
+``_C``" tests compare), or ``TOKENSERVE_KERNELS_SO=path`` to load a development build of
+some kernels (``tools/dev_kernels.py``) in its place.
 
 KV cache layout, one tensor per layer for K and one for V::
 
@@ -16,13 +23,51 @@ p % block_size``.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from tokenserve.ops import layer_ref, load_kernels, reference
-from tokenserve.ops.quant import QTYPE_IDS, QuantWeight, dequantize_rows_ref
+from tokenserve.ops import layer_ref, reference
+from tokenserve.ops.quant import dequantize_rows_ref
+from tokenserve.ops.quant_blocks import QTYPE_IDS, QuantWeight
+
+
+def load_kernels() -> ModuleType | None:
+    """``tokenserve._C``, or None when it is disabled (``TOKENSERVE_DISABLE_C=1``), not
+    built, or built against another ABI (a ``sys.modules`` look-up after the first call).
+
+    Returns:
+        the extension module (its ``cpu_features()`` says which code paths run), or None.
+    """
+    if os.environ.get("TOKENSERVE_DISABLE_C", "") not in ("", "0"):
+        return None
+    try:
+        if dev := os.environ.get("TOKENSERVE_KERNELS_SO"):  # a tools/dev_kernels.py build
+            name = Path(dev).name.split(".")[0]
+            mod = sys.modules.get(name)
+            if mod is None:
+                spec = importlib.util.spec_from_file_location(name, dev)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                sys.modules[name] = mod
+        else:
+            mod = importlib.import_module("tokenserve._C")
+    except ImportError:
+        return None
+    return mod if getattr(mod, "ABI_VERSION", None) == 2 else None
+
+
+def c_op(name: str) -> Callable | None:
+    """``tokenserve._C.<name>`` when the extension loads (:func:`load_kernels`) and has that
+    kernel, else None (the caller then runs its torch reference)."""
+    return Kernels().op(name)
 
 
 class Kernels:
@@ -34,6 +79,11 @@ class Kernels:
 
     def __init__(self, use_c: bool = True) -> None:
         self.c: ModuleType | None = load_kernels() if use_c else None
+
+    def op(self, name: str) -> Callable | None:
+        """The extension's kernel ``name`` when this object runs the extension and it has
+        that kernel, else None."""
+        return getattr(self.c, name, None) if self.c is not None else None
 
     def describe(self) -> str:
         """Which implementation runs, for the start-up log: ``tokenserve._C (CPU paths:
@@ -77,9 +127,10 @@ class Kernels:
         :func:`tokenserve.ops.quant.dequantize_rows_ref` does."""
         if not isinstance(weight, QuantWeight):
             return F.embedding(input_ids, weight)
-        if self.c is not None and hasattr(self.c, "quant_dequant_rows") and weight.layout == "x8":
-            return self.c.quant_dequant_rows(input_ids, weight.data, QTYPE_IDS[weight.qtype],
-                                             weight.shape[0], weight.shape[1], dtype)
+        rows = self.op("quant_dequant_rows")
+        if rows is not None and weight.layout == "x8":
+            return rows(input_ids, weight.data, QTYPE_IDS[weight.qtype], weight.shape[0],
+                        weight.shape[1], dtype)
         return dequantize_rows_ref(input_ids, weight, dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

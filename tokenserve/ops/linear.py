@@ -25,7 +25,7 @@ says which, for the start-up log):
     logits moved by up to 0.2 between alone and batched on a Sapphire Rapids, issue 20), so
     it is not batch-invariant and is never the default.
 ``"tokenserve.quant_gemm"``
-    a :class:`~tokenserve.ops.quant.QuantWeight` (the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks,
+    a :class:`~tokenserve.ops.quant_blocks.QuantWeight` (the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks,
     regrouped 8 rows per block once: ``repack_x8``) on our AVX2 kernel (``csrc/quant.cpp``):
     activations quantised to int16 per 32-block, exact integer block dots, fp32
     accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
@@ -64,8 +64,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tokenserve.ops import load_kernels
-from tokenserve.ops.quant import K_QTYPES, QTYPE_IDS, QuantWeight, dequantize_ref, repack_x8
+from tokenserve.ops.dispatch import Kernels
+from tokenserve.ops.quant import dequantize_ref, repack_x8
+from tokenserve.ops.quant_blocks import K_QTYPES, QTYPE_IDS, QuantWeight
 
 log = logging.getLogger("tokenserve.ops")
 
@@ -133,7 +134,7 @@ class Linear:
 
     Args:
         weight: [N, K] (out_features, in_features), bf16 or fp32 (any float on ``"torch"``),
-            or a :class:`~tokenserve.ops.quant.QuantWeight` (GGUF blocks, or an
+            or a :class:`~tokenserve.ops.quant_blocks.QuantWeight` (GGUF blocks, or an
             :class:`~tokenserve.ops.quant_int8.Int8Weight`).
         bias: [N] or None.
         out_dtype: dtype of the result; None means x's dtype (the lm_head passes
@@ -147,7 +148,7 @@ class Linear:
             the module doc).
         weight, bias, out_dtype: as given (``weight`` is None on ``tokenserve.quant_gemm``,
             the dequantised weight on ``"torch"`` for a quantised one).
-        qweight: the packed :class:`~tokenserve.ops.quant.QuantWeight` on
+        qweight: the packed :class:`~tokenserve.ops.quant_blocks.QuantWeight` on
             ``tokenserve.quant_gemm`` (x8), ``tokenserve.quant_k_gemm`` (k8) or
             ``tokenserve.int8_gemm`` (x16), else None.
     """
@@ -158,11 +159,12 @@ class Linear:
         self.qweight: QuantWeight | None = None
         force = forced_backend()
         self.isa: str | None = None
+        kernels = Kernels()
         if isinstance(weight, QuantWeight):
-            c = load_kernels()
+            c = kernels.c
             op = ("int8_gemm" if weight.qtype == "int8" else
                   "quant_k_gemm" if weight.qtype in K_QTYPES else "quant_gemm")
-            if c is not None and hasattr(c, op) and force in ("", "c", "c-fma"):
+            if kernels.op(op) is not None and force in ("", "c", "c-fma"):
                 # GGUF blocks -> x8 (k-quants: k8) groups; Int8Weight -> x16 panels
                 self.qweight, self.bias, self.out_dtype = repack_x8(weight), bias, out_dtype
                 self.weight = None
@@ -182,8 +184,7 @@ class Linear:
         self._packed = None
         self._bias_f32 = None
         self._c = None
-        c = load_kernels()
-        c = c if c is not None and hasattr(c, "gemm") else None
+        c = kernels.c if kernels.op("gemm") is not None else None
         self.backend = "torch"
         if (force == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and out_dtype in (None, weight.dtype)):

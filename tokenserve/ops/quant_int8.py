@@ -9,9 +9,10 @@ own bf16/fp32 values). Two layouts::
     "x16"   data int8 [ceil(N / 16), K, 16]          scale fp32 [ceil(N / 16) * 16]
             (pack_int8: 16 output rows interleaved per k, zero past N; csrc/int8_gemm.cpp)
 
-It is a :class:`~tokenserve.ops.quant.QuantWeight` (qtype ``"int8"``) so the model's loading
-code treats it like GGUF blocks: fused projections concatenate rows (:meth:`Int8Weight.cat`),
-``repack_x8`` packs it for the kernel, ``dequantize_ref`` gives its fp32 weight. A tied
+It is a :class:`~tokenserve.ops.quant_blocks.QuantWeight` (qtype ``"int8"``) so the model's
+loading code treats it like GGUF blocks: fused projections concatenate rows
+(:meth:`Int8Weight.cat`), ``repack_x8`` packs it for the kernel, ``dequantize_ref`` gives its
+fp32 weight (both in ``tokenserve/ops/quant.py``). A tied
 embedding / lm_head keeps the table as loaded in :attr:`Int8Weight.table`: the lm_head
 computes in int8, the embedding lookup reads the table (``dequantize_rows_ref``).
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenserve.ops.quant import QuantWeight
+from tokenserve.ops.quant_blocks import QuantWeight
 
 NR = 16  #: output rows per panel in the "x16" layout
 
