@@ -1,15 +1,6 @@
-"""``tokenserve bench``: a serving benchmark for tokenserve (and any MindIE-compatible server).
-
-Modules, one job each::
-
-    workload.py     prompts (exact token lengths from the model's tokenizer), output lengths
-    clients.py      one request builder + stream parser per API family, httpx streaming
-    metrics.py      pure arithmetic: per-request records -> TTFT/TPOT/ITL/E2E/goodput summary
-    baseline_hf.py  the same workload through transformers' generate (static batches)
-    serving.py      runner, concurrency sweep, modes, ``main(argv)``
-    server.py       ``tokenserve serve`` as a child process on a free loopback port
-    report.py       table on stdout, JSON file, PNG plots
-
-The package lives at the repository root (it is not installed with ``tokenserve``);
-``tokenserve bench`` puts the checkout on ``sys.path`` to import it.
+"""Developer benchmarks of a repository checkout, run as ``python -m bench.X``: the kernel
+micro-benchmarks (``kernels.py``, ``kernels_*.py``; also ``tokenserve bench kernels``),
+``profile_step``, ``decoder_ab``, ``quant_accuracy``, ``spec_identity``, ``pd_handoff`` and
+``chunked_prefill_report``. Not installed; the serving benchmark (``tokenserve bench``) is
+the installed package :mod:`tokenserve.bench`.
 """

@@ -5,9 +5,10 @@
 
 Builds the default engine twice in this process (drafts off, then on: ``max_draft_rows``
 raised to the concurrency so drafts are really made under load), sends the same prompts
-to both (the repeat-heavy workload, ``bench/passages_repeat.json``, and the chat questions
-of ``bench/prompts_accuracy.json``, cycled to ``--num-prompts``), and reports per
-concurrency how many outputs are identical, tokens/s of each, and accepted / drafted.
+to both (the repeat-heavy workload, ``tokenserve/bench/passages_repeat.json``, and the
+chat questions of ``bench/prompts_accuracy.json``, cycled to ``--num-prompts``), and
+reports per concurrency how many outputs are identical, tokens/s of each, and accepted /
+drafted.
 Exits 1 when any output differs.
 """
 
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.workload import PASSAGES
+from tokenserve.bench.workload import PASSAGES
 
 _ids = itertools.count()
 

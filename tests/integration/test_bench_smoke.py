@@ -88,12 +88,18 @@ def test_http_mindie_against_a_server_it_starts(tmp_path):
     assert all(r["input_len"] == 16 for r in lv["records"]["ours"])
 
 
-def test_bench_without_checkout_fails_clearly(tmp_path, monkeypatch):
-    """The CLI finds bench/ next to the tokenserve package; the message says what to do."""
+def test_bench_kernels_without_checkout_fails_clearly(tmp_path, monkeypatch, capsys):
+    """``tokenserve bench kernels`` finds bench/ next to the tokenserve package; the message
+    says what to do. The serving benchmark is installed with the package: no checkout."""
     from tokenserve import cli
 
     fake = tmp_path / "site" / "tokenserve" / "cli.py"
     fake.parent.mkdir(parents=True)
     fake.write_text("")
     monkeypatch.setattr(cli, "__file__", str(fake))
-    assert cli.main(["bench", "--help"]) == 2
+    assert cli.main(["bench", "kernels", "--help"]) == 2
+    assert "needs a repository checkout" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert "tokenserve bench" in capsys.readouterr().out

@@ -10,19 +10,16 @@ import asyncio
 import contextlib
 import math
 import sys
-from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root holds bench/
-
-from bench import report
-from bench.clients import StreamReader, get_backend, send_http
-from bench.metrics import RequestRecord
-from bench.server import LlamaServer, llama_server_ctx
-from bench.serving import (
+from tokenserve.bench import report
+from tokenserve.bench.clients import StreamReader, get_backend, send_http
+from tokenserve.bench.metrics import RequestRecord
+from tokenserve.bench.server import LlamaServer, llama_server_ctx
+from tokenserve.bench.serving import (
     LevelResult,
     assemble,
     build_parser,
@@ -31,7 +28,7 @@ from bench.serving import (
     run_http,
     run_llamacpp,
 )
-from bench.workload import BenchRequest
+from tokenserve.bench.workload import BenchRequest
 
 REQ = BenchRequest(0, (5, 6, 7), " a b c", 4)
 

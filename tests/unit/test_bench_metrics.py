@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root holds bench/
-
-from bench.clients import StreamReader, get_backend
-from bench.metrics import RequestRecord, compare, distribution, meets_slo, summarize, tpot
-from bench.serving import run_level
-from bench.workload import (
+from tokenserve.bench.clients import StreamReader, get_backend
+from tokenserve.bench.metrics import (
+    RequestRecord,
+    compare,
+    distribution,
+    meets_slo,
+    summarize,
+    tpot,
+)
+from tokenserve.bench.serving import run_level
+from tokenserve.bench.workload import (
     BenchRequest,
     WorkloadConfig,
     arrival_offsets,

@@ -1,5 +1,6 @@
-"""Report a results document (:func:`bench.serving.assemble`): a table on stdout, the JSON
-file, and PNG plots (latency CDFs; throughput and TTFT against concurrency)."""
+"""Report a results document (:func:`tokenserve.bench.serving.assemble`): a table on
+stdout, the JSON file, and PNG plots (latency CDFs; throughput and TTFT against
+concurrency)."""
 
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import orjson
 
-from bench.metrics import RequestRecord
-from bench.workload import BenchRequest
+from tokenserve.bench.metrics import RequestRecord
+from tokenserve.bench.workload import BenchRequest
 
 BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "triton",
             "llamacpp")

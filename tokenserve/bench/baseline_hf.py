@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import RequestRecord
-from bench.workload import BenchRequest
+from tokenserve.bench.metrics import RequestRecord
+from tokenserve.bench.workload import BenchRequest
 
 log = logging.getLogger("bench.hf")
 

@@ -19,9 +19,9 @@ Length distributions (``--dataset``):
   the rest uniform around ``input_len``; outputs uniform around ``output_len``.
 
 - ``repeat``: input-grounded chat requests whose answers quote the prompt (repeat, correct or
-  reformat a given passage: ``bench/passages_repeat.json``), where speculative decoding by
-  prompt lookup pays; prompt lengths are those of the passages (``input_len`` is unused),
-  outputs ``output_len`` tokens at most.
+  reformat a given passage: ``passages_repeat.json`` next to this module), where
+  speculative decoding by prompt lookup pays; prompt lengths are those of the passages
+  (``input_len`` is unused), outputs ``output_len`` tokens at most.
 
 ``shared_prefix_len`` makes the first that many tokens identical across requests (a system
 prompt; exercises the prefix cache); it counts inside each request's input length.

@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.clients import BACKENDS, get_backend, send_engine, send_http
-from bench.metrics import RequestRecord, compare, summarize
-from bench.server import LlamaServer, ServerProcess, llama_server_ctx
-from bench.workload import (
+from tokenserve.bench.clients import BACKENDS, get_backend, send_engine, send_http
+from tokenserve.bench.metrics import RequestRecord, compare, summarize
+from tokenserve.bench.server import LlamaServer, ServerProcess, llama_server_ctx
+from tokenserve.bench.workload import (
     DATASETS,
     BenchRequest,
     WorkloadConfig,
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serving benchmark: TTFT, TPOT, ITL, E2E, throughput and goodput over "
                     "any API family, a concurrency sweep, a transformers baseline and a "
                     "llama.cpp one. `tokenserve bench kernels -h`: the kernel "
-                    "micro-benchmarks (bench/kernels.py).")
+                    "micro-benchmarks (bench/kernels.py of a repository checkout).")
     g = p.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default="mindie")
     g.add_argument("--url", default=None,
@@ -218,7 +218,7 @@ async def run_level(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
 
     The duration is first send -> last completion (or the cap, when it fired).
     """
-    from bench.workload import arrival_offsets
+    from tokenserve.bench.workload import arrival_offsets
 
     sem = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(reqs), request_rate, seed)
@@ -349,11 +349,12 @@ def engine_config(args: argparse.Namespace):
     Raises:
         ValueError: the flags do not make a valid serve configuration.
     """
-    from tokenserve.cli import build_parser, serve_config
+    from tokenserve.serve_flags import add_serve_flags, serve_config
 
-    argv = ["serve", "--dtype", args.dtype, "--device", args.device,
+    argv = ["--dtype", args.dtype, "--device", args.device,
             *(["--model", args.model] if args.model else []), *shlex.split(args.server_args)]
-    return serve_config(build_parser().parse_args(argv)).engine
+    parser = add_serve_flags(argparse.ArgumentParser(prog="tokenserve serve"))
+    return serve_config(parser.parse_args(argv)).engine
 
 
 async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRequest]],
@@ -443,7 +444,7 @@ def run_llamacpp(args: argparse.Namespace, slices: Sequence[Sequence[BenchReques
 def run_baseline(args: argparse.Namespace, model_dir: Any,
                  slices: Sequence[Sequence[BenchRequest]],
                  warm: Sequence[BenchRequest]) -> list[LevelResult]:
-    from bench.baseline_hf import HfBaseline
+    from tokenserve.bench.baseline_hf import HfBaseline
 
     hf = HfBaseline(model_dir, args.dtype, args.device)
     out = []
@@ -554,10 +555,6 @@ def _check_deps(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["kernels"]:  # `tokenserve bench kernels`: the kernel micro-benchmarks
-        from bench.kernels import main as kernels_main
-
-        return kernels_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -571,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (RuntimeError, FileNotFoundError) as exc:
             print(f"tokenserve bench: {exc}", file=sys.stderr)
             return 2
-    from bench import report
+    from tokenserve.bench import report
     from tokenserve.models.loader import ModelConfig, resolve_model
     from tokenserve.models.tokenizer import Tokenizer
     from tokenserve.transport.runtime import run as run_loop

