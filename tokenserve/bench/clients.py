@@ -31,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from tokenserve.api.routes import path_of
 from tokenserve.bench.metrics import RequestRecord
 from tokenserve.bench.workload import BenchRequest
 
@@ -225,21 +226,21 @@ def _native(req: BenchRequest, key: str, value: Any) -> dict[str, Any]:
 
 
 def build_mindie(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return "/infer_token", _native(req, "input_id", list(req.prompt_ids))
+    return path_of("mindie.infer_token"), _native(req, "input_id", list(req.prompt_ids))
 
 
 def build_mindie_text(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return "/infer", _native(req, "inputs", req.prompt_text)
+    return path_of("mindie.infer"), _native(req, "inputs", req.prompt_text)
 
 
 def build_tgi(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
     body = _native(req, "inputs", req.prompt_text)
     del body["stream"]  # /generate_stream always streams (§3.2)
-    return "/generate_stream", body
+    return path_of("tgi.generate_stream"), body
 
 
 def build_vllm(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return "/generate", {"prompt": req.prompt_text, "stream": True,
+    return path_of("generate"), {"prompt": req.prompt_text, "stream": True,
                          "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True}
 
 
@@ -249,16 +250,16 @@ def _openai_common(req: BenchRequest, model: str) -> dict[str, Any]:
 
 
 def build_openai(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return "/v1/completions", {**_openai_common(req, model), "prompt": list(req.prompt_ids)}
+    return path_of("openai.completions"), {**_openai_common(req, model), "prompt": list(req.prompt_ids)}
 
 
 def build_openai_chat(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return "/v1/chat/completions", {**_openai_common(req, model),
+    return path_of("openai.chat"), {**_openai_common(req, model),
                                     "messages": [{"role": "user", "content": req.prompt_text}]}
 
 
 def build_triton(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return (f"/v2/models/{model}/generate_stream",
+    return (path_of("triton.generate_stream", model=model),
             {"id": f"bench-{req.index & 0xFFFFFFFF}-{time.monotonic_ns()}",
              "text_input": req.prompt_text,
              "parameters": {"max_new_tokens": req.output_len, "do_sample": False,

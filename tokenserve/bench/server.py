@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from tokenserve.api.routes import path_of
+
 log = logging.getLogger("bench")
 
 
@@ -58,7 +60,7 @@ class ChildServer:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + path_of("server.health"), timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tokenserve.api.routes import path_of
 from tokenserve.bench.clients import BACKENDS, get_backend, send_engine, send_http
 from tokenserve.bench.metrics import RequestRecord, compare, summarize
 from tokenserve.bench.server import LlamaServer, ServerProcess, llama_server_ctx
@@ -304,7 +305,7 @@ def _served_model_name(url: str, fallback: str) -> str:
     import httpx
 
     try:
-        r = httpx.get(url + "/v1/models", timeout=5.0)
+        r = httpx.get(url + path_of("openai.models"), timeout=5.0)
         if r.status_code == 200:
             return r.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
@@ -334,7 +335,7 @@ async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenize
 
         async def counters() -> tuple[int, int] | None:
             try:
-                r = await http.get("/metrics")
+                r = await http.get(path_of("server.metrics"))
             except httpx.HTTPError:
                 return None
             return spec_counters_from_metrics(r.text) if r.status_code == 200 else None
