@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Flags override --config (a MindIE config.json; also found through "
                     "$MIES_CONFIG_JSON_PATH), which overrides the defaults shown.")
     add_serve_flags(s)
-    from tokenserve.pd.coordinator import add_parser as add_coordinator_parser
+    from tokenserve.coordinator.app import add_parser as add_coordinator_parser
 
     add_coordinator_parser(sub)
     return p
