@@ -40,16 +40,9 @@
 #include <vector>
 
 #include "cpu_features.h"
-#include "bf16.h"
 #include "kernels.h"
 #include "registry.h"
-#include "vec_avx2.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TS_ATTN_X86 1
-#define TS_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "simd.h"
 
 namespace tokenserve {
 namespace {
@@ -58,7 +51,7 @@ constexpr int kRowGroup = 3;      // query vectors per micro-kernel call
 constexpr int kTileVectors = 48;  // target query vectors (rows * G) per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-using tokenserve::bf16_to_f32;  // csrc/bf16.h
+using tokenserve::bf16_to_f32;  // csrc/simd.h
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -129,31 +122,12 @@ void stage_scalar(const void* src, bool bf16, int n, int D, int Dp, float* dst) 
 constexpr Ops kScalarOps{qk_scalar, softmax_scalar, pv_scalar, stage_scalar, false};
 
 // ---------------------------------------------------------------- AVX2 + FMA path
-#ifdef TS_ATTN_X86
+#ifdef TS_X86
 
-TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-TS_AVX2 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> fp32 (exact: shift left 16)
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+// load8 (8 fp32 or bf16 -> fp32), hsum8 (((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7))), hmax8,
+// exp8: csrc/simd.h.
 
-// Sum of 8 lanes in the fixed order ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)).
-TS_AVX2 inline float hsum8(__m256 v) {
-  __m256 h = _mm256_hadd_ps(v, v);
-  h = _mm256_hadd_ps(h, h);
-  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
-TS_AVX2 inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
-using tokenserve::exp8;  // csrc/vec_avx2.h
-
-TS_AVX2 inline __m256 tail_mask(int valid) {  // lanes < valid set
+TS_TARGET_AVX2 inline __m256 tail_mask(int valid) {  // lanes < valid set
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), idx));
 }
@@ -161,8 +135,8 @@ TS_AVX2 inline __m256 tail_mask(int valid) {  // lanes < valid set
 // Scores of R rows against keys j..j+3 at a time. Each (row, key) is its own 8-lane FMA
 // chain over head_dim chunks, reduced by the same hadd tree whatever its neighbours.
 template <int R, typename KT>
-TS_AVX2 void qk_avx2_kernel(const float* Q, int ldq, const KT* K, int ldk, int nk, int Dp,
-                            float scale, float* S, int lds) {
+TS_TARGET_AVX2 void qk_avx2_kernel(const float* Q, int ldq, const KT* K, int ldk, int nk, int Dp,
+                                   float scale, float* S, int lds) {
   const int nc = Dp / 8;
   const __m128 vs = _mm_set1_ps(scale);
   for (int j = 0; j < nk; j += 4) {
@@ -188,8 +162,8 @@ TS_AVX2 void qk_avx2_kernel(const float* Q, int ldq, const KT* K, int ldk, int n
   }
 }
 
-TS_AVX2 void qk_avx2(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16,
-                     int nk, int Dp, float scale, float* S, int lds) {
+TS_TARGET_AVX2 void qk_avx2(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16,
+                            int nk, int Dp, float scale, float* S, int lds) {
 #define TS_QK(R)                                                                                 \
   (kv_bf16 ? qk_avx2_kernel<R>(Q, ldq, static_cast<const uint16_t*>(K), ldk, nk, Dp, scale, S, lds) \
            : qk_avx2_kernel<R>(Q, ldq, static_cast<const float*>(K), ldk, nk, Dp, scale, S, lds))
@@ -201,7 +175,7 @@ TS_AVX2 void qk_avx2(const float* Q, int ldq, int rows, const void* K, int ldk, 
 #undef TS_QK
 }
 
-TS_AVX2 void softmax_avx2(float* S, int n, float* m, float* l, float* acc, int Dp) {
+TS_TARGET_AVX2 void softmax_avx2(float* S, int n, float* m, float* l, float* acc, int Dp) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
   __m256 vmax = ninf;
   for (int j = 0; j < n; j += 8) {
@@ -230,8 +204,8 @@ TS_AVX2 void softmax_avx2(float* S, int n, float* m, float* l, float* acc, int D
 // acc rows (R <= 3 of them, NV <= 2 vectors of 8 dims) += P[r][k] * V[k] for k in
 // [k0, k1), ascending. Named accumulators: GCC kept an array of them on the stack.
 template <int R, int NV, typename VT>
-TS_AVX2 void pv_avx2_kernel(const float* P, int ldp, const VT* V, int ldv, int k0, int k1,
-                            float* acc, int ldacc) {
+TS_TARGET_AVX2 void pv_avx2_kernel(const float* P, int ldp, const VT* V, int ldv, int k0, int k1,
+                                   float* acc, int ldacc) {
   static_assert(R >= 1 && R <= 3 && NV >= 1 && NV <= 2);
   float* a0p = acc;
   float* a1p = acc + (R > 1 ? ldacc : 0);
@@ -265,8 +239,8 @@ TS_AVX2 void pv_avx2_kernel(const float* P, int ldp, const VT* V, int ldv, int k
 }
 
 template <int R, typename VT>
-TS_AVX2 void pv_avx2_rows(const float* P, int ldp, const VT* V, int ldv, int k0, int k1, int Dp,
-                          float* acc, int ldacc) {
+TS_TARGET_AVX2 void pv_avx2_rows(const float* P, int ldp, const VT* V, int ldv, int k0, int k1, int Dp,
+                                 float* acc, int ldacc) {
   for (int d0 = 0; d0 < Dp; d0 += 16) {
     if (Dp - d0 >= 16)
       pv_avx2_kernel<R, 2>(P, ldp, V + d0, ldv, k0, k1, acc + d0, ldacc);
@@ -275,8 +249,8 @@ TS_AVX2 void pv_avx2_rows(const float* P, int ldp, const VT* V, int ldv, int k0,
   }
 }
 
-TS_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16,
-                     int k0, int k1, int Dp, float* acc, int ldacc) {
+TS_TARGET_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16,
+                            int k0, int k1, int Dp, float* acc, int ldacc) {
 #define TS_PV(R)                                                                                      \
   (kv_bf16 ? pv_avx2_rows<R>(P, ldp, static_cast<const uint16_t*>(V), ldv, k0, k1, Dp, acc, ldacc) \
            : pv_avx2_rows<R>(P, ldp, static_cast<const float*>(V), ldv, k0, k1, Dp, acc, ldacc))
@@ -288,7 +262,7 @@ TS_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, int ldv, 
 #undef TS_PV
 }
 
-TS_AVX2 void stage_avx2(const void* src, bool bf16, int n, int D, int Dp, float* dst) {
+TS_TARGET_AVX2 void stage_avx2(const void* src, bool bf16, int n, int D, int Dp, float* dst) {
   if (!bf16 || D % 8 != 0) return stage_scalar(src, bf16, n, D, Dp, dst);
   const uint16_t* s = static_cast<const uint16_t*>(src);
   for (int64_t i = 0, e = int64_t(n) * D; i < e; i += 8) _mm256_storeu_ps(dst + i, load8(s + i));
@@ -296,7 +270,7 @@ TS_AVX2 void stage_avx2(const void* src, bool bf16, int n, int D, int Dp, float*
 
 constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, true};
 
-#endif  // TS_ATTN_X86
+#endif  // TS_X86
 
 // ---------------------------------------------------------------- driver
 
@@ -487,7 +461,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   P.scale = float(scale);
 
   const Ops* ops = &kScalarOps;
-#ifdef TS_ATTN_X86
+#ifdef TS_X86
   if (allow_vector && cpu_features().avx2_fma) ops = &kAvx2Ops;
 #endif
   const int Dp = ops->vector ? round_up(int(D), 8) : int(D);

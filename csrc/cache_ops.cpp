@@ -15,7 +15,6 @@
 // Every per-token result depends only on that token's inputs (row-invariant whatever
 // the batch or thread partitioning). References: tokenserve/ops/layer_ref.py.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -24,9 +23,9 @@
 #include <vector>
 
 #include "cpu_features.h"
-#include "bf16.h"
 #include "kernels.h"
 #include "registry.h"
+#include "simd.h"
 
 // GCC contracts a*b+c into an FMA in C++ by default (-ffp-contract=fast), also across
 // intrinsics; that would make the AVX2 and portable paths (and torch) round differently.
@@ -36,38 +35,12 @@
 namespace {
 
 using at::BFloat16;
+using namespace tokenserve;  // load1 / store1, load8 / store8 (bf16 bit-exact): csrc/simd.h
 
 // Test hook: force the portable path on machines with AVX2 (see _cache_ops_force_portable).
 std::atomic<bool> g_force_portable{false};
 
-bool use_avx2() { return tokenserve::cpu_features().avx2_fma && !g_force_portable.load(); }
-
-// bf16 <-> fp32, bit-exact with c10::BFloat16 (csrc/bf16.h)
-using tokenserve::bf16_to_f32;
-using tokenserve::f32_to_bf16;
-using tokenserve::load1;
-using tokenserve::store1;
-
-#if defined(__x86_64__) || defined(__i386__)
-#define TS_AVX2 __attribute__((target("avx2,fma")))
-
-TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-TS_AVX2 inline __m256 load8(const BFloat16* p) {
-  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-TS_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-TS_AVX2 inline void store8(BFloat16* p, __m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-#endif
+bool use_avx2() { return avx2_enabled(g_force_portable); }
 
 // ---------------------------------------------------------------------------------------
 // 1. rotary_embedding_write_kv
@@ -94,9 +67,9 @@ void rope_head_scalar(T* x, const float* cos, const float* sin, int64_t half) {
   rope_pairs_scalar(x, x + half, cos, sin, 0, half);
 }
 
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef TS_X86
 template <typename T>
-TS_AVX2 void rope_head_avx2(T* x, const float* cos, const float* sin, int64_t half) {
+TS_TARGET_AVX2 void rope_head_avx2(T* x, const float* cos, const float* sin, int64_t half) {
   int64_t i = 0;
   for (; i + 8 <= half; i += 8) {
     __m256 a = load8(x + i), b = load8(x + half + i);
@@ -135,7 +108,7 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
       const float* cos = cs + pos[t] * D;
       const float* sin = cos + half;
       for (int64_t h = 0; h < H + Hkv; ++h) {  // q heads, then k heads
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef TS_X86
         if (avx2) {
           rope_head_avx2(row + h * D, cos, sin, half);
           continue;

@@ -1,6 +1,8 @@
 // CPU features the kernels dispatch on at run time (GCC/Clang builtins, x86 only).
 #pragma once
 
+#include <atomic>
+
 namespace tokenserve {
 
 struct CpuFeatures {
@@ -25,6 +27,12 @@ inline const CpuFeatures& cpu_features() {
     return c;
   }();
   return f;
+}
+
+// A kernel's AVX2 + FMA path is on: the CPU has it and the kernel's test hook (force_portable,
+// set through its _<kernel>_force_portable binding) has not forced the portable code.
+inline bool avx2_enabled(const std::atomic<bool>& force_portable) {
+  return cpu_features().avx2_fma && !force_portable.load();
 }
 
 }  // namespace tokenserve

@@ -36,27 +36,17 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TS_X86 1
-#endif
-
 #include "cpu_features.h"
-#include "bf16.h"
 #include "kernels.h"
 #include "registry.h"
+#include "simd.h"
+#include "tiles.h"
 
 namespace tokenserve {
 namespace {
 
-constexpr int64_t NR = 16;  // columns per packed panel
-
 // Test hook: force the portable path on machines with AVX2 (see _gemm_force_portable).
 std::atomic<bool> g_force_portable{false};
-
-// fp32 <-> bf16 exactly as c10::BFloat16 does (csrc/bf16.h)
-inline uint16_t f32_to_bf16_bits(float f) { return tokenserve::f32_to_bf16(f); }
-inline float bf16_bits_to_f32(uint16_t b) { return tokenserve::bf16_to_f32(b); }
 
 // Position of column c (0..15) inside a packed bf16 16-group (see the layout above).
 inline int64_t bf16_slot(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
@@ -70,7 +60,7 @@ inline void store_row_scalar(const float* acc, int64_t ncols, const float* bias,
   if (y_bf16) {
     auto* yp = static_cast<uint16_t*>(y);
     for (int64_t j = 0; j < ncols; ++j)
-      yp[j] = f32_to_bf16_bits(bias ? acc[j] + bias[j] : acc[j]);
+      yp[j] = f32_to_bf16(bias ? acc[j] + bias[j] : acc[j]);
   } else {
     auto* yp = static_cast<float*>(y);
     for (int64_t j = 0; j < ncols; ++j) yp[j] = bias ? acc[j] + bias[j] : acc[j];
@@ -91,7 +81,7 @@ void panel_scalar(const float* x, int64_t ldx, int64_t mr, const void* wp, bool 
       const float xv = xr[k];
       if (w_bf16) {
         const auto* w = static_cast<const uint16_t*>(wp) + k * NR;
-        for (int64_t c = 0; c < NR; ++c) a[c] = std::fma(xv, bf16_bits_to_f32(w[bf16_slot(c)]), a[c]);
+        for (int64_t c = 0; c < NR; ++c) a[c] = std::fma(xv, bf16_to_f32(w[bf16_slot(c)]), a[c]);
       } else {
         const auto* w = static_cast<const float*>(wp) + k * NR;
         for (int64_t c = 0; c < NR; ++c) a[c] = std::fma(xv, w[c], a[c]);
@@ -102,90 +92,39 @@ void panel_scalar(const float* x, int64_t ldx, int64_t mr, const void* wp, bool 
 }
 
 #ifdef TS_X86
-// ---------------------------------------------------------------------------------------
-// AVX2 + FMA micro-kernel: MR rows x NPB panels (16 columns each). Register tile of
-// MR * 2 * NPB accumulators; per k: MR broadcasts of x, NPB weight loads (bf16: 1 load +
-// shift + and), MR * 2 * NPB FMAs. Each accumulator lane is one output element's chain.
-// ---------------------------------------------------------------------------------------
-template <int MR, int NPB, bool BF16W>
-__attribute__((target("avx2,fma"))) void tile_avx2(
-    const float* __restrict x, int64_t ldx,     // [MR, K] rows, stride ldx
-    const void* __restrict wp, int64_t pstride,  // first panel [K, 16]; panel stride (elements)
-    int64_t K, float* __restrict out, int64_t ldo) {  // out: [MR, NPB*16] fp32, stride ldo
-  __m256 acc[MR][2 * NPB];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NPB; ++j) acc[r][j] = _mm256_setzero_ps();
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w[2 * NPB];
-#pragma GCC unroll 8
-    for (int p = 0; p < NPB; ++p) {
-      if constexpr (BF16W) {
-        const auto* wb = static_cast<const uint16_t*>(wp) + p * pstride + k * NR;
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
-        w[2 * p] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        w[2 * p + 1] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
-      } else {
-        const auto* wf = static_cast<const float*>(wp) + p * pstride + k * NR;
-        w[2 * p] = _mm256_loadu_ps(wf);
-        w[2 * p + 1] = _mm256_loadu_ps(wf + 8);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < 2 * NPB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
-    }
+// AVX2 + FMA: fma_tile (csrc/tiles.h) on the k16 panels. Per panel and k, W::load widens the 16
+// weights to 2 ymm of fp32 (bf16: 1 load + shift + and).
+struct Bf16Panel {  // interleaved bf16 (see the layout above)
+  using T = uint16_t;
+  TS_TARGET_AVX2 static void load(const uint16_t* p, __m256* w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w[0] = bf16_even_f32(v);  // columns 0..7
+    w[1] = bf16_odd_f32(v);   // columns 8..15
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NPB; ++j) _mm256_storeu_ps(out + r * ldo + 8 * j, acc[r][j]);
-}
+};
+struct F32Panel {  // natural column order
+  using T = float;
+  TS_TARGET_AVX2 static void load(const float* p, __m256* w) {
+    w[0] = _mm256_loadu_ps(p);
+    w[1] = _mm256_loadu_ps(p + 8);
+  }
+};
 
-// fp32 [8] -> bf16 [8], round to nearest even, NaN -> 0x7FC0 (c10::BFloat16 semantics).
-__attribute__((target("avx2,fma"))) inline __m128i cvt_f32_bf16_avx2(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  // pack 8 x u32 (values < 2^16) -> 8 x u16
-  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-  return _mm_packus_epi32(lo, hi);
-}
-
-__attribute__((target("avx2,fma"))) void store_row_avx2(const float* acc, int64_t ncols,
-                                                         const float* bias, void* y, bool y_bf16) {
+TS_TARGET_AVX2 void store_row_avx2(const float* acc, int64_t ncols, const float* bias, void* y,
+                                   bool y_bf16) {
   int64_t j = 0;
   for (; j + 8 <= ncols; j += 8) {
     __m256 v = _mm256_loadu_ps(acc + j);
     if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
     if (y_bf16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(y) + j), cvt_f32_bf16_avx2(v));
+      store8(static_cast<uint16_t*>(y) + j, v);
     else
-      _mm256_storeu_ps(static_cast<float*>(y) + j, v);
+      store8(static_cast<float*>(y) + j, v);
   }
   if (j < ncols)
     store_row_scalar(acc + j, ncols - j, bias ? bias + j : nullptr,
                      y_bf16 ? static_cast<void*>(static_cast<uint16_t*>(y) + j)
                             : static_cast<void*>(static_cast<float*>(y) + j), y_bf16);
-}
-
-using TileFn = void (*)(const float*, int64_t, const void*, int64_t, int64_t, float*, int64_t);
-
-template <bool BF16W>
-TileFn pick_tile(int mr, int npb) {
-#define TS_T(a, b) if (mr == a && npb == b) return &tile_avx2<a, b, BF16W>;
-  TS_T(1, 1) TS_T(2, 1) TS_T(3, 1) TS_T(4, 1) TS_T(5, 1) TS_T(6, 1)
-  TS_T(1, 2) TS_T(2, 2) TS_T(3, 2)
-  TS_T(1, 3) TS_T(2, 3)
-  TS_T(1, 4)
-#undef TS_T
-  return nullptr;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -195,7 +134,7 @@ TileFn pick_tile(int mr, int npb) {
 // the pair (x[K-1], 0) against the zero-padded (w[K-1], 0).
 // ---------------------------------------------------------------------------------------
 template <int MR, int NPB>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_dp(
+TS_TARGET_AVX512BF16 void tile_dp(
     const uint16_t* __restrict x, int64_t ldx,      // [MR, K] bf16 rows, stride ldx
     const uint16_t* __restrict wp, int64_t pstride,  // first panel [KP, 32]; panel stride
     int64_t K, float* __restrict out, int64_t ldo) {  // out: [MR, NPB*16] fp32, stride ldo
@@ -239,62 +178,14 @@ DpTileFn pick_dp_tile(int mr, int npb) {
 }
 #endif  // TS_X86
 
-// Tile shape: rows per tile (MR) and panels per tile (NPB), from the batch size. Any choice
-// gives the same bits (see the header); this only affects speed.
-struct Shape {
-  int mr, npb;
-};
-inline Shape tile_shape(int64_t M) {
-  if (M <= 1) return {1, 4};
-  if (M == 2) return {2, 3};
-  if (M == 3) return {3, 2};
-  return {6, 1};
-}
-// 4 rows x 4 panels: 16 zmm accumulators; 6x4, 4x3, 3x6, 6x2 and 2x6 measured no faster on
+// Tile shapes: rows per tile (MR) and panels per tile (NPB), from the batch size. Any choice
+// gives the same bits (see the header); this only affects speed. The FMA chain's is
+// fma_tile_shape (csrc/tiles.h, shared with csrc/int8_gemm.cpp); the pair-dot chain's:
+// 4 rows x 4 panels: 16 zmm accumulators of 32; 6x4, 4x3, 3x6, 6x2 and 2x6 measured no faster on
 // Zen 4 (a step's GEMMs at M = 1, 16, 64, 256 within the host's noise, 6x2 slower; at M = 1,
 // 2 to 8 panels alike: the step streams its weights from DRAM).
 inline Shape dp_tile_shape(int64_t M) {
   return {static_cast<int>(std::min<int64_t>(std::max<int64_t>(M, 1), 4)), 4};
-}
-
-// Runs body(m, rows, p0, np, acc) over every output tile of an [M, NP*16] result: rows
-// m..m+rows-1 (rows <= sh.mr) by panels p0..p0+np-1 (np <= sh.npb), acc a per-thread fp32
-// scratch of [sh.mr, sh.npb * 16]. Which thread runs a tile never changes its arithmetic.
-template <class Body>
-void for_each_tile(int64_t M, int64_t NP, int64_t K, int64_t x_row_bytes, Shape sh,
-                   const Body& body) {
-  const int64_t npb = sh.npb, mr = sh.mr;
-  const int64_t ngroups = (NP + npb - 1) / npb;
-  // M chunks keep a chunk of x rows in L2 while every panel streams over it; chunks and the
-  // MR-row blocks inside them are balanced (64 rows: 6,6,6,6,5,5,... not 6 x 10 + 4).
-  const int64_t mc_max = std::max<int64_t>(mr, (196608 / std::max<int64_t>(x_row_bytes, 1)) / mr * mr);
-  const int64_t nchunks = (M + mc_max - 1) / mc_max;
-  const int64_t mc_rows = (M + nchunks - 1) / nchunks;
-  const int64_t units = nchunks * ngroups;
-  // Threads pull batches of units from a shared counter (dynamic scheduling): on a shared
-  // or oversubscribed host a descheduled thread does not hold back the others' work.
-  // Tasks get at least ~32K multiply-adds so that tiny GEMMs stay on one thread.
-  const int64_t work_per_unit = std::max<int64_t>(1, std::min(M, mc_rows) * npb * NR * K);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / work_per_unit);
-  const int64_t ntasks = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
-  const int64_t batch = std::max<int64_t>(1, units / (ntasks * 8));  // ~8 batches per thread
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, ntasks, 1, [&](int64_t, int64_t) {
-    alignas(64) float acc[6 * 4 * NR];
-    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch))
-    for (int64_t u = u0, u1 = std::min(units, u0 + batch); u < u1; ++u) {
-      const int64_t chunk = u / ngroups, g = u % ngroups;
-      const int64_t m_lo = chunk * M / nchunks, m_hi = (chunk + 1) * M / nchunks;
-      const int64_t p0 = g * npb, np = std::min(npb, NP - p0);
-      const int64_t nblk = (m_hi - m_lo + mr - 1) / std::max<int64_t>(mr, 1);
-      for (int64_t blk = 0, m = m_lo; blk < nblk; ++blk) {
-        const int64_t rows = (m_hi - m_lo) / nblk + (blk < (m_hi - m_lo) % nblk ? 1 : 0);
-        body(m, rows, p0, np, acc);
-        m += rows;
-      }
-    }
-  });
 }
 
 // Tile accumulators [rows][np*16] -> y rows m.., columns 16*p0.., + bias, rounded once.
@@ -321,21 +212,17 @@ void gemm_impl(const float* x, int64_t ldx, int64_t M, const void* wp, bool w_bf
   const int64_t NP = (N + NR - 1) / NR;
   const int64_t pstride = K * NR;  // elements per panel
   const size_t wsz = w_bf16 ? 2 : 4;
-  const bool use_avx2 =
-#ifdef TS_X86
-      cpu_features().avx2_fma && !g_force_portable.load();
-#else
-      false;
-#endif
-  for_each_tile(M, NP, K, K * 4, tile_shape(M), [&](int64_t m, int64_t rows, int64_t p0, int64_t np,
+  const bool use_avx2 = avx2_enabled(g_force_portable);
+  for_each_tile(M, NP, K, K * 4, fma_tile_shape(M), [&](int64_t m, int64_t rows, int64_t p0, int64_t np,
                                                      float* acc) {
     const char* wpanel = static_cast<const char*>(wp) + p0 * pstride * wsz;
     const float* xr = x + m * ldx;
 #ifdef TS_X86
     if (use_avx2) {
-      TileFn fn = w_bf16 ? pick_tile<true>(int(rows), int(np)) : pick_tile<false>(int(rows), int(np));
+      FmaTileFn fn = w_bf16 ? pick_fma_tile<Bf16Panel>(int(rows), int(np))
+                            : pick_fma_tile<F32Panel>(int(rows), int(np));
       if (fn == nullptr) {  // shape not instantiated: one panel at a time (same bits)
-        TileFn f1 = w_bf16 ? pick_tile<true>(int(rows), 1) : pick_tile<false>(int(rows), 1);
+        FmaTileFn f1 = w_bf16 ? pick_fma_tile<Bf16Panel>(int(rows), 1) : pick_fma_tile<F32Panel>(int(rows), 1);
         for (int64_t p = 0; p < np; ++p)
           f1(xr, ldx, wpanel + p * pstride * wsz, pstride, K, acc + p * NR, np * NR);
       } else {

@@ -24,20 +24,15 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TS_X86 1
-#endif
-
-#include "bf16.h"
 #include "cpu_features.h"
 #include "kernels.h"
 #include "registry.h"
+#include "simd.h"
+#include "tiles.h"
 
 namespace tokenserve {
 namespace {
 
-constexpr int64_t NR = 16;  // columns per panel
 std::atomic<bool> g_force_portable{false};
 
 // Portable: MR rows x one panel over all K, into acc [mr][16].
@@ -51,125 +46,52 @@ void panel_scalar(const float* x, int64_t K, int64_t mr, const int8_t* wq, float
 }
 
 #ifdef TS_X86
-// MR rows x NPB panels: MR * 2 * NPB accumulators; per k, NPB 16-byte weight loads
-// (2 x vpmovsxbd + 2 x vcvtdq2ps each), MR broadcasts, MR * 2 * NPB FMAs.
-template <int MR, int NPB>
-__attribute__((target("avx2,fma"))) void tile_avx2(const float* __restrict x, int64_t K,
-                                                   const int8_t* __restrict wq, int64_t pstride,
-                                                   float* __restrict out, int64_t ldo) {
-  __m256 acc[MR][2 * NPB];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NPB; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w[2 * NPB];
-#pragma GCC unroll 8
-    for (int p = 0; p < NPB; ++p) {
-      const int8_t* src = wq + p * pstride + k * NR;
-      w[2 * p] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
-      w[2 * p + 1] =
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < 2 * NPB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
-    }
+// AVX2 + FMA: fma_tile (csrc/tiles.h) on the int8 panels; per panel and k, one 16-byte weight
+// load (2 x vpmovsxbd + 2 x vcvtdq2ps: exact).
+struct I8Panel {
+  using T = int8_t;
+  TS_TARGET_AVX2 static void load(const int8_t* p, __m256* w) {
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NPB; ++j) _mm256_storeu_ps(out + r * ldo + 8 * j, acc[r][j]);
-}
-
-using TileFn = void (*)(const float*, int64_t, const int8_t*, int64_t, float*, int64_t);
-
-TileFn pick_tile(int mr, int npb) {
-#define TS_T(a, b) if (mr == a && npb == b) return &tile_avx2<a, b>;
-  TS_T(1, 1) TS_T(2, 1) TS_T(3, 1) TS_T(4, 1) TS_T(5, 1) TS_T(6, 1)
-  TS_T(1, 2) TS_T(2, 2) TS_T(3, 2)
-  TS_T(1, 3) TS_T(2, 3)
-  TS_T(1, 4)
-#undef TS_T
-  return nullptr;
-}
+};
 #endif  // TS_X86
 
-// Rows per tile and panels per tile from M (speed only: every shape gives the same bits).
-inline void tile_shape(int64_t M, int64_t& mr, int64_t& npb) {
-  mr = M <= 1 ? 1 : M == 2 ? 2 : M == 3 ? 3 : 6;
-  npb = M <= 1 ? 4 : M == 2 ? 3 : M == 3 ? 2 : 1;
-}
-
-// x fp32 [M, K] contiguous -> y [M, N].
+// x fp32 [M, K] contiguous -> y [M, N]. Tiles of fma_tile_shape(M) rows x panels, scheduled
+// as csrc/gemm.cpp's (csrc/tiles.h; speed only: every shape gives the same bits).
 void int8_gemm_impl(const float* x, int64_t M, int64_t K, const int8_t* wq, const float* scale,
                     int64_t N, const float* bias, void* y, bool y_bf16) {
   const int64_t NP = (N + NR - 1) / NR, pstride = K * NR;
-  int64_t mr, npb;
-  tile_shape(M, mr, npb);
-  const int64_t ngroups = (NP + npb - 1) / npb;
-  // M chunks keep their x rows in L2 while the panels stream past (as csrc/gemm.cpp)
-  const int64_t mc_max = std::max<int64_t>(mr, (196608 / std::max<int64_t>(K * 4, 1)) / mr * mr);
-  const int64_t nchunks = (M + mc_max - 1) / mc_max;
-  const int64_t units = nchunks * ngroups;
-  const bool avx2 =
+  const bool avx2 = avx2_enabled(g_force_portable);
+  for_each_tile(M, NP, K, K * 4, fma_tile_shape(M), [&](int64_t m, int64_t rows, int64_t p0, int64_t np,
+                                                         float* acc) {
+    const int64_t n0 = p0 * NR, ncols = std::min(N - n0, np * NR);
+    const int8_t* wp = wq + p0 * pstride;
+    const float* xr = x + m * K;
+    bool done = false;
 #ifdef TS_X86
-      cpu_features().avx2_fma && !g_force_portable.load();
-#else
-      false;
+    if (avx2) {
+      if (FmaTileFn fn = pick_fma_tile<I8Panel>(int(rows), int(np))) {
+        fn(xr, K, wp, pstride, K, acc, np * NR);
+      } else {  // shape not instantiated: one panel at a time (same bits)
+        FmaTileFn f1 = pick_fma_tile<I8Panel>(int(rows), 1);
+        for (int64_t p = 0; p < np; ++p) f1(xr, K, wp + p * pstride, pstride, K, acc + p * NR, np * NR);
+      }
+      done = true;
+    }
 #endif
-  // Dynamic scheduling over (row chunk, panel group) units; at least ~32K multiply-adds a
-  // task so that small GEMMs stay on one thread. Which thread computes a unit never
-  // changes its arithmetic.
-  const int64_t work = std::max<int64_t>(1, std::min(M, (M + nchunks - 1) / nchunks) * npb * NR * K);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / work);
-  const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
-  const int64_t batch = std::max<int64_t>(1, units / (ntasks * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, ntasks, 1, [&](int64_t, int64_t) {
-    alignas(64) float acc[6 * 4 * NR];
-    for (int64_t u0 = next.fetch_add(batch); u0 < units; u0 = next.fetch_add(batch))
-      for (int64_t u = u0, u1 = std::min(units, u0 + batch); u < u1; ++u) {
-        const int64_t chunk = u / ngroups, g = u % ngroups;
-        const int64_t m_lo = chunk * M / nchunks, m_hi = (chunk + 1) * M / nchunks;
-        const int64_t p0 = g * npb, np = std::min(npb, NP - p0), n0 = p0 * NR;
-        const int64_t ncols = std::min(N - n0, np * NR);
-        const int8_t* wp = wq + p0 * pstride;
-        const int64_t nblk = (m_hi - m_lo + mr - 1) / mr;
-        for (int64_t blk = 0, m = m_lo; blk < nblk; ++blk) {
-          const int64_t rows = (m_hi - m_lo) / nblk + (blk < (m_hi - m_lo) % nblk ? 1 : 0);
-          const float* xr = x + m * K;
-          bool done = false;
-#ifdef TS_X86
-          if (avx2) {
-            if (TileFn fn = pick_tile(int(rows), int(np))) {
-              fn(xr, K, wp, pstride, acc, np * NR);
-            } else {  // shape not instantiated: one panel at a time (same bits)
-              TileFn f1 = pick_tile(int(rows), 1);
-              for (int64_t p = 0; p < np; ++p) f1(xr, K, wp + p * pstride, pstride, acc + p * NR, np * NR);
-            }
-            done = true;
-          }
-#endif
-          if (!done) {
-            float pa[6 * NR];
-            for (int64_t p = 0; p < np; ++p) {
-              panel_scalar(xr, K, rows, wp + p * pstride, pa);
-              for (int64_t r = 0; r < rows; ++r) std::copy(pa + r * NR, pa + (r + 1) * NR, acc + r * np * NR + p * NR);
-            }
-          }
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < ncols; ++j) {
-              float v = acc[r * np * NR + j] * scale[n0 + j];
-              if (bias) v += bias[n0 + j];
-              const int64_t o = (m + r) * N + n0 + j;
-              if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
-              else static_cast<float*>(y)[o] = v;
-            }
-          m += rows;
-        }
+    if (!done) {
+      float pa[kMaxTileRows * NR];
+      for (int64_t p = 0; p < np; ++p) {
+        panel_scalar(xr, K, rows, wp + p * pstride, pa);
+        for (int64_t r = 0; r < rows; ++r) std::copy(pa + r * NR, pa + (r + 1) * NR, acc + r * np * NR + p * NR);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < ncols; ++j) {
+        float v = acc[r * np * NR + j] * scale[n0 + j];
+        if (bias) v += bias[n0 + j];
+        store1(y, (m + r) * N + n0 + j, v, y_bf16);
       }
   });
 }

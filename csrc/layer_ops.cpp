@@ -11,7 +11,6 @@
 // same on the AVX2 path and the portable one, whatever the batch or thread partitioning:
 // a row's output is bit-identical whatever else is in the batch.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,10 +19,9 @@
 #include <cstring>
 
 #include "cpu_features.h"
-#include "bf16.h"
 #include "kernels.h"
 #include "registry.h"
-#include "vec_avx2.h"
+#include "simd.h"
 
 // GCC contracts a*b+c into an FMA in C++ by default (-ffp-contract=fast), also across
 // intrinsics; that would make the AVX2 and portable paths (and torch) round differently.
@@ -33,17 +31,13 @@
 namespace {
 
 using at::BFloat16;
+using namespace tokenserve;  // bf16 <-> fp32 (bit-exact), load8 / store8, hsum8x4, exp8: csrc/simd.h
 
 // Test hook: force the portable path on machines with AVX2 (see _layer_ops_force_portable).
 std::atomic<bool> g_force_portable{false};
 
-bool use_avx2() { return tokenserve::cpu_features().avx2_fma && !g_force_portable.load(); }
+bool use_avx2() { return avx2_enabled(g_force_portable); }
 
-// bf16 <-> fp32, bit-exact with c10::BFloat16 (csrc/bf16.h)
-using tokenserve::bf16_to_f32;
-using tokenserve::f32_to_bf16;
-using tokenserve::load1;
-using tokenserve::store1;
 // Round an fp32 value to T and back (identity for float).
 template <typename T> inline float round_to(float v);
 template <> inline float round_to<float>(float v) { return v; }
@@ -61,43 +55,13 @@ inline float inv_rms(float sumsq, int64_t n, float eps) {
   return 1.0f / std::sqrt(sumsq / float(n) + eps);
 }
 
-#if defined(__x86_64__) || defined(__i386__)
-#define TS_AVX2 __attribute__((target("avx2,fma")))
-
-TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-TS_AVX2 inline __m256 load8(const BFloat16* p) {
-  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-// fp32 bits -> bf16 bits in the low 16 of each 32-bit lane (RNE, NaN -> 0x7FC0).
-TS_AVX2 inline __m256i bf16_bits(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-TS_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-TS_AVX2 inline void store8(BFloat16* p, __m256 v) {
-  __m256i r = bf16_bits(v);
-  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-template <typename T> TS_AVX2 inline __m256 round8(__m256 v);
-template <> TS_AVX2 inline __m256 round8<float>(__m256 v) { return v; }
-template <> TS_AVX2 inline __m256 round8<BFloat16>(__m256 v) {
+#ifdef TS_X86
+// Round 8 fp32 to T and back (identity for float).
+template <typename T> TS_TARGET_AVX2 inline __m256 round8(__m256 v);
+template <> TS_TARGET_AVX2 inline __m256 round8<float>(__m256 v) { return v; }
+template <> TS_TARGET_AVX2 inline __m256 round8<BFloat16>(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
 }
-
-TS_AVX2 inline float reduce8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));                   // t0+t2, t1+t3
-  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));   // (t0+t2)+(t1+t3)
-}
-
-using tokenserve::exp8;  // csrc/vec_avx2.h
 #endif
 
 // ---------------------------------------------------------------------------------------
@@ -126,9 +90,9 @@ void normalize_scalar(T* out, const T* r, const T* w, int64_t n, float inv) {
   for (int64_t i = 0; i < n; ++i) store1(out + i, load1(w + i) * round_to<T>(load1(r + i) * inv));
 }
 
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef TS_X86
 template <typename T, bool FUSED>
-TS_AVX2 float sumsq_avx2(const T* x, T* res, int64_t n) {
+TS_TARGET_AVX2 float sumsq_avx2(const T* x, T* res, int64_t n) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   int64_t i = 0;
@@ -162,11 +126,11 @@ TS_AVX2 float sumsq_avx2(const T* x, T* res, int64_t n) {
       acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(r, r));
     }
   }
-  return reduce8x4(acc[0], acc[1], acc[2], acc[3]);
+  return hsum8x4(acc[0], acc[1], acc[2], acc[3]);
 }
 
 template <typename T>
-TS_AVX2 void normalize_avx2(T* out, const T* r, const T* w, int64_t n, float inv) {
+TS_TARGET_AVX2 void normalize_avx2(T* out, const T* r, const T* w, int64_t n, float inv) {
   const __m256 vinv = _mm256_set1_ps(inv);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -186,7 +150,7 @@ void rms_norm_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* 
       T* rr = FUSED ? res + t * res_stride : nullptr;
       T* orow = out + t * out_stride;
       const T* src = FUSED ? rr : xr;  // what is normalized (residual after the add)
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef TS_X86
       if (avx2) {
         float inv = inv_rms(sumsq_avx2<T, FUSED>(xr, rr, n), n, eps);
         normalize_avx2(orow, src, w, n, inv);
@@ -279,14 +243,14 @@ void silu_mul_scalar(T* out, const T* g, const T* u, int64_t n) {
   }
 }
 
-#if defined(__x86_64__) || defined(__i386__)
-TS_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
+#ifdef TS_X86
+TS_TARGET_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
   __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
 template <typename T>
-TS_AVX2 void silu_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
+TS_TARGET_AVX2 void silu_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) store8(out + i, silu_mul8(load8(g + i), load8(u + i)));
   if (i < n) {  // tail through a zero-padded buffer: the same vector math as the body
@@ -306,7 +270,7 @@ void silu_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride,
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* g = x + t * x_stride;
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef TS_X86
       if (avx2) {
         silu_mul_avx2(out + t * out_stride, g, g + n, n);
         continue;

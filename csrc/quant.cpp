@@ -41,22 +41,18 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TS_X86 1
-#endif
-
-#include "bf16.h"
 #include "cpu_features.h"
 #include "quant_act.h"
 #include "kernels.h"
 #include "registry.h"
+#include "simd.h"
+#include "tiles.h"
 
 namespace tokenserve {
 namespace {
 
-constexpr int64_t QK = 32;
-constexpr int64_t RG = 8;  // rows per interleaved group
+constexpr int64_t QK = 32;  // weights per GGUF block
+static_assert(QK == QB, "a weight block is one activation block (csrc/tiles.h)");
 enum QType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 constexpr int64_t kGroupBytes[3] = {144, 160, 272};
 constexpr int64_t kQuantOffset[3] = {16, 32, 16};  // where the quants start in a group-block
@@ -104,20 +100,11 @@ float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const u
 }
 
 #ifdef TS_X86
-#define TS_QAVX2 __attribute__((target("avx2,fma,f16c")))
-
-// One pair of activations (int16 x[e], x[e+1]) broadcast to every int32 lane.
-TS_QAVX2 inline __m256i xpair(const int16_t* x, int e) {
-  int32_t v;
-  std::memcpy(&v, x + e, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // MR activation rows x one group of 8 weight rows over all nb blocks:
 // out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
 template <int QT, int MR>
-TS_QAVX2 void tile_avx2(const int16_t* __restrict xq, const float* __restrict xds, int64_t K,
-                        const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
+TS_TARGET_AVX2_F16C void tile_avx2(const int16_t* __restrict xq, const float* __restrict xds, int64_t K,
+                                   const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
   const int64_t nb = K / QK;
   constexpr int64_t GB = kGroupBytes[QT], QO = kQuantOffset[QT];
   __m256 acc[MR], summ[MR];
@@ -134,14 +121,14 @@ TS_QAVX2 void tile_avx2(const int16_t* __restrict xq, const float* __restrict xd
     if constexpr (QT == Q8_0) {
 #pragma GCC unroll 16
       for (int p = 0; p < 16; ++p) {
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + QO + 16 * p)));
+        const __m256i w = _mm256_cvtepi8_epi16(load16(gb + QO + 16 * p));
         for (int r = 0; r < MR; ++r)
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, xpair(xq + r * K + b * QK, 2 * p)));
       }
     } else {
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + QO + 16 * p)));
+        const __m256i t = _mm256_cvtepu8_epi16(load16(gb + QO + 16 * p));
         const __m256i wl = _mm256_and_si256(t, lo4), wh = _mm256_srli_epi16(t, 4);
         for (int r = 0; r < MR; ++r) {
           const int16_t* xb = xq + r * K + b * QK;
@@ -150,9 +137,9 @@ TS_QAVX2 void tile_avx2(const int16_t* __restrict xq, const float* __restrict xd
         }
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+    const __m256 dw = load8_fp16(gb);
     __m256 mw = _mm256_setzero_ps();
-    if constexpr (QT == Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
+    if constexpr (QT == Q4_1) mw = load8_fp16(gb + 16);
     if constexpr (QT == Q4_0) mw = _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
     for (int r = 0; r < MR; ++r) {
       const float* xp = xds + (r * nb + b) * 2;
@@ -178,16 +165,12 @@ TileFn pick_tile(int mr) {
 }
 #endif  // TS_X86
 
-// Rows per register tile. 4 beats 6 by 7-10 % at M = 16 and 64 (1 or 2 threads, Zen 3):
-// at 6 the 3 x 6 accumulators (acc, summ, isum) no longer fit in the 16 ymm registers.
-constexpr int64_t MR_MAX = 4;
-
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
 void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, int64_t K, int64_t m0,
                    int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
                    bool y_bf16, int64_t N) {
   const int64_t nb = K / QK, gstride = nb * kGroupBytes[qt];
-  qact::compute_groups(m0, rows, MR_MAX, w, gstride, g0, g1, bias, y, y_bf16, N,
+  qact::compute_groups(m0, rows, kQuantMr, w, gstride, g0, g1, bias, y, y_bf16, N,
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
     if (avx2) {
@@ -236,12 +219,7 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   }
   auto y = torch::empty({M, N}, x.options().dtype(odt));
   if (M == 0 || N == 0) return y;
-  const bool avx2 =
-#ifdef TS_X86
-      cpu_features().avx2_fma && !g_force_portable.load();
-#else
-      false;
-#endif
+  const bool avx2 = avx2_enabled(g_force_portable);
   qact::ActBuffers& act = qact::act_buffers(M, K, false);
   qact::quantize_act(x.contiguous(), avx2, act, [](int64_t) {});
   const int16_t* qp = act.q.data();
@@ -250,7 +228,7 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const bool ybf = odt == at::kBFloat16;
-  qact::run_units(M, N, K, MR_MAX, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
+  qact::run_units(M, N, K, kQuantMr, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
     compute_block(int(qtype), avx2, qp, dp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   });
   return y;
@@ -282,9 +260,7 @@ torch::Tensor quant_dequant_rows(const torch::Tensor& ids, const torch::Tensor& 
           // Q4_0: (q - 8) * d; Q4_1: q * d + m (two roundings); Q8_0: q * d
           const float v = qtype == Q4_0 ? float(q[i] - 8) * d : qtype == Q4_1 ? float(q[i]) * d + m
                                                                                  : float(q[i]) * d;
-          const int64_t o = t * K + b * QK + i;
-          if (bf) reinterpret_cast<uint16_t*>(yp)[o] = f32_to_bf16(v);
-          else static_cast<float*>(yp)[o] = v;
+          store1(yp, t * K + b * QK + i, v, bf);
         }
       }
     }

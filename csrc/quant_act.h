@@ -11,8 +11,6 @@
 
 #include <ATen/Parallel.h>
 
-#include "bf16.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cassert>
@@ -21,14 +19,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+#include "tiles.h"
 
 namespace tokenserve {
 namespace qact {
 
-constexpr int64_t QB = 32;  // activation block
+// QB (the activation block), RG (weight rows per group) and the tile sizes: csrc/tiles.h
 
 // IEEE half (little-endian bytes at p) -> float; normals, subnormals, inf/nan; no F16C.
 inline float fp16_to_f32(const uint8_t* p) {
@@ -75,17 +72,9 @@ inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds) {
   }
 }
 
-#if defined(__x86_64__) || defined(__i386__)
-// 8 consecutive elements as fp32 (bf16: the top halves of fp32s, exact).
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
+#ifdef TS_X86
 template <class T>
-__attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const T* x, int64_t K, int16_t* q,
-                                                                       float* ds) {
+TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t* q, float* ds) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / QB; ++b) {
     const T* xb = x + b * QB;
@@ -93,10 +82,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const T* 
     for (int i = 0; i < 4; ++i) v[i] = load8(xb + 8 * i);
     __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = hmax8(mx);
     const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
     __m256i iv[4];
@@ -104,16 +90,13 @@ __attribute__((target("avx2,fma,f16c"))) inline void quantize_row_avx2(const T* 
       iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv),
                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
     // 32 x i32 -> 32 x i16 in element order (packs works per 128-bit lane: fix with a permute)
     const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
     const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB), p01);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB + 16), p23);
     ds[2 * b] = db;
-    ds[2 * b + 1] = db * float(_mm_cvtsi128_si32(s4));
+    ds[2 * b + 1] = db * float(hsum8_epi32(sum4));
   }
 }
 #endif
@@ -130,7 +113,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool avx2, int16_t* q, floa
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef TS_X86
       if (avx2) quantize_row_avx2(x + m * K, K, q + m * K, ds + m * nb * 2);
       else
 #endif
@@ -178,7 +161,7 @@ void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, AfterRow&& afte
 // arithmetic, so the partition leaves results bit-identical.
 template <class Fn>
 void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
-  constexpr int64_t RG = 8, GPU = 2;
+  constexpr int64_t GPU = kQuantGroupsPerUnit;
   const int64_t mc = std::max<int64_t>(mr_max, (131072 / std::max<int64_t>(K * 2, 1)) / mr_max * mr_max);
   const int64_t nchunks = (M + mc - 1) / mc;
   const int64_t NG = (N + RG - 1) / RG;
@@ -210,9 +193,8 @@ template <class Tile>
 void compute_groups(int64_t m0, int64_t rows, int64_t mr_max, const uint8_t* w, int64_t gstride,
                     int64_t g0, int64_t g1, const float* bias, void* y, bool y_bf16, int64_t N,
                     Tile&& tile) {
-  constexpr int64_t RG = 8, MR_CAP = 6;
-  assert(mr_max >= 1 && mr_max <= MR_CAP);
-  float out[MR_CAP * RG];
+  assert(mr_max >= 1 && mr_max <= kQuantMrCap);
+  float out[kQuantMrCap * RG];
   const int64_t nblk = (rows + mr_max - 1) / mr_max;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * gstride;
@@ -225,9 +207,7 @@ void compute_groups(int64_t m0, int64_t rows, int64_t mr_max, const uint8_t* w, 
           const int64_t n = g * RG + j;
           float v = out[r * RG + j];
           if (bias) v += bias[n];
-          const int64_t o = (m + r) * N + n;
-          if (y_bf16) reinterpret_cast<uint16_t*>(y)[o] = f32_to_bf16(v);
-          else static_cast<float*>(y)[o] = v;
+          store1(y, (m + r) * N + n, v, y_bf16);
         }
       m += mr;
     }

@@ -50,23 +50,17 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TS_X86 1
-#endif
-
-#include "bf16.h"
 #include "cpu_features.h"
 #include "quant_act.h"
 #include "kernels.h"
 #include "registry.h"
+#include "simd.h"
+#include "tiles.h"
 
 namespace tokenserve {
 namespace {
 
-constexpr int64_t QKK = 256;  // weights per super-block
-constexpr int64_t QB = 32;    // activation block
-constexpr int64_t RG = 8;     // rows per interleaved group
+constexpr int64_t QKK = 256;  // weights per super-block (QB, RG: csrc/tiles.h)
 enum KType : int { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
 
 constexpr int64_t group_bytes(int qt) { return qt == Q4_K ? 1152 : qt == Q5_K ? 1408 : 1680; }
@@ -154,24 +148,11 @@ float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const u
 }
 
 #ifdef TS_X86
-#define TS_QKAVX2 __attribute__((target("avx2,fma,f16c")))
-
-// One pair of activations (int16 x[e], x[e+1]) broadcast to every int32 lane.
-TS_QKAVX2 inline __m256i xpair(const int16_t* x, int e) {
-  int32_t v;
-  std::memcpy(&v, x + e, 4);
-  return _mm256_set1_epi32(v);
-}
-
-TS_QKAVX2 inline __m128i load16(const uint8_t* p) {
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-}
-
 // Q4_K / Q5_K: MR activation rows x one group of 8 weight rows over all super-blocks:
 // out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
 template <int QT, int MR>
-TS_QKAVX2 void tile_q45k(const int16_t* __restrict xq, const float* __restrict xds, const int32_t*,
-                         int64_t K, const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
+TS_TARGET_AVX2_F16C void tile_q45k(const int16_t* __restrict xq, const float* __restrict xds, const int32_t*,
+                                   int64_t K, const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
   __m256 acc[MR], summ[MR];
@@ -191,7 +172,7 @@ TS_QKAVX2 void tile_q45k(const int16_t* __restrict xq, const float* __restrict x
                        11, -1, -1, -1, 15, -1, -1, -1)};
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
-    const __m256 d = _mm256_cvtph_ps(load16(gb)), dmin = _mm256_cvtph_ps(load16(gb + 16));
+    const __m256 d = load8_fp16(gb), dmin = load8_fp16(gb + 16);
     const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32));
     const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 64));
     const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 96));
@@ -250,9 +231,9 @@ TS_QKAVX2 void tile_q45k(const int16_t* __restrict xq, const float* __restrict x
 
 // Q6_K: as tile_q45k; xs16 = int32 [M, K / 16] sums of 16 activation quants.
 template <int QT, int MR>
-TS_QKAVX2 void tile_q6k(const int16_t* __restrict xq, const float* __restrict xds,
-                        const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
-                        float* __restrict out, int64_t ldo) {
+TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __restrict xds,
+                                  const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
+                                  float* __restrict out, int64_t ldo) {
   static_assert(QT == Q6_K);
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(Q6_K);
@@ -262,7 +243,7 @@ TS_QKAVX2 void tile_q6k(const int16_t* __restrict xq, const float* __restrict xd
                 m30 = _mm256_set1_epi16(0x30), mc0 = _mm256_set1_epi16(0xc0);
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
-    const __m256 d = _mm256_cvtph_ps(load16(gb));
+    const __m256 d = load8_fp16(gb);
 #pragma GCC unroll 1
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* blk = gb + 144 + 192 * bl;
@@ -332,14 +313,12 @@ TileFn pick_tile(int mr) {
 }
 #endif  // TS_X86
 
-constexpr int64_t MR_MAX = 4;
-
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
 void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, const int32_t* xs16, int64_t K,
                    int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
                    bool y_bf16, int64_t N) {
   const int64_t nb = K / QB, gstride = (K / QKK) * group_bytes(qt);
-  qact::compute_groups(m0, rows, MR_MAX, w, gstride, g0, g1, bias, y, y_bf16, N,
+  qact::compute_groups(m0, rows, kQuantMr, w, gstride, g0, g1, bias, y, y_bf16, N,
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
     if (avx2) {
@@ -386,12 +365,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   auto y = torch::empty({M, N}, x.options().dtype(odt));
   if (M == 0 || N == 0) return y;
   const int64_t n16 = K / 16;
-  const bool avx2 =
-#ifdef TS_X86
-      cpu_features().avx2_fma && !g_force_portable.load();
-#else
-      false;
-#endif
+  const bool avx2 = avx2_enabled(g_force_portable);
   const bool q6 = qtype == Q6_K;
   qact::ActBuffers& act = qact::act_buffers(M, K, q6);
   const int16_t* qp = act.q.data();
@@ -410,7 +384,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const bool ybf = odt == at::kBFloat16;
-  qact::run_units(M, N, K, MR_MAX, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
+  qact::run_units(M, N, K, kQuantMr, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
     compute_block(int(qtype), avx2, qp, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   });
   return y;

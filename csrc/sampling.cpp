@@ -22,13 +22,9 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TS_X86 1
-#endif
-
 #include "cpu_features.h"
 #include "registry.h"
+#include "simd.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")  // the penalty arithmetic must not fuse into FMAs
@@ -109,14 +105,9 @@ void chunk_max_scalar(const float* x, int64_t n, int64_t c, float* out) {
 
 // ---------------------------------------------------------------- AVX2 + FMA scans
 #ifdef TS_X86
-__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
+// hmax8, hsum4_epi64: csrc/simd.h
 
-__attribute__((target("avx2,fma"))) bool has_bad_avx2(const float* x, int64_t n) {
+TS_TARGET_AVX2 bool has_bad_avx2(const float* x, int64_t n) {
   const __m256 inf = _mm256_set1_ps(INFINITY);
   __m256 bad = _mm256_setzero_ps();
   int64_t i = 0;
@@ -128,7 +119,7 @@ __attribute__((target("avx2,fma"))) bool has_bad_avx2(const float* x, int64_t n)
   return _mm256_movemask_ps(bad) != 0 || has_bad_scalar(x + i, n - i);
 }
 
-__attribute__((target("avx2,fma"))) float max_avx2(const float* x, int64_t n) {
+TS_TARGET_AVX2 float max_avx2(const float* x, int64_t n) {
   __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -139,7 +130,7 @@ __attribute__((target("avx2,fma"))) float max_avx2(const float* x, int64_t n) {
   return std::max(hmax8(_mm256_max_ps(m0, m1)), max_scalar(x + i, n - i));
 }
 
-__attribute__((target("avx2,fma"))) int64_t first_equal_avx2(const float* x, int64_t n, float v) {
+TS_TARGET_AVX2 int64_t first_equal_avx2(const float* x, int64_t n, float v) {
   const __m256 vv = _mm256_set1_ps(v);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -151,7 +142,7 @@ __attribute__((target("avx2,fma"))) int64_t first_equal_avx2(const float* x, int
 
 // exp of 4 doubles in [-32, 0]: 2^k * P(r), r = z - k ln2 in [-ln2/2, ln2/2], P the
 // degree-13 Taylor polynomial (truncation < 1e-17 relative), Horner with FMA.
-__attribute__((target("avx2,fma"))) inline __m256d exp_pd(__m256d z) {
+TS_TARGET_AVX2 inline __m256d exp_pd(__m256d z) {
   const __m256d log2e = _mm256_set1_pd(1.4426950408889634);
   const __m256d ln2hi = _mm256_set1_pd(6.93147180369123816490e-01);
   const __m256d ln2lo = _mm256_set1_pd(1.90821492927058770002e-10);
@@ -180,7 +171,7 @@ __attribute__((target("avx2,fma"))) inline __m256d exp_pd(__m256d z) {
   return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 weight8(__m256 x, __m256 m, __m256 t) {
+TS_TARGET_AVX2 inline __m256 weight8(__m256 x, __m256 m, __m256 t) {
   __m256 z = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(x, m), t), _mm256_set1_ps(kZMin));
   __m128 lo = _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(z))));
   __m128 hi = _mm256_cvtpd_ps(exp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(z, 1))));
@@ -188,20 +179,13 @@ __attribute__((target("avx2,fma"))) inline __m256 weight8(__m256 x, __m256 m, __
 }
 
 // Sum of the 8 int32 lanes of q (each < 2^31) as int64, added to acc (4 x int64).
-__attribute__((target("avx2,fma"))) inline __m256i add_q(__m256i acc, __m256i q) {
+TS_TARGET_AVX2 inline __m256i add_q(__m256i acc, __m256i q) {
   acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(q)));
   return _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(q, 1)));
 }
 
-__attribute__((target("avx2,fma"))) inline int64_t hsum64(__m256i v) {
-  alignas(32) int64_t a[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(a), v);
-  return a[0] + a[1] + a[2] + a[3];
-}
-
-__attribute__((target("avx2,fma"))) int64_t weights_avx2(const float* x, int64_t n, float m,
-                                                          float t, float min_p, float* w,
-                                                          int64_t* blocks) {
+TS_TARGET_AVX2 int64_t weights_avx2(const float* x, int64_t n, float m, float t, float min_p,
+                                    float* w, int64_t* blocks) {
   const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t), pv = _mm256_set1_ps(min_p);
   const __m256 scale = _mm256_set1_ps(kQScale), zcut = _mm256_set1_ps(-21.0f);
   int64_t total = 0;
@@ -224,7 +208,7 @@ __attribute__((target("avx2,fma"))) int64_t weights_avx2(const float* x, int64_t
       q = _mm256_and_si256(q, _mm256_castps_si256(_mm256_cmp_ps(wv, pv, _CMP_GE_OQ)));
       acc = add_q(acc, q);
     }
-    int64_t s = hsum64(acc);
+    int64_t s = hsum4_epi64(acc);
     for (; j < end; ++j) {
       w[j] = weight_scalar(x[j], m, t);
       if (w[j] >= min_p) s += qmass(w[j]);
@@ -235,8 +219,7 @@ __attribute__((target("avx2,fma"))) int64_t weights_avx2(const float* x, int64_t
   return total;
 }
 
-__attribute__((target("avx2,fma"))) void chunk_max_avx2(const float* x, int64_t n, int64_t c,
-                                                        float* out) {
+TS_TARGET_AVX2 void chunk_max_avx2(const float* x, int64_t n, int64_t c, float* out) {
   int64_t b0 = 0, i = 0;
   for (; b0 + c <= n; b0 += c, ++i) {
     __m256 m = _mm256_loadu_ps(x + b0);
