@@ -46,7 +46,7 @@ async def main(max_tokens: int) -> None:
     seen: dict[str, int] = {}
     me = threading.get_ident()
 
-    def profile(frame, event, arg):  # noqa: ARG001
+    def profile(frame, event, arg):
         if event == "call" and threading.get_ident() == me:
             name = frame.f_code.co_filename
             if name.startswith(str(ROOT)):
