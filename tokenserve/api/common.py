@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -27,17 +28,18 @@ from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_client import EngineClient, EngineInfo
 from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, EngineStream
 from tokenserve.api.fields import MAX_TOKENS_NUM, show
-from tokenserve.api.framing import close_stream
+from tokenserve.api.framing import EVENT_STREAM, close_stream
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 
 __all__ = [
     "DEFAULT_MAX_JSON_DEPTH", "FAILED_FINISH", "MINDIE_FINISH_REASONS", "PARSE_ERROR",
-    "TOKENIZE_OFFLOAD_CHARS", "Collected", "EngineClient", "EngineStream", "FamilyApi",
-    "check_final", "check_json_content_type", "check_prompt_fits", "collect",
+    "SERVER_NAME", "TOKENIZE_OFFLOAD_CHARS", "Collected", "EngineClient", "EngineStream",
+    "FamilyApi", "check_final", "check_json_content_type", "check_prompt_fits", "collect",
     "encode_text", "failure_text", "guard_stream", "json_depth_exceeds",
-    "mindie_finish_reason", "parse_json", "parse_json_object", "run_stream",
+    "mindie_finish_reason", "parse_json", "parse_json_object", "reported_seed",
+    "run_stream", "step_times", "tokenizer_call",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,11 @@ PARSE_ERROR = "Failed to parse request context to json"
 DEFAULT_MAX_JSON_DEPTH = 10
 #: texts longer than this (characters) are tokenised in a worker thread.
 TOKENIZE_OFFLOAD_CHARS = 16_384
+#: the server's name where a family reports one (Triton ``name``/``platform`` §6.2,
+#: OpenAI ``owned_by`` §5.3/§5.4).
+SERVER_NAME = "MindIE Server"
+
+_T = TypeVar("_T")
 
 _NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b'"[]{}')
 _CURLY_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
@@ -85,6 +92,14 @@ class FamilyApi:
             return self._json(request)
         except ValueError as exc:
             raise HttpError(422, message or str(exc)) from None
+
+    def _served_model(self, request: HttpRequest) -> str:
+        """The path's ``{model}``; anything but the served model is 404 ``Model <m> not
+        found.`` (spec §0.4 step 2)."""
+        name = request.path_params.get("model", "")
+        if name != self._info.model_name:
+            raise HttpError(404, f"Model {name} not found.")
+        return name
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
         """:func:`check_prompt_fits`, a prompt too long answered 424 (spec §0.4 step 8)."""
@@ -169,6 +184,14 @@ def parse_json_object(body: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> d
 # --------------------------------------------------------------------------- tokenisation
 
 
+async def tokenizer_call(text: str, work: Callable[[], _T]) -> _T:
+    """``work()``, tokenizer work on ``text``: in a worker thread when ``text`` is longer
+    than ``TOKENIZE_OFFLOAD_CHARS``, so the event loop stays free."""
+    if len(text) > TOKENIZE_OFFLOAD_CHARS:
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+    return work()
+
+
 async def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Tokenise ``text`` (long texts in a worker thread so the event loop stays free).
 
@@ -176,11 +199,7 @@ async def encode_text(tokenizer: Any, text: str) -> list[int]:
         ValueError: the tokenizer failed or produced no tokens / too many (spec §1.5).
     """
     try:
-        if len(text) > TOKENIZE_OFFLOAD_CHARS:
-            ids = await asyncio.get_running_loop().run_in_executor(None, tokenizer.encode, text)
-        else:
-            ids = tokenizer.encode(text)
-        ids = list(ids)
+        ids = list(await tokenizer_call(text, functools.partial(tokenizer.encode, text)))
     except Exception as exc:  # noqa: BLE001 - a tokenizer failure is an input problem (422)
         raise ValueError(f"Failed to tokenize inputs: {show(exc)}") from None
     if not 0 < len(ids) <= MAX_TOKENS_NUM:
@@ -224,6 +243,22 @@ def mindie_finish_reason(reason: FinishReason | None) -> str:
     if reason is None:
         return "invalid finishReason"
     return MINDIE_FINISH_REASONS.get(reason, "invalid finishReason")
+
+
+def reported_seed(out: RequestOutput, request: GenerateRequest) -> int:
+    """The ``seed`` a family reports: the engine's, else the one the request asked for."""
+    return out.seed if out.seed is not None else request.params.seed
+
+
+def step_times(out: RequestOutput, first: bool, elapsed_ms: float) -> dict[str, Any]:
+    """spec §2.1, §6.3: ``prefill_time`` (ms) on a stream's first event, ``decode_time``
+    (ms since the previous event) on later ones, the other ``null``; the engine's numbers
+    win, the handler's clock (``elapsed_ms``) is the fallback."""
+    if first:
+        ms = out.prefill_time_ms if out.prefill_time_ms is not None else elapsed_ms
+        return {"prefill_time": round(ms), "decode_time": None}
+    ms = out.decode_time_ms if out.decode_time_ms is not None else elapsed_ms
+    return {"prefill_time": None, "decode_time": round(ms)}
 
 
 # --------------------------------------------------------------------------- request ends
@@ -351,7 +386,7 @@ async def run_stream(
 
     async with EngineStream(engine, request, http_request.disconnected,
                             context=context, aliases=aliases) as stream:
-        await response.start_stream(200, "text/event-stream")
+        await response.start_stream(200, EVENT_STREAM)
         if not await guard_stream(response, pump(stream), log, request.request_id):
             return
         if not stream.finished:

@@ -17,6 +17,7 @@ parametrised by each family's bounds and field name (its messages stay its own).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -29,9 +30,21 @@ FLT_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
 #: spec §1.5 ``MAX_TOKENS_NUM``: the most prompt tokens any request may carry.
 MAX_TOKENS_NUM = 1_048_576
-#: spec §1.2: one stop string of a list is 1..1024 UTF-16 units, all together <= 32768.
+#: spec §1.2: one stop string of a list is 1..1024 UTF-16 units, all together <= 32768
+#: (vLLM §4.1, OpenAI §5.1: a lone string may use the whole total).
 STOP_ITEM_MAX = 1024
 STOP_TOTAL_MAX = 32768
+#: spec §3.2 (TGI), §5.1 (native OpenAI): at most this many stop strings.
+STOP_COUNT_MAX = 1024
+#: spec §2.1, §6.3 ``timeout``: (0, 65535] seconds.
+MAX_TIMEOUT_S = 65535
+#: spec §4.1, §5.1: ``n`` in [1, 8192], ``best_of`` in [1, 128].
+MAX_N = 8192
+MAX_BEST_OF = 128
+#: spec §6.3 request ``id`` (also §2.3 stopInfer).
+ID_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,256}", re.ASCII)
+#: spec §2.1: media item types of a multimodal prompt (OpenAI §5.1 adds ``input_audio``).
+MEDIA_TYPES = ("image_url", "video_url", "audio_url")
 
 
 def show(value: Any, limit: int = 64) -> str:
@@ -167,6 +180,12 @@ class Bounds(NamedTuple):
     hi_open: bool = False
 
 
+#: spec §2.1, §3.2: ``top_k`` (0, 2^31-1] and ``top_p`` (0, 1) of the native and TGI
+#: families (Triton's own ranges are in its protocol, spec §6.3).
+NATIVE_TOP_K = Bounds(0, INT32_MAX, lo_open=True)
+NATIVE_TOP_P = Bounds(0.0, 1.0, lo_open=True, hi_open=True)
+
+
 def given(**values: Any) -> dict[str, Any]:
     """The keyword arguments whose value is not ``None`` (the fields a body set)."""
     return {key: value for key, value in values.items() if value is not None}
@@ -214,7 +233,28 @@ def parse_sampling(
     return kwargs, level
 
 
-# --------------------------------------------------------------------------- prompts
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of sequence ``i`` of a request seeded ``seed`` (vLLM ``best_of``/``n``,
+    OpenAI choices): ``seed + i``, wrapped into [0, MAX_SEED]."""
+    return (seed + i) % (MAX_SEED + 1)
+
+
+# --------------------------------------------------------------------------- ids, prompts
+
+
+def check_id(value: Any) -> str:
+    """A request ``id`` (spec §6.3, §2.3): a string matching ``^[a-zA-Z0-9_-]{1,256}$``."""
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
+        raise ValueError("Parameter id must match ^[a-zA-Z0-9_-]{1,256}$.")
+    return value
+
+
+def required(obj: Mapping[str, Any], key: str) -> Any:
+    """The value of a field that must be given (not absent, not ``null``)."""
+    value = obj.get(key)
+    if value is None:
+        raise ValueError(f"Not found {key}.")
+    return value
 
 
 def check_token_ids(ids: Any, vocab_size: int, name: str = "input_id") -> list[int]:

@@ -11,6 +11,8 @@ import orjson
 
 from tokenserve.transport.cycle import HttpResponse
 
+#: the content type of every family's stream (vLLM's NUL-delimited JSON too, spec §4.1).
+EVENT_STREAM = "text/event-stream"
 #: OpenAI's end of stream (spec §5).
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import orjson
 
 from tokenserve.api.common import (
@@ -14,13 +12,12 @@ from tokenserve.api.common import (
     check_json_content_type,
     parse_json_object,
 )
+from tokenserve.api.engine_client import engine_healthy
 from tokenserve.api.routes import Family, generate_family
 from tokenserve.api.tgi.handlers import TgiApi
 from tokenserve.api.vllm.handlers import VllmApi
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
-
-logger = logging.getLogger(__name__)
 
 #: spec §3.1: the ``error`` of a ``/generate`` body with neither ``prompt`` nor ``inputs``
 #: is itself a JSON document.
@@ -46,11 +43,7 @@ class SharedApi:
     async def health(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /health`` (spec §3.6): 200 with an empty body when the engine is healthy,
         otherwise 503 with an empty body."""
-        try:
-            healthy = bool(self._engine.is_healthy())
-        except Exception:
-            logger.exception("engine health check failed")
-            healthy = False
+        healthy = engine_healthy(self._engine)
         await response.send(200 if healthy else 503, b"", "application/json")
 
     async def generate(self, request: HttpRequest, response: HttpResponse) -> None:

@@ -9,17 +9,8 @@ handler answers its client normally with ``finish_reason`` ``stop_sequence`` (§
 
 from __future__ import annotations
 
-import asyncio
-
-from tokenserve.api.common import (
-    DEFAULT_MAX_JSON_DEPTH,
-    TOKENIZE_OFFLOAD_CHARS,
-    EngineClient,
-    FamilyApi,
-)
-from tokenserve.api.context import ServeContext
-from tokenserve.api.fields import MAX_TOKENS_NUM
-from tokenserve.api.triton.protocol import ID_PATTERN
+from tokenserve.api.common import FamilyApi, tokenizer_call
+from tokenserve.api.fields import MAX_TOKENS_NUM, check_id
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 
@@ -39,11 +30,6 @@ class MindIEExtraApi(FamilyApi):
         engine: the engine (its ``tokenizer`` and ``info``).
         context: the server's shared state (without one, stopInfer finds nothing: 404).
     """
-
-    def __init__(self, engine: EngineClient, *, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
-                 context: ServeContext | None = None) -> None:
-        super().__init__(engine, max_json_depth=max_json_depth, context=context)
-
 
     async def tokenizer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/tokenizer`` (spec §2.2): ``{"inputs": str, "do_decode": bool=true}``
@@ -68,10 +54,7 @@ class MindIEExtraApi(FamilyApi):
             return ids, pieces
 
         try:
-            if len(text) > TOKENIZE_OFFLOAD_CHARS:
-                ids, pieces = await asyncio.get_running_loop().run_in_executor(None, work)
-            else:
-                ids, pieces = work()
+            ids, pieces = await tokenizer_call(text, work)
         except Exception:
             raise HttpError(422, TOKENIZER_FAIL) from None
         if len(ids) > MAX_TOKENS_NUM:
@@ -82,13 +65,12 @@ class MindIEExtraApi(FamilyApi):
     async def stop_infer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v2/models/{m}/stopInfer`` (spec §2.3): body ``{"id": ...}``; 200 echoes
         the body; 404 for an unknown model or id; 422 for a bad body or id."""
-        model = request.path_params.get("model", "")
-        if model != self._info.model_name:
-            raise HttpError(404, f"Model {model} not found.")
+        self._served_model(request)
         obj = self._body(request)
-        rid = obj.get("id")
-        if not isinstance(rid, str) or not ID_PATTERN.fullmatch(rid):
-            raise HttpError(422, "Parameter id must match ^[a-zA-Z0-9_-]{1,256}$.")
+        try:
+            rid = check_id(obj.get("id"))
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
         streams = self._context.registry.find(rid) if self._context is not None else []
         if not streams:
             raise HttpError(404, f"RequestId is {rid} not found.")

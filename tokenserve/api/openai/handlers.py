@@ -28,7 +28,6 @@ is written as plain text and the connection closed (§0.4 step 9). Streams (SSE,
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -41,27 +40,27 @@ from typing import Any
 from tokenserve.api.common import (
     DEFAULT_MAX_JSON_DEPTH,
     FAILED_FINISH,
-    TOKENIZE_OFFLOAD_CHARS,
+    SERVER_NAME,
     EngineClient,
     FamilyApi,
     encode_text,
     failure_text,
     guard_stream,
+    tokenizer_call,
 )
 from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_stream import FanOut
-from tokenserve.api.framing import SSE_DONE, close_stream, sse
-from tokenserve.api.openai.protocol import (
-    OpenAIBody,
+from tokenserve.api.fields import choice_seed
+from tokenserve.api.framing import EVENT_STREAM, SSE_DONE, close_stream, sse
+from tokenserve.api.openai.outputs import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
-    finish_reason,
     openai_error,
-    parse_chat_body,
-    parse_completion_body,
-    usage,
+    openai_finish_reason,
+    openai_usage,
 )
+from tokenserve.api.openai.protocol import OpenAIBody, parse_chat_body, parse_completion_body
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
@@ -69,9 +68,6 @@ from tokenserve.transport.errors import INTERNAL_ERROR_MESSAGE, HttpError
 from tokenserve.transport.router import Handler
 
 logger = logging.getLogger(__name__)
-
-#: spec §5.3/§5.4: ``owned_by`` of every model.
-OWNER = "MindIE Server"
 
 
 @dataclass
@@ -111,7 +107,7 @@ class Plan:
                 prompt[c.prompt_index] = c.final.num_prompt_tokens
                 cached.setdefault(c.prompt_index, c.final.num_cached_tokens)
         done = sum(c.final.num_output_tokens for c in self.choices if c.final is not None)
-        return usage(sum(prompt), done, sum(cached.values()))
+        return openai_usage(sum(prompt), done, sum(cached.values()))
 
 
 def openai_errors(handler: Handler) -> Handler:
@@ -175,17 +171,15 @@ class OpenAIApi(FamilyApi):
         """``GET /v1/models`` (spec §5.3): 4-space indented (hence stdlib json), base
         model's ``parent`` is the string ``"null"``; [I] ``created`` added."""
         card = {"id": self._info.model_name, "object": "model", "created": self._started,
-                "root": self._root, "owned_by": OWNER, "parent": "null"}
+                "root": self._root, "owned_by": SERVER_NAME, "parent": "null"}
         text = json.dumps({"object": "list", "data": [card]}, indent=4, ensure_ascii=False)
         await response.send(200, text.encode(), "application/json")
 
     async def get_model(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v1/models/{model}`` (spec §5.4); unknown -> 404 ``Model <m> not found.``"""
-        name = request.path_params.get("model", "")
-        if name != self._info.model_name:
-            raise HttpError(404, f"Model {name} not found.")
+        name = self._served_model(request)
         await response.send_json(200, {"id": name, "object": "model",
-                                       "created": self._started, "owned_by": OWNER})
+                                       "created": self._started, "owned_by": SERVER_NAME})
 
     # ------------------------------------------------------------------ requests
 
@@ -244,10 +238,7 @@ class OpenAIApi(FamilyApi):
         """A rendered chat prompt already holds its special tokens: encode it without
         adding any (long texts in a worker thread)."""
         encode = functools.partial(self._engine.tokenizer.encode, text, add_special_tokens=False)
-        if len(text) > TOKENIZE_OFFLOAD_CHARS:
-            ids = await asyncio.get_running_loop().run_in_executor(None, encode)
-        else:
-            ids = encode()
+        ids = await tokenizer_call(text, encode)
         if not ids:
             raise ValueError("The chat template rendered an empty prompt.")
         return list(ids)
@@ -276,7 +267,7 @@ class OpenAIApi(FamilyApi):
             for i in range(body.n):
                 index = p * body.n + i
                 if body.seed is not None:
-                    params = replace(params, seed=(body.seed + i) % (MAX_SEED + 1))
+                    params = replace(params, seed=choice_seed(body.seed, i))
                 elif i:  # a fresh random seed per choice
                     params = replace(params, seed=random.randint(0, MAX_SEED))
                 greq = GenerateRequest(f"{rid}-{index}", tuple(ids), params,
@@ -305,7 +296,7 @@ class OpenAIApi(FamilyApi):
         for c in plan.choices:
             if c.final is not None and c.final.finish_reason in FAILED_FINISH:
                 raise HttpError(500, failure_text(c.final))
-        result = self._envelope(plan, "chat.completion" if plan.chat else "text_completion")
+        result = self._object_head(plan, "chat.completion" if plan.chat else "text_completion")
         result["choices"] = [self._final_choice(plan, c) for c in plan.choices]
         result["usage"] = plan.usage()
         await response.send_json(200, result)
@@ -314,7 +305,7 @@ class OpenAIApi(FamilyApi):
         assert c.final is not None
         text = "".join(c.texts)
         wants_lp = plan.body.sampling.get("logprobs") is not None
-        reason = finish_reason(c.final.finish_reason)
+        reason = openai_finish_reason(c.final.finish_reason)
         if plan.chat:
             lp = chat_logprobs(c.logprobs, self._texts) if wants_lp else None
             message = {"role": "assistant", "content": text, "tool_calls": []}
@@ -337,7 +328,7 @@ class OpenAIApi(FamilyApi):
         open_choices = len(plan.choices)
         requests = [c.request for c in plan.choices]
         async with FanOut(self._engine, requests, request.disconnected, context=self._context) as fan:
-            await response.start_stream(200, "text/event-stream")
+            await response.start_stream(200, EVENT_STREAM)
             for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
                 if plan.chat or c.prefix:
                     await response.write(sse(self._chunk(plan, kind, c, None, c.prefix)))
@@ -358,7 +349,7 @@ class OpenAIApi(FamilyApi):
                         chunk["usage"] = plan.usage()
                 await response.write(sse(chunk))
             if plan.body.include_usage:
-                chunk = self._envelope(plan, kind)
+                chunk = self._object_head(plan, kind)
                 chunk["choices"] = []
                 chunk["usage"] = plan.usage()
                 await response.write(sse(chunk))
@@ -371,7 +362,7 @@ class OpenAIApi(FamilyApi):
         """One choice's chunk; ``out`` None is the chat role chunk or the echo chunk."""
         entries = list(out.logprobs or ()) if out is not None else []
         wants_lp = plan.body.sampling.get("logprobs") is not None and out is not None
-        reason = finish_reason(out.finish_reason) if out is not None and out.finished else None
+        reason = openai_finish_reason(out.finish_reason) if out is not None and out.finished else None
         if plan.chat:
             lp = chat_logprobs(entries, self._texts) if wants_lp else None
             item: dict[str, Any] = {"index": c.index,
@@ -384,10 +375,10 @@ class OpenAIApi(FamilyApi):
             stop = out.stop_reason if out is not None and out.finished else None
             item = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason,
                     "stop_reason": stop}
-        chunk = self._envelope(plan, kind)
+        chunk = self._object_head(plan, kind)
         chunk["choices"] = [item]
         return chunk
 
     @staticmethod
-    def _envelope(plan: Plan, kind: str) -> dict[str, Any]:
+    def _object_head(plan: Plan, kind: str) -> dict[str, Any]:
         return {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model}

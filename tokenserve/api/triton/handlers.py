@@ -36,6 +36,7 @@ import orjson
 
 import tokenserve
 from tokenserve.api.common import (
+    SERVER_NAME,
     FamilyApi,
     check_json_content_type,
     collect,
@@ -43,24 +44,23 @@ from tokenserve.api.common import (
     mindie_finish_reason,
     parse_json_object,
     run_stream,
+    step_times,
 )
-from tokenserve.api.engine_client import EngineStats
-from tokenserve.api.fields import INT32_MAX, get_int, get_object
+from tokenserve.api.engine_client import EngineStats, engine_healthy
+from tokenserve.api.fields import INT32_MAX, get_int, get_object, required
 from tokenserve.api.framing import sse
 from tokenserve.api.management import kv_mem_sizes
 from tokenserve.api.triton.protocol import (
-    ID_PATTERN,
     TritonParams,
     parse_id,
-    parse_infer_body,
     parse_parameters,
-    parse_text_input,
+    parse_triton_infer_body,
+    parse_triton_text,
+    triton_text_output,
 )
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
-
-__all__ = ["ID_PATTERN", "TritonApi"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +72,6 @@ class TritonApi(FamilyApi):
 
 
     # ------------------------------------------------------------------ helpers
-
-    def _model(self, request: HttpRequest) -> str:
-        """spec §0.4 step 2: unknown model -> 404."""
-        name = request.path_params.get("model", "")
-        if name != self._info.model_name:
-            raise HttpError(404, f"Model {name} not found.")
-        return name
-
-    def _healthy(self) -> bool:
-        try:
-            return bool(self._engine.is_healthy())
-        except Exception:
-            logger.exception("engine health check failed")
-            return False
 
     def _stats(self) -> EngineStats | None:
         try:
@@ -111,7 +97,7 @@ class TritonApi(FamilyApi):
 
     async def health_live(self, request: HttpRequest, response: HttpResponse) -> None:
         """spec §6.1: 200 empty when healthy, 500 ``{"message"}`` when abnormal."""
-        if self._healthy():
+        if engine_healthy(self._engine):
             await response.send(200, b"")
         else:
             await response.send_json(500, {"message": "Engine is not running."})
@@ -122,15 +108,15 @@ class TritonApi(FamilyApi):
 
     async def model_ready(self, request: HttpRequest, response: HttpResponse) -> None:
         """spec §6.1: 200 empty; 404 unknown model; 500 wrapper when abnormal."""
-        self._model(request)
-        if not self._healthy():
+        self._served_model(request)
+        if not engine_healthy(self._engine):
             raise HttpError(500, "Engine is not running.")
         await response.send(200, b"")
 
     async def server_metadata(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2`` (spec §6.2)."""
         await response.send_json(200, {
-            "name": "MindIE Server", "version": tokenserve.__version__,
+            "name": SERVER_NAME, "version": tokenserve.__version__,
             "extensions": {
                 "max_iter_times": self._info.max_iter_times,
                 "prefill_policy_type": 0, "decode_policy_type": 0,
@@ -139,15 +125,15 @@ class TritonApi(FamilyApi):
 
     async def model_metadata(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2/models/{m}`` (spec §6.2)."""
-        name = self._model(request)
+        name = self._served_model(request)
         await response.send_json(200, {
-            "name": name, "platform": "MindIE Server",
+            "name": name, "platform": SERVER_NAME,
             "inputs": [{"name": "input0", "shape": [-1], "datatype": "UINT32"}],
             "outputs": [{"name": "output0", "shape": [-1], "datatype": "UINT32"}]})
 
     async def model_config(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2/models/{m}/config`` (spec §6.2)."""
-        name = self._model(request)
+        name = self._served_model(request)
         info = self._info
         path = info.model_path
         npu_gb, cpu_gb = kv_mem_sizes(info.kv_cache_bytes, info.device != "cpu")  # as /v1/config
@@ -160,7 +146,7 @@ class TritonApi(FamilyApi):
 
     async def slot_count(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v2/models/{m}/getSlotCount`` (spec §6.2)."""
-        self._model(request)
+        self._served_model(request)
         total = self._info.max_batch_size
         st = self._stats()
         running = st.num_running if st is not None else 0
@@ -173,7 +159,7 @@ class TritonApi(FamilyApi):
 
     async def infer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v2/models/{m}/infer``: token ids in, generated ids out (spec §6.4)."""
-        self._model(request)
+        self._served_model(request)
         try:
             body, binary = request.body, b""
             hlen = request.headers.get(BINARY_HEADER)
@@ -184,8 +170,8 @@ class TritonApi(FamilyApi):
                 body, binary = body[:n], body[n:]
             else:
                 check_json_content_type(request.headers)
-            parsed = parse_infer_body(parse_json_object(body, self._max_json_depth), binary,
-                                      self._info.vocab_size)
+            parsed = parse_triton_infer_body(parse_json_object(body, self._max_json_depth),
+                                             binary, self._info.vocab_size)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         greq = self._request(request, await self._prompt(None, parsed.input_ids), parsed.params)
@@ -209,13 +195,11 @@ class TritonApi(FamilyApi):
 
     async def _parse_generate(self, request: HttpRequest) -> tuple[str | None, TritonParams,
                                                                    GenerateRequest]:
-        self._model(request)
+        self._served_model(request)
         try:
             obj = self._json(request)
             rid = parse_id(obj)
-            if obj.get("text_input") is None:
-                raise ValueError("Not found text_input.")
-            text = parse_text_input(obj["text_input"])
+            text = parse_triton_text(required(obj, "text_input"))
             p = get_object(obj, "parameters")
             max_tokens = get_int(obj, "max_tokens", 0, INT32_MAX, lo_open=True)
             if max_tokens is not None and p.get("max_new_tokens") is None:
@@ -226,9 +210,8 @@ class TritonApi(FamilyApi):
             raise HttpError(422, str(exc)) from None
         return rid, params, self._request(request, ids, params)
 
-    def _envelope(self, rid: str, text: str) -> dict[str, Any]:
-        return {"id": rid, "model_name": self._info.model_name, "model_version": None,
-                "text_output": text}
+    def _text_output(self, rid: str, text: str) -> dict[str, Any]:
+        return triton_text_output(rid, self._info.model_name, text)
 
     def _batch_size(self) -> int | None:
         """[I] ``details.batch_size`` per step: the running batch when the output came."""
@@ -250,7 +233,7 @@ class TritonApi(FamilyApi):
         async with collect(self._engine, greq, request, context=self._context, aliases=aliases,
                            on_output=on_output) as got:
             last = got.last
-            result = self._envelope(rid or greq.request_id, got.text)
+            result = self._text_output(rid or greq.request_id, got.text)
             if params.details:
                 result["details"] = {
                     "finish_reason": mindie_finish_reason(last.finish_reason),
@@ -272,15 +255,9 @@ class TritonApi(FamilyApi):
             now = time.monotonic()
             if not out.finished and not out.new_token_ids and not out.new_text:
                 return None
-            event = self._envelope(rid, out.new_text)
+            event = self._text_output(rid, out.new_text)
             if params.details:
-                ms = (now - last_time) * 1e3
-                if first:
-                    ms = out.prefill_time_ms if out.prefill_time_ms is not None else ms
-                elif out.decode_time_ms is not None:
-                    ms = out.decode_time_ms
-                event["prefill_time"] = round(ms) if first else None
-                event["decode_time"] = None if first else round(ms)
+                event.update(step_times(out, first, (now - last_time) * 1e3))
                 details: dict[str, Any] = {
                     "generated_tokens": out.num_output_tokens,
                     "batch_size": self._batch_size(),
@@ -295,7 +272,7 @@ class TritonApi(FamilyApi):
         def on_failure(out: RequestOutput) -> bytes | None:
             """Timeout / engine error (spec §0.4 step 9): the text that came with the final
             output goes out as a normal event before the error text."""
-            return sse(self._envelope(rid, out.new_text), space=False) if out.new_text else None
+            return sse(self._text_output(rid, out.new_text), space=False) if out.new_text else None
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
                          context=self._context,

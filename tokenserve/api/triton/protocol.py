@@ -12,7 +12,6 @@ data from the bytes after the JSON header; parameters are read at the top level
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +19,10 @@ import numpy as np
 
 from tokenserve.api.fields import (
     INT32_MAX,
+    MAX_TIMEOUT_S,
     MAX_TOKENS_NUM,
     Bounds,
+    check_id,
     check_token_ids,
     get_bool,
     get_int,
@@ -30,12 +31,9 @@ from tokenserve.api.fields import (
 )
 from tokenserve.sampling_params import SamplingParams
 
-#: spec §6.3 ``id`` (also §2.3 stopInfer).
-ID_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,256}", re.ASCII)
-MAX_TIMEOUT_S = 65535
 #: spec §6.3 / §8: ``top_k`` [0, 2^31-1], ``top_p`` (0, 1] (1.0 is valid here).
-TOP_K = Bounds(0, INT32_MAX)
-TOP_P = Bounds(0.0, 1.0, lo_open=True)
+TRITON_TOP_K = Bounds(0, INT32_MAX)
+TRITON_TOP_P = Bounds(0.0, 1.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -51,8 +49,8 @@ class TritonParams:
 def parse_parameters(p: dict[str, Any], *, typical_p: bool) -> TritonParams:
     """spec §6.3 ranges (``typical_p`` only on generate; /infer ignores it, §6.4).
     ``do_sample`` [I]: explicit wins, else sample iff temperature/top_k/top_p given."""
-    kw, priority = parse_sampling(p, top_k=TOP_K, top_p=TOP_P, typical_p=typical_p,
-                                  priority=True)
+    kw, priority = parse_sampling(p, top_k=TRITON_TOP_K, top_p=TRITON_TOP_P,
+                                  typical_p=typical_p, priority=True)
     details = get_bool(p, "details", False)
     get_int(p, "batch_size", 0, INT32_MAX, lo_open=True)
     timeout = get_int(p, "timeout", 0, MAX_TIMEOUT_S, lo_open=True)
@@ -63,14 +61,10 @@ def parse_parameters(p: dict[str, Any], *, typical_p: bool) -> TritonParams:
 def parse_id(obj: dict[str, Any]) -> str | None:
     """The optional request ``id`` (spec §6.3: ``^[a-zA-Z0-9_-]{1,256}$``)."""
     rid = obj.get("id")
-    if rid is None:
-        return None
-    if not isinstance(rid, str) or not ID_PATTERN.fullmatch(rid):
-        raise ValueError("Parameter id must match ^[a-zA-Z0-9_-]{1,256}$.")
-    return rid
+    return None if rid is None else check_id(rid)
 
 
-def parse_text_input(value: Any) -> str:
+def parse_triton_text(value: Any) -> str:
     """``text_input``: a non-empty string, or a list of ``{"type": "text"}`` parts
     (media parts are rejected: the models we serve are text-only [I])."""
     if isinstance(value, str) and value:
@@ -89,7 +83,7 @@ def parse_text_input(value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class InferBody:
+class TritonInferBody:
     """A validated ``/infer`` body (spec §6.4)."""
 
     id: str | None
@@ -123,7 +117,9 @@ def _tensor_ids(inp: dict[str, Any], binary: bytes, vocab_size: int) -> list[int
     return check_token_ids(data, vocab_size, "data")
 
 
-def parse_infer_body(obj: dict[str, Any], binary: bytes, vocab_size: int) -> InferBody:
+def parse_triton_infer_body(
+    obj: dict[str, Any], binary: bytes, vocab_size: int
+) -> TritonInferBody:
     """Validate an ``/infer`` body (spec §6.4 rules; [I] top-level parameters too)."""
     rid = parse_id(obj)
     inputs = obj.get("inputs")
@@ -147,4 +143,9 @@ def parse_infer_body(obj: dict[str, Any], binary: bytes, vocab_size: int) -> Inf
         output_name = outputs[0]["name"]
         binary_output = bool(get_bool(get_object(outputs[0], "parameters"), "binary_data",
                                       binary_output))
-    return InferBody(rid, ids, params, output_name, binary_output)
+    return TritonInferBody(rid, ids, params, output_name, binary_output)
+
+
+def triton_text_output(rid: str, model_name: str, text: str) -> dict[str, Any]:
+    """A generate answer or stream event (spec §6.3), before its ``details``."""
+    return {"id": rid, "model_name": model_name, "model_version": None, "text_output": text}
