@@ -59,9 +59,9 @@ async def run(engine, ps: list[list[int]], max_new: int, concurrency: int
 
 
 async def main(argv: list[str] | None = None) -> int:
-    from tokenserve.config import EngineConfig
+    from tokenserve.config.tree import EngineConfig
     from tokenserve.engine.engine import AsyncEngine
-    from tokenserve.config import SpecConfig
+    from tokenserve.config.tree import SpecConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=200)

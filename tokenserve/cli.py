@@ -8,8 +8,8 @@ import argparse
 import logging
 import sys
 
-from tokenserve.config import PdConfig
-from tokenserve.serve_flags import add_serve_flags, serve_config
+from tokenserve.config.flags import add_coordinator_flags, add_serve_flags, serve_config
+from tokenserve.config.tree import PdConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,9 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Flags override --config (a MindIE config.json; also found through "
                     "$MIES_CONFIG_JSON_PATH), which overrides the defaults shown.")
     add_serve_flags(s)
-    from tokenserve.coordinator.app import add_parser as add_coordinator_parser
+    from tokenserve.coordinator import app as coordinator_app
 
-    add_coordinator_parser(sub)
+    add_coordinator_flags(sub.add_parser(
+        "coordinator", help="PD coordinator in front of P and D instances",
+        description=coordinator_app.__doc__.split("\n\n")[0]))
     return p
 
 

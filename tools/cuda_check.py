@@ -36,7 +36,7 @@ sys.path.insert(0, os.getcwd())
 import torch
 import transformers
 
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import GenerateRequest, ScheduledSeq, StepPlan

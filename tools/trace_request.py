@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / "tokenserve"
 
 
 async def main(max_tokens: int) -> None:
-    from tokenserve.config import EngineConfig
+    from tokenserve.config.tree import EngineConfig
     from tokenserve.engine.engine import AsyncEngine
     from tokenserve.server.app import serve
 

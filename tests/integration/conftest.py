@@ -15,7 +15,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.server.app import serve
 

@@ -27,7 +27,7 @@ import pytest_asyncio
 import torch
 
 from tests.backends import gemm_env, weight_paths
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import GenerateRequest, ScheduledSeq, SeqStart, StepPlan

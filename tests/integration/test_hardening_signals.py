@@ -33,7 +33,7 @@ import logging, sys
 from tests.fakes import FakeEngine
 from tokenserve.server.main import serve_engine
 from tokenserve.transport.runtime import run
-from tokenserve.mindie_config import ServeConfig, ServerOptions
+from tokenserve.config.tree import ServeConfig, ServerConfig as ServerOptions
 
 class Engine(FakeEngine):
     async def start(self): pass

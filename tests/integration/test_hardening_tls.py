@@ -26,12 +26,12 @@ from cryptography.x509.oid import NameOID
 
 from tests.fakes import FakeEngine
 from tokenserve.cli import build_parser, serve_config
-from tokenserve.mindie_config import load_mindie_config
+from tokenserve.config.mindie_json import load_mindie_config
 from tokenserve.server.app import serve
 from tokenserve.transport.listeners import bind_listeners
 from tokenserve.transport.planes import Plane, plane_layout
 from tokenserve.transport.server import HttpServer
-from tokenserve.transport.tls import TlsSettings
+from tokenserve.config.tree import TlsSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import pytest_asyncio
 
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption
 from tokenserve.sampling_params import SamplingParams

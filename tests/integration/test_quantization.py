@@ -29,7 +29,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.messages import GenerateRequest
 from tokenserve.models.llama import LlamaForCausalLM
@@ -307,7 +307,7 @@ def test_cli_flag_and_config_key(tmp_path, monkeypatch):
     import json
 
     from tokenserve.cli import build_parser, serve_config
-    from tokenserve.mindie_config import load_mindie_config
+    from tokenserve.config.mindie_json import load_mindie_config
 
     monkeypatch.delenv("MIES_CONFIG_JSON_PATH", raising=False)
     args = build_parser().parse_args(["serve", "--quantization", "none"])

@@ -15,9 +15,9 @@ import itertools
 import pytest
 import pytest_asyncio
 
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
-from tokenserve.config import SpecConfig
+from tokenserve.config.tree import SpecConfig
 from tokenserve.messages import GenerateRequest, KvAdoption
 from tokenserve.sampling_params import SamplingParams
 

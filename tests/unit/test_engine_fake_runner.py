@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tokenserve.config import EngineConfig
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.messages import (
     EngineOverloadedError,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenserve.mindie_config import GB, load_mindie_config
+from tokenserve.config.mindie_json import GB, load_mindie_config
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "config.json"
 

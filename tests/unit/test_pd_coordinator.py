@@ -25,13 +25,11 @@ import pytest
 
 from tokenserve.api.routes import INFERENCE
 from tokenserve.cli import build_parser
-from tokenserve.coordinator.app import config_from_args, serve_coordinator
-from tokenserve.coordinator.config import (
-    CoordinatorConfig,
-    InstanceAddr,
-    ReqIdGenerator,
-    parse_instances,
-)
+from tokenserve.config.flags import coordinator_config as config_from_args
+from tokenserve.config.flags import parse_instances
+from tokenserve.config.tree import CoordinatorConfig, InstanceAddr
+from tokenserve.coordinator.app import serve_coordinator
+from tokenserve.coordinator.reqids import ReqIdGenerator
 from tokenserve.pd.wire import close_message, encode, vllm_body
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError

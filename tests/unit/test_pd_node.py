@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEngine
-from tokenserve.config import PdConfig
+from tokenserve.config.tree import PdConfig
 from tokenserve.engine.info import EngineStats
 from tokenserve.pd.node import PdNode
 from tokenserve.server.app import build_router

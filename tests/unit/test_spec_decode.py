@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenserve.engine.block_pool import BlockPool
-from tokenserve.config import SpecConfig
+from tokenserve.config.tree import SpecConfig
 from tokenserve.engine.ngram import propose
 from tokenserve.engine.request import Request
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -198,7 +198,7 @@ def test_cli_flag_and_config_key(tmp_path, monkeypatch):
     from pathlib import Path
 
     from tokenserve.cli import build_parser, serve_config
-    from tokenserve.mindie_config import load_mindie_config
+    from tokenserve.config.mindie_json import load_mindie_config
 
     monkeypatch.delenv("MIES_CONFIG_JSON_PATH", raising=False)
     assert serve_config(build_parser().parse_args(["serve"])).engine.speculative_config is None

@@ -29,6 +29,7 @@ from tokenserve.api.engine_client import EngineClient, EngineInfo
 from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, EngineStream
 from tokenserve.api.fields import MAX_TOKENS_NUM, show
 from tokenserve.api.framing import EVENT_STREAM, close_stream
+from tokenserve.config.tree import ServerConfig
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 #: spec §0.4 step 3: the message for a body that is not JSON.
 PARSE_ERROR = "Failed to parse request context to json"
 #: config.md ``maxJsonDepth`` default.
-DEFAULT_MAX_JSON_DEPTH = 10
+DEFAULT_MAX_JSON_DEPTH = ServerConfig.max_json_depth
 #: texts longer than this (characters) are tokenised in a worker thread.
 TOKENIZE_OFFLOAD_CHARS = 16_384
 #: the server's name where a family reports one (Triton ``name``/``platform`` §6.2,

@@ -12,7 +12,7 @@ Modules, one job each::
 
 Installed with ``tokenserve`` (``passages_repeat.json`` is package data); the optional
 dependencies are the ``bench`` extra. It builds the engine a server would have from the
-``serve`` flags of :mod:`tokenserve.serve_flags`, never from :mod:`tokenserve.cli` (which
+``serve`` flags of :mod:`tokenserve.config.flags`, never from :mod:`tokenserve.cli` (which
 imports this package lazily, in ``tokenserve bench``). The kernel micro-benchmarks and
 other developer scripts stay in the repository's top-level ``bench/`` package.
 """

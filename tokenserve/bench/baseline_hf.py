@@ -55,7 +55,7 @@ class HfBaseline:
         import torch
         import transformers
 
-        from tokenserve.config import select_device
+        from tokenserve.config.resolve import select_device
 
         self.torch = torch
         self.dtype = dtype

@@ -350,7 +350,7 @@ def engine_config(args: argparse.Namespace):
     Raises:
         ValueError: the flags do not make a valid serve configuration.
     """
-    from tokenserve.serve_flags import add_serve_flags, serve_config
+    from tokenserve.config.flags import add_serve_flags, serve_config
 
     argv = ["--dtype", args.dtype, "--device", args.device,
             *(["--model", args.model] if args.model else []), *shlex.split(args.server_args)]

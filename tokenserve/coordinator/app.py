@@ -10,7 +10,7 @@ through a P and a D::
                                     |                                       | hand-off
                                     +--- GET /dresult (one per D) <-------- D
 
-One module per job: :mod:`~tokenserve.coordinator.config` (flags, ids),
+One module per job: :mod:`~tokenserve.coordinator.reqids` (request ids),
 :mod:`~tokenserve.coordinator.ingress` (routes, stream detection, §3.2 errors),
 :mod:`~tokenserve.coordinator.pool` (status polling, P/D choice, stopInfer),
 :mod:`~tokenserve.coordinator.dlink` (the /dresult streams),
@@ -34,12 +34,14 @@ from typing import Any
 import httpx
 
 from tokenserve.api.routes import ROUTES, Coord, path_of
+from tokenserve.config.flags import coordinator_config
+from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
-from tokenserve.coordinator.config import CoordinatorConfig, ReqIdGenerator, parse_instances
 from tokenserve.coordinator.dlink import DLink
 from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers, plain_error
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
+from tokenserve.coordinator.reqids import ReqIdGenerator
 from tokenserve.pd.wire import DMessage
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.drain import drain
@@ -256,57 +258,13 @@ def run_coordinator(cfg: CoordinatorConfig) -> None:
 
 # ---------------------------------------------------------------------- command line
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``coordinator`` subcommand to ``tokenserve``'s subparsers."""
-    c = sub.add_parser("coordinator", help="PD coordinator in front of P and D instances",
-                       description=__doc__.split("\n\n")[0])
-    c.add_argument("--prefill", required=True, metavar="HOST:PORT[@MGMT][,...]",
-                   help="prefill instances: business port [@ management port]")
-    c.add_argument("--decode", required=True, metavar="HOST:PORT[@MGMT][,...]",
-                   help="decode instances: business port [@ management port]")
-    c.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    c.add_argument("--port", type=int, default=1025, help="listen port (default 1025)")
-    for flag, dest, default, what in (
-            ("--schedule-timeout", "schedule_timeout_s", 600.0,
-             "a request waiting this long for a usable P and D gets 408"),
-            ("--first-token-timeout", "first_token_timeout_s", 600.0,
-             "P's first answer must come this long after arrival, else 408"),
-            ("--infer-timeout", "infer_timeout_s", 600.0,
-             "a request not done this long after arrival gets 408"),
-            ("--timeout-graceful-shutdown", "drain_timeout_s", 25.0,
-             "on SIGTERM/SIGINT, what running requests get to finish")):
-        c.add_argument(flag, dest=dest, type=float, default=default, metavar="S",
-                       help=f"seconds: {what} (default {default:g})")
-    c.add_argument("--max-requests", type=int, default=10000,
-                   help="in-flight requests before 429 (default 10000)")
-    c.add_argument("--max-retry", type=int, default=5,
-                   help="resubmissions per request and /dresult re-links (default 5)")
-    c.add_argument("--log-level", default="INFO",
-                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
-    return c
-
-
-def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
-    """The :class:`CoordinatorConfig` of parsed ``coordinator`` flags.
-
-    Raises:
-        ValueError: a bad instance address or value.
-    """
-    return CoordinatorConfig(
-        prefill=parse_instances(args.prefill), decode=parse_instances(args.decode),
-        host=args.host, port=args.port, schedule_timeout_s=args.schedule_timeout_s,
-        first_token_timeout_s=args.first_token_timeout_s,
-        infer_timeout_s=args.infer_timeout_s, drain_timeout_s=args.drain_timeout_s,
-        max_requests=args.max_requests, max_retry=args.max_retry)
-
-
 def main(args: argparse.Namespace) -> int:
     """``tokenserve coordinator``: 0 after a signal, 2 (one line on stderr) on a bad
     flag or a port that cannot be bound."""
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per status poll
     try:
-        run_coordinator(config_from_args(args))
+        run_coordinator(coordinator_config(args))
     except ValueError as exc:
         print(f"tokenserve coordinator: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import httpx
 
 from tokenserve.api.routes import path_of
-from tokenserve.coordinator.config import CoordinatorConfig
+from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator.pool import Instance
 from tokenserve.pd.wire import DMessage, DresultParser
 

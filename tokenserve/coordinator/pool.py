@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from tokenserve.api.routes import path_of
-from tokenserve.coordinator.config import CoordinatorConfig, InstanceAddr
+from tokenserve.config.tree import CoordinatorConfig, InstanceAddr
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ import httpx
 import orjson
 
 from tokenserve.api.framing import close_stream
+from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
-from tokenserve.coordinator.config import CoordinatorConfig
 from tokenserve.coordinator.history import TokenHistory
 from tokenserve.coordinator.ingress import Ingress, forward_headers, plain_error
 from tokenserve.coordinator.pool import Instance, InstancePool

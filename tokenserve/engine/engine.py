@@ -19,7 +19,8 @@ import asyncio
 import logging
 import time
 
-from tokenserve.config import EngineConfig, select_device
+from tokenserve.config.resolve import select_device
+from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.block_pool import BlockPool
 from tokenserve.engine.finish import aborted
 from tokenserve.engine.info import EngineInfo, EngineStats

@@ -24,11 +24,11 @@ the GEMM backends' own invariance is discussed in ``tokenserve/ops/linear.py``).
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 
 import torch
 
+from tokenserve.config import env
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.loader import ModelConfig, rope_inv_freq
 from tokenserve.ops.dispatch import Kernels
@@ -93,7 +93,7 @@ class LlamaForCausalLM:
         decoder = self.kernels.op("Decoder")
         if (decoder is None or self.device.type != "cpu"
                 or self.dtype not in (torch.bfloat16, torch.float32)
-                or os.environ.get("TOKENSERVE_FUSED_DECODER", "1") == "0"):
+                or not env.fused_decoder()):
             return None
         specs = [[lin[r].c_spec() for r in ("qkv", "o", "gate_up", "down")] for lin in self.layers]
         if any(s is None for layer in specs for s in layer):

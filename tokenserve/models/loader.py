@@ -17,7 +17,6 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tokenserve.config import QUANTIZATIONS
+from tokenserve.config import env
+from tokenserve.config.tree import QUANTIZATIONS
 from tokenserve.models.gguf_convert import (
     convert_gguf,
     is_complete_conversion,
@@ -71,8 +71,8 @@ def default_gguf_path() -> Path:
 
 def default_cache_dir() -> Path:
     """``$TOKENSERVE_CACHE`` if set, else ``~/.cache/tokenserve``."""
-    env = os.environ.get("TOKENSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenserve"
+    given = env.cache_dir()
+    return Path(given).expanduser() if given else Path.home() / ".cache" / "tokenserve"
 
 
 def resolve_model(path: str | None, cache_dir: Path | None = None) -> Path:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from tokenserve.config import env
 from tokenserve.ops import layer_ref, reference
 from tokenserve.ops.quant import dequantize_rows_ref
 from tokenserve.ops.quant_blocks import QTYPE_IDS, QuantWeight
@@ -46,10 +46,10 @@ def load_kernels() -> ModuleType | None:
     Returns:
         the extension module (its ``cpu_features()`` says which code paths run), or None.
     """
-    if os.environ.get("TOKENSERVE_DISABLE_C", "") not in ("", "0"):
+    if env.disable_c():
         return None
     try:
-        if dev := os.environ.get("TOKENSERVE_KERNELS_SO"):  # a tools/dev_kernels.py build
+        if dev := env.kernels_so():  # a tools/dev_kernels.py build
             name = Path(dev).name.split(".")[0]
             mod = sys.modules.get(name)
             if mod is None:

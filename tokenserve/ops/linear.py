@@ -59,11 +59,11 @@ default), ``c-fma`` (ours, FMA chain even where AVX512_BF16 exists), ``onednn``,
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from tokenserve.config import env
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import K_QTYPES, QTYPE_IDS, QuantWeight
@@ -84,7 +84,7 @@ def forced_backend() -> str:
     Raises:
         ValueError: a value other than those in ``FORCE_VALUES``.
     """
-    force = os.environ.get("TOKENSERVE_GEMM", "")
+    force = env.gemm()
     if force not in FORCE_VALUES:
         raise ValueError(f"TOKENSERVE_GEMM={force!r}: expected one of "
                          f"{', '.join(v for v in FORCE_VALUES if v)}")

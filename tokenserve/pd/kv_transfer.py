@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from tokenserve.config import env
+
 log = logging.getLogger("tokenserve.pd")
 
 #: Mooncake settings applied (where the environment leaves them unset) while mooncake.engine
@@ -443,9 +445,9 @@ class KvTransfer:
 def _effective_timeout(timeout_s: float | None) -> int:
     """Whole seconds Mooncake will wait for a stalled read, as it computes them."""
     if timeout_s is None:
-        env = os.environ.get("MC_TRANSFER_TIMEOUT")
+        given = env.mc_transfer_timeout()
         try:
-            timeout_s = int(env) if env else _DEFAULT_TIMEOUT_S
+            timeout_s = int(given) if given else _DEFAULT_TIMEOUT_S
         except ValueError:
             timeout_s = 0  # Mooncake's atoi() gives 0, clamped below
     return max(_MIN_TIMEOUT_S, math.ceil(timeout_s))

@@ -22,7 +22,7 @@ import httpx
 
 from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_client import EngineClient
-from tokenserve.config import ROLES, PdConfig
+from tokenserve.config.tree import ROLES, PdConfig
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 

@@ -26,7 +26,7 @@ from tokenserve.transport.planes import Plane, plane_layout
 from tokenserve.transport.runtime import Signals, run
 
 if TYPE_CHECKING:
-    from tokenserve.mindie_config import ServeConfig
+    from tokenserve.config.tree import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None)
     tls = {Plane.BUSINESS: srv.business_tls, Plane.MANAGEMENT: srv.management_tls,
            Plane.METRICS: srv.metrics_tls}
     bound = bind_listeners(layout, tls, srv.max_connections)
-    from tokenserve.config import select_device  # torch: after the cheap checks
+    from tokenserve.config.resolve import select_device  # torch: after the cheap checks
     from tokenserve.engine.engine import AsyncEngine
 
     signals = Signals()

@@ -26,10 +26,11 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from tokenserve.config.tree import ServerConfig
 from tokenserve.transport.errors import error_body
 
-#: spec §0.2 / config.md ``maxRequestLength`` default (40 MiB).
-DEFAULT_MAX_BODY_BYTES = 40 * 2**20
+#: spec §0.2 / config.md ``maxRequestLength`` default (40 MiB), bytes.
+DEFAULT_MAX_BODY_BYTES = ServerConfig.max_body_bytes
 #: [I] largest request line + header block, bytes (nginx 4 x 8 KiB ... we allow 64 KiB).
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 #: [I] idle keep-alive connections are closed after this many seconds (Motor's
@@ -42,8 +43,6 @@ DEFAULT_HEAD_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 #: [I] ... plus one second per this many bytes received (Apache ``MinRate=500``), bytes/s.
 DEFAULT_MIN_BODY_RATE = 1024.0
-#: config.md ``maxLinkNum`` default: open connections per business listener.
-DEFAULT_MAX_CONNECTIONS = 1000
 
 #: end of a request head: an empty line; h11 also accepts a bare LF (RFC 9112 §2.2).
 _HEAD_END = re.compile(rb"\n\r?\n")

@@ -5,7 +5,7 @@ one-line start-up error in a second, not a traceback after a minute of loading w
 and a gigabyte of KV cache. The sockets are handed to ``loop.create_server(sock=...)``.
 
 Per listener: its planes (:func:`tokenserve.transport.planes.plane_layout`), its TLS context
-(:mod:`tokenserve.transport.tls`; a shared listener uses the material of its first plane in
+(:class:`tokenserve.config.tree.TlsSettings`; a shared listener uses the material of its first plane in
 business, management, metrics order, as MindIE uses the management and metrics keys only
 for separate listeners), and its connection cap (spec §0.2: ``maxLinkNum`` on the business
 listener, ``max(maxLinkNum / 10, 100)`` on management and metrics listeners).
@@ -20,13 +20,11 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tokenserve.config.tree import ALL_INTERFACES, TlsSettings
 from tokenserve.transport.planes import ListenerSpec, Plane
-from tokenserve.transport.tls import TlsSettings
 
 logger = logging.getLogger(__name__)
 
-#: addresses that listen on every interface (config.md ``allowAllZeroIpListening``).
-ALL_INTERFACES = ("0.0.0.0", "::", "")
 _ORDER = (Plane.BUSINESS, Plane.MANAGEMENT, Plane.METRICS)
 
 

