@@ -52,15 +52,17 @@ from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_stream import FanOut
 from tokenserve.api.fields import choice_seed
 from tokenserve.api.framing import EVENT_STREAM, SSE_DONE, close_stream, sse
-from tokenserve.api.openai.outputs import (
+from tokenserve.api.openai.protocol import (
+    OpenAIBody,
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
     openai_error,
     openai_finish_reason,
     openai_usage,
+    parse_chat_body,
+    parse_completion_body,
 )
-from tokenserve.api.openai.protocol import OpenAIBody, parse_chat_body, parse_completion_body
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse

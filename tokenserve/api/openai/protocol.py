@@ -1,4 +1,6 @@
-"""OpenAI family: the request bodies and their validation (spec/interfaces.md §5, §8).
+"""OpenAI family: the request bodies and their validation, and the answer's pieces (the
+error body, ``finish_reason``, ``usage``, ``logprobs``) (spec/interfaces.md §5, §8, §1.4):
+what a client sends and sees, as vLLM's ``protocol.py`` keeps them.
 
 Bodies are checked by the vLLM-flavoured rules of spec §5.1/§5.2 (the MindIE default,
 ``openAiSupport="vllm"``); ``native=True`` applies the "native OpenAI" ranges of §5.1 to
@@ -6,8 +8,9 @@ chat. Never the MindIE native ``/infer`` rules: ``temperature`` 0 is allowed and
 greedy, ``top_p`` 1.0 is allowed, ``top_k`` -1 means off. Unknown keys (``user``,
 ``logit_bias``, ``suffix``...) are ignored (spec §8). Every violation raises ``ValueError``;
 the handler answers 422 (spec §0.4 steps 5-6) with
-:func:`tokenserve.api.openai.outputs.openai_error` (the OpenAI error shape, keeping
-MindIE's ``error_type``). The answer's pieces are in :mod:`tokenserve.api.openai.outputs`.
+:func:`openai_error` (the OpenAI error shape, keeping MindIE's ``error_type``). Output
+shapes follow spec §5.1/§5.2 and the OpenAI API reference (Chat Completions /
+Completions objects, their chunk objects and ``logprobs``).
 """
 
 # ValueError, not TypeError, is the contract of every parser here (the family answers 422).
@@ -37,7 +40,9 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
+from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
+from tokenserve.transport.errors import error_type_for
 
 #: spec §5.1: ``top_logprobs`` in [0, 20] (``n``, ``best_of``: ``MAX_N``, ``MAX_BEST_OF``).
 MAX_TOP_LOGPROBS = 20
@@ -334,3 +339,123 @@ def parse_completion_body(obj: dict[str, Any], vocab_size: int) -> OpenAIBody:
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     return OpenAIBody(**body, sampling=sampling, prompts=prompts, echo=echo)
+
+
+# ---------------------------------------------------------------------- the answer
+
+#: vLLM's floor for reported log-probabilities (keeps ``-inf`` out of JSON).
+LOGPROB_FLOOR = -9999.0
+
+
+def openai_error(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
+    """The error body of every OpenAI route ([I], issue "errors in each family's own shape").
+
+    OpenAI's ``{"error": {message, type, param, code}}``, so the ``openai`` SDK shows the
+    message, plus MindIE's top-level ``error_type`` (spec §0.3) for MindIE tooling; both
+    ``type`` fields carry the MindIE class of ``status`` (e.g. ``Input Validation Error``)
+    and ``code`` is the status. The status codes themselves are MindIE's (spec §0.4).
+    """
+    kind = error_type or error_type_for(status)
+    return {"error": {"message": message, "type": kind, "param": None, "code": status},
+            "error_type": kind}
+
+
+def openai_finish_reason(reason: FinishReason | None) -> str:
+    """spec §1.4 last paragraph: ``length`` for length, otherwise ``stop``."""
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def openai_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
+    """The ``usage`` object (spec §5.1/§5.2; ``prompt_tokens_details.cached_tokens`` as
+    OpenAI reports prefix-cache hits, spec §5.1 note)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode`` (byte-level BPE token spelling)."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenTexts:
+    """Token id -> (text, UTF-8 bytes) for logprobs, cached.
+
+    The text is ``decode([id])`` (special tokens kept). When that holds U+FFFD (a token
+    carrying part of a multi-byte character), the bytes come from the byte-level BPE
+    spelling (``convert_ids_to_tokens``), so ``bytes`` of consecutive tokens join into
+    the exact UTF-8 text, as the OpenAI reference describes the field.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            raw = text.encode("utf-8")
+            if "\ufffd" in text and hasattr(self._tok, "convert_ids_to_tokens"):
+                spelled = self._tok.convert_ids_to_tokens([token_id])[0]
+                if spelled and all(c in _BYTE_DECODER for c in spelled):
+                    raw = bytes(_BYTE_DECODER[c] for c in spelled)
+            hit = self._cache[token_id] = (text, list(raw))
+        return hit
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+    """Chat ``logprobs`` (spec §5.1): ``{"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}``."""
+    content = []
+    for e in entries:
+        text, raw = texts.get(e.token_id)
+        top = []
+        for tid, lp in e.top:
+            t, b = texts.get(tid)
+            top.append({"token": t, "logprob": _lp(lp), "bytes": b})
+        content.append({"token": text, "logprob": _lp(e.logprob), "bytes": raw,
+                        "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob], texts: TokenTexts, offset: int
+) -> tuple[dict[str, Any], int]:
+    """Completions ``logprobs`` (spec §5.2): ``{tokens, token_logprobs, top_logprobs,
+    text_offset}``; ``top_logprobs[i]`` maps token text -> logprob for the top
+    alternatives plus the sampled token (OpenAI: up to ``logprobs + 1`` entries).
+    ``offset`` is the character offset of the first token in the choice's text.
+
+    Returns:
+        (the object, the offset after the last token).
+    """
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
+    for e in entries:
+        text = texts.get(e.token_id)[0]
+        top = {texts.get(tid)[0]: _lp(lp) for tid, lp in e.top}
+        top.setdefault(text, _lp(e.logprob))
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(e.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
