@@ -106,9 +106,7 @@ void int8_gemm_impl(const float* x, int64_t M, int64_t K, const int8_t* wq, cons
 // Returns [M, N].
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t N,
                         const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int8_gemm: x must be a 2-D CPU tensor [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "int8_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  check_gemm_x("int8_gemm", x);
   const int64_t M = x.size(0), K = x.size(1), NP = (N + NR - 1) / NR;
   TORCH_CHECK(N >= 0 && q.device().is_cpu() && q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 3 &&
                   q.size(0) == NP && q.size(1) == K && q.size(2) == NR,
@@ -116,13 +114,9 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
   TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.dim() == 1 && scale.size(0) == NP * NR,
               "int8_gemm: scale must be contiguous fp32 [", NP * NR, "], got ", scale.sizes());
-  const auto odt = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, "int8_gemm: out dtype must be bf16 or fp32");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "int8_gemm: bias must be [N=", N, "]");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const GemmOut io = gemm_out("int8_gemm", x, N, bias, out_dtype);
+  const at::ScalarType odt = io.dtype;
+  const torch::Tensor& b = io.bias;
   auto y = torch::empty({M, N}, x.options().dtype(odt));
   if (M == 0 || N == 0) return y;
   auto xf = x.to(at::kFloat).contiguous();

@@ -20,6 +20,33 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
 // int8_gemm.cpp: y = (x @ Q^T) * scale (+ bias) on pack_int8 panels.
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t N,
                         const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+
+// The argument checks the three quantised GEMMs (quant_gemm, quant_k_gemm, int8_gemm) share;
+// every message names the kernel (`name`).
+// x: a 2-D CPU tensor [M, K], bf16 or fp32.
+inline void check_gemm_x(const char* name, const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a 2-D CPU tensor [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              name, ": x must be bfloat16 or float32, got ", x.scalar_type());
+}
+// The output dtype (None: x's; bf16 or fp32) and the bias ([N] or None, as contiguous fp32;
+// undefined when None).
+struct GemmOut {
+  at::ScalarType dtype;
+  torch::Tensor bias;
+};
+inline GemmOut gemm_out(const char* name, const torch::Tensor& x, int64_t N,
+                        const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
+  const auto odt = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, name, ": out dtype must be bf16 or fp32");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, name, ": bias must be [N=", N, "]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  return {odt, b};
+}
+
 // layer_ops.cpp
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

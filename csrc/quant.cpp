@@ -205,18 +205,12 @@ void check_packed(const char* fn, const torch::Tensor& w, int64_t qtype, int64_t
 torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                          const std::optional<torch::Tensor>& bias,
                          std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_gemm: x must be a 2-D CPU tensor [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "quant_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  check_gemm_x("quant_gemm", x);
   const int64_t M = x.size(0), K = x.size(1);
   check_packed("quant_gemm", w, qtype, N, K);
-  const auto odt = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, "quant_gemm: out dtype must be bf16 or fp32");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_gemm: bias must be [N=", N, "]");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const GemmOut io = gemm_out("quant_gemm", x, N, bias, out_dtype);
+  const at::ScalarType odt = io.dtype;
+  const torch::Tensor& b = io.bias;
   auto y = torch::empty({M, N}, x.options().dtype(odt));
   if (M == 0 || N == 0) return y;
   const bool avx2 = avx2_enabled(g_force_portable);

@@ -345,9 +345,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
                            const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(qtype == Q4_K || qtype == Q5_K || qtype == Q6_K,
               "quant_k_gemm: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_k_gemm: x must be a 2-D CPU tensor [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "quant_k_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  check_gemm_x("quant_k_gemm", x);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QKK == 0, "quant_k_gemm: K=", K, " is not a multiple of 256");
   TORCH_CHECK(N >= 0, "quant_k_gemm: N must be >= 0");
@@ -355,13 +353,9 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
                   w.size(0) == (N + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
               "quant_k_gemm: w must be contiguous uint8 [", (N + RG - 1) / RG, ", ", K / QKK, ", ",
               group_bytes(int(qtype)), "] (tokenserve.ops.quant.repack_k8), got ", w.sizes());
-  const auto odt = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, "quant_k_gemm: out dtype must be bf16 or fp32");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_k_gemm: bias must be [N=", N, "]");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const GemmOut io = gemm_out("quant_k_gemm", x, N, bias, out_dtype);
+  const at::ScalarType odt = io.dtype;
+  const torch::Tensor& b = io.bias;
   auto y = torch::empty({M, N}, x.options().dtype(odt));
   if (M == 0 || N == 0) return y;
   const int64_t n16 = K / 16;
