@@ -114,7 +114,7 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
   TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.dim() == 1 && scale.size(0) == NP * NR,
               "int8_gemm: scale must be contiguous fp32 [", NP * NR, "], got ", scale.sizes());
-  const GemmOut io = gemm_out("int8_gemm", x, N, bias, out_dtype);
+  const GemmIo io = gemm_io("int8_gemm", x, N, bias, out_dtype);
   const at::ScalarType odt = io.dtype;
   const torch::Tensor& b = io.bias;
   auto y = torch::empty({M, N}, x.options().dtype(odt));

@@ -31,11 +31,11 @@ inline void check_gemm_x(const char* name, const torch::Tensor& x) {
 }
 // The output dtype (None: x's; bf16 or fp32) and the bias ([N] or None, as contiguous fp32;
 // undefined when None).
-struct GemmOut {
+struct GemmIo {
   at::ScalarType dtype;
   torch::Tensor bias;
 };
-inline GemmOut gemm_out(const char* name, const torch::Tensor& x, int64_t N,
+inline GemmIo gemm_io(const char* name, const torch::Tensor& x, int64_t N,
                         const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   const auto odt = out_dtype.value_or(x.scalar_type());
   TORCH_CHECK(odt == at::kBFloat16 || odt == at::kFloat, name, ": out dtype must be bf16 or fp32");

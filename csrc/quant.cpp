@@ -208,7 +208,7 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   check_gemm_x("quant_gemm", x);
   const int64_t M = x.size(0), K = x.size(1);
   check_packed("quant_gemm", w, qtype, N, K);
-  const GemmOut io = gemm_out("quant_gemm", x, N, bias, out_dtype);
+  const GemmIo io = gemm_io("quant_gemm", x, N, bias, out_dtype);
   const at::ScalarType odt = io.dtype;
   const torch::Tensor& b = io.bias;
   auto y = torch::empty({M, N}, x.options().dtype(odt));

@@ -353,7 +353,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
                   w.size(0) == (N + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
               "quant_k_gemm: w must be contiguous uint8 [", (N + RG - 1) / RG, ", ", K / QKK, ", ",
               group_bytes(int(qtype)), "] (tokenserve.ops.quant.repack_k8), got ", w.sizes());
-  const GemmOut io = gemm_out("quant_k_gemm", x, N, bias, out_dtype);
+  const GemmIo io = gemm_io("quant_k_gemm", x, N, bias, out_dtype);
   const at::ScalarType odt = io.dtype;
   const torch::Tensor& b = io.bias;
   auto y = torch::empty({M, N}, x.options().dtype(odt));

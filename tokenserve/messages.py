@@ -1,6 +1,6 @@
 """Every message that crosses an actor boundary, in one module.
 
-Actors (see ``shared/design.md``)::
+Actors (see ARCHITECTURE.md, "Actors and queues")::
 
     HTTP handler --GenerateRequest/AbortRequest--> SchedulerActor inbox
     SchedulerActor --StepPlan--> ExecutorActor (worker thread) --StepResult--> SchedulerActor

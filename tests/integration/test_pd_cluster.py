@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from tests.integration.pd_cluster import coordinator
+from tokenserve.api.routes import ROUTES, Coord, path_of
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 #: fields that differ between two runs of the same request (ids, clocks, random seeds)
@@ -141,6 +142,20 @@ def test_seeded_sampled_request_equals_mixed(pd):
     want = _post(pd["mixed"].url, "/infer", body)
     assert normalise(got.content) == normalise(want.content)
     _assert_all_free(pd)
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.coordinator is Coord.FORWARD
+                                   and r.method == "GET"], ids=lambda r: r.name)
+def test_forwarded_routes_answer_as_a_mixed_server(pd, route):
+    """Every GET route the table tells the coordinator to forward answers as a mixed
+    server does (status, content type, body)."""
+    path = path_of(route.name, model="SmolLM2-135M-Instruct.Q4_1") if "{" in route.path \
+        else route.path
+    got = httpx.get(pd["coord"].url + path, timeout=30)
+    want = httpx.get(pd["mixed"].url + path, timeout=30)
+    assert (got.status_code, got.headers.get("content-type")) == \
+        (want.status_code, want.headers.get("content-type")), got.text
+    assert got.content == want.content
 
 
 def test_bad_request_is_answered_by_p_in_its_family_shape(pd):

@@ -16,8 +16,9 @@ One module per job: :mod:`~tokenserve.coordinator.reqids` (request ids),
 :mod:`~tokenserve.coordinator.dlink` (the /dresult streams),
 :mod:`~tokenserve.coordinator.relay` (one request: submit, relay, resubmit).
 
-Other routes on the same port: ``GET /health``, ``/v1/models[/{m}]`` and ``POST
-/v1/tokenizer`` are forwarded to a P; the §9.4 status probes (``/v1/startup``,
+Other routes on the same port (the route table's coordinator column): ``GET /health``,
+``/v1/models[/{m}]``, ``/info``, ``/v1/config``, ``/v2``, ``/v2/models/{m}[/config]`` and
+``POST /v1/tokenizer`` are forwarded to a P; the §9.4 status probes (``/v1/startup``,
 ``/v1/health``, ``/v1/readiness``, ``/v2/health/live``, ``/v2/health/ready``,
 ``/v2/models/{m}/ready``) answer 200 while a P and a D are usable, else 503.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from tokenserve.api.routes import ROUTES, Coord, path_of
+from tokenserve.api.routes import ROUTES, Coord, match, path_of
 from tokenserve.config.flags import coordinator_config
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
@@ -46,6 +47,7 @@ from tokenserve.pd.wire import DMessage
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.drain import drain
 from tokenserve.transport.limits import HttpLimits
+from tokenserve.transport.planes import Plane
 from tokenserve.transport.router import Router
 from tokenserve.transport.runtime import Signals, run
 from tokenserve.transport.server import HttpServer
@@ -166,14 +168,19 @@ class Coordinator:
             await response.send(503, plain_error(msg.NOT_READY), "text/plain")
 
     async def forward(self, request: HttpRequest, response: HttpResponse) -> None:
-        """``/health``, ``/v1/models[/{m}]``, ``/v1/tokenizer``: the least loaded P's
-        answer, status and body unchanged. 503 when not ready; 408 ``Request tokenizer
+        """The routes the table marks ``Coord.FORWARD`` (``/health``, ``/v1/models[/{m}]``,
+        ``/v1/tokenizer``, ``/info``, ``/v1/config``, Triton's ``/v2`` metadata and model
+        config): the least loaded P's answer, status and body unchanged, asked on the P's
+        plane that serves the route (``@MGMT`` for the management plane). 503 when not ready; 408 ``Request tokenizer
         timeout`` (tokenizer) or 500 ``Connect to p instance failed`` when P fails."""
         p = self.pool.choose_p()
         if p is None or (request.path == path_of("server.health") and not self.pool.ready()):
             await response.send(503, plain_error(msg.NOT_READY), "text/plain")
             return
-        url = p.addr.base_url + request.path + (f"?{request.query}" if request.query else "")
+        route = match(request.method, request.path)
+        plane = route.plane if route is not None else Plane.BUSINESS
+        base = p.addr.base_url if plane is Plane.BUSINESS else p.addr.mgmt_url
+        url = base + request.path + (f"?{request.query}" if request.query else "")
         tokenizer = request.path == path_of("mindie.tokenizer")
         timeout = self.cfg.tokenizer_timeout_s if tokenizer else self.cfg.status_timeout_s
         try:

@@ -1,9 +1,10 @@
-"""Prefill/decode (PD) disaggregation (spec/pd_disaggregation.md): MindIE Server's ``dmi``
-mode and MindIE Motor's coordinator.
+"""Prefill/decode (PD) disaggregation, the instance side (spec/pd_disaggregation.md):
+MindIE Server's ``dmi`` mode. The coordinator is its own program
+(:mod:`tokenserve.coordinator`).
 
 How the parts fit::
 
-    client -> coordinator.py (+ coord_*.py)            any of the five families
+    client -> tokenserve.coordinator                   any of the five families
                  | req-type/req-id/d-target headers     (§4.1)
                  v
               P: prefill.py  -- family handler runs unchanged, writing into a capture
@@ -16,7 +17,7 @@ How the parts fit::
                  |              engine adopts the request (KvAdoption), pulls P's blocks
                  |              with kv_transfer.py (Mooncake, one batched read), releases
                  |              P, replays P's tokens (rendered, not sent) and decodes;
-                 |              every rendered step goes out on GET /dresult (dresult.py
+                 |              every rendered step goes out on GET /dresult (wire.py
                  v              framing), evictions as retry: with recompute.py's body
               coordinator relays D's bodies into the client's response
 
