@@ -148,14 +148,34 @@ def test_seeded_sampled_request_equals_mixed(pd):
                                    and r.method == "GET"], ids=lambda r: r.name)
 def test_forwarded_routes_answer_as_a_mixed_server(pd, route):
     """Every GET route the table tells the coordinator to forward answers as a mixed
-    server does (status, content type, body)."""
+    server does (status, content type, body; ``created``, a server's start time, aside)."""
     path = path_of(route.name, model="SmolLM2-135M-Instruct.Q4_1") if "{" in route.path \
         else route.path
     got = httpx.get(pd["coord"].url + path, timeout=30)
     want = httpx.get(pd["mixed"].url + path, timeout=30)
     assert (got.status_code, got.headers.get("content-type")) == \
         (want.status_code, want.headers.get("content-type")), got.text
-    assert got.content == want.content
+    if got.headers.get("content-type", "").startswith("application/json") and got.content:
+        assert _clean(got.json()) == _clean(want.json())
+    else:
+        assert got.content == want.content
+
+
+def _counter(url: str, name: str) -> float:
+    """The sum of ``name``'s samples in ``url``'s /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in
+               re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def test_a_hand_off_is_a_success_on_p(pd):
+    """P's /metrics counts a request it handed to D as a success, not a failure."""
+    ok0, failed0 = (_counter(pd["p"].url, f"request_{k}_total") for k in ("success", "failed"))
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
+    assert _post(pd["coord"].url, "/infer", body).status_code == 200
+    ok1, failed1 = (_counter(pd["p"].url, f"request_{k}_total") for k in ("success", "failed"))
+    assert (ok1 - ok0, failed1 - failed0) == (1, 0)
+    _assert_all_free(pd)
 
 
 def test_bad_request_is_answered_by_p_in_its_family_shape(pd):

@@ -204,7 +204,8 @@ class EngineStream:
             ctx.registry.remove(self, self._ids)
             if self._tracker is not None:
                 try:
-                    self._tracker.finished(self.last if self.finished else None)
+                    self._tracker.finished(self.last if self.finished else None,
+                                           handed_off=isinstance(exc, RequestHandedOff))
                 except Exception:
                     logger.exception("metrics: finished failed")
         return False

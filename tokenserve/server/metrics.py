@@ -8,7 +8,8 @@ is read at scrape time by one custom collector:
   one place every API family passes through) via :meth:`ServerMetrics.request_started` ->
   :class:`RequestTracker`: ``request_received_total`` when the request enters the engine,
   then at its end ``request_success_total`` or ``request_failed_total`` and the TTFT,
-  TPOT, e2e and token-count histograms;
+  TPOT, e2e and token-count histograms (on a PD prefill instance a request handed off
+  to its decode instance is a success);
 - engine state, read from ``engine.stats()`` at scrape time: running / waiting / swapped
   gauges, KV cache usage, ``num_preemptions_total``, and the prefix cache:
   ``npu_prefix_cache_hit_rate`` = ``prefix_cache_hit_rate``, ``all_radix_match_num`` /
@@ -140,13 +141,14 @@ class RequestTracker:
         self._tokens += n
         self._metrics.live_generation_tokens += n
 
-    def finished(self, last: RequestOutput | None) -> None:
+    def finished(self, last: RequestOutput | None, handed_off: bool = False) -> None:
         """The request is over (``last`` is its final output, or None when it never
-        got one: disconnect, engine failure). Idempotent."""
+        got one: disconnect, engine failure). ``handed_off``: it went on on a decode
+        instance (PD), a success here. Idempotent."""
         if self._done:
             return
         self._done = True
-        ok = last is not None and last.finished and last.finish_reason in _OK
+        ok = handed_off or (last is not None and last.finished and last.finish_reason in _OK)
         tokens = max(self._tokens, last.num_output_tokens if last is not None else 0)
         self._metrics.record_end(
             ok=ok, prompt_tokens=self._prompt_tokens, generation_tokens=tokens,
