@@ -35,7 +35,10 @@ def prompt_field(path: str, body: dict[str, Any]) -> str:
     Raises:
         ValueError: ``path`` is not an inference route.
     """
-    route = _route(path)
+    return _prompt_field(_route(path), body)
+
+
+def _prompt_field(route: Route, body: dict[str, Any]) -> str:
     if route.family is Family.GENERATE and body.get("prompt") is None:
         return "inputs"
     return route.resolve(body).prompt
@@ -85,10 +88,11 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
     """
     if not 1 <= num_prompt <= len(history):
         raise ValueError(f"num_prompt {num_prompt} outside [1, {len(history)}]")
-    field = prompt_field(path, body)
+    route = _route(path)
+    field = _prompt_field(route, body)
     out = copy.deepcopy(body)
     prompt, outputs = history[:num_prompt], history[num_prompt:]
-    if _route(path) is _TRITON_INFER:
+    if route is _TRITON_INFER:
         inputs = out.get("inputs")
         if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
             raise ValueError("Triton infer body without inputs[0]")
@@ -97,7 +101,7 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
         inputs[0]["data"] = data
         inputs[0]["shape"] = [1, len(data)]
         return out
-    if _route(path).family is Family.MINDIE and "input_id" in out \
+    if route.family is Family.MINDIE and "input_id" in out \
             and out.get("inputs") is None:
         out[ORIGIN] = out.pop("input_id")
         out[ORIGIN_FIELD] = "input_id"
@@ -116,10 +120,11 @@ def parse_recompute_body(path: str, body: dict[str, Any]
     """
     if ORIGIN not in body:
         raise ValueError(f"recompute body must carry {ORIGIN}")
-    field = prompt_field(path, body)
+    route = _route(path)
+    field = _prompt_field(route, body)
     out = copy.deepcopy(body)
     origin = out.pop(ORIGIN)
-    if _route(path) is _TRITON_INFER:
+    if route is _TRITON_INFER:
         inputs = out.get("inputs")
         if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
             raise ValueError("Triton infer body without inputs[0]")
