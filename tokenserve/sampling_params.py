@@ -8,11 +8,44 @@ the checks here are only the invariants every family shares, raising ``ValueErro
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass, field
 
 #: Largest seed MindIE accepts (spec §2.1: code caps at 2^63-1).
 MAX_SEED = 2**63 - 1
+
+
+class ConstraintKind(str, enum.Enum):
+    """What a :class:`StructuredOutput` constrains the generated text to."""
+
+    #: ``value`` is a JSON Schema (JSON text); the output is one JSON value valid under it.
+    JSON_SCHEMA = "json_schema"
+    #: any JSON object (OpenAI ``response_format: {"type": "json_object"}``); ``value`` "".
+    JSON_OBJECT = "json_object"
+    #: ``value`` is a regular expression the whole output must match.
+    REGEX = "regex"
+    #: ``value`` is a JSON array of strings; the output is exactly one of them.
+    CHOICE = "choice"
+    #: ``value`` is a grammar in llguidance's Lark dialect (may embed ``%json{...}``).
+    GRAMMAR = "grammar"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's generated text (structured output, tool calls).
+
+    Sources: OpenAI ``response_format``; vLLM ``guided_json|regex|choice|grammar``; TGI
+    ``parameters.grammar``. The API families build one; the engine compiles it (off the
+    event loop, cached) and masks the fp32 logits of the constrained rows with it.
+
+    Attributes:
+        kind: what ``value`` is (:class:`ConstraintKind`).
+        value: the schema / regex / choice list / grammar text (see the kind).
+    """
+
+    kind: ConstraintKind
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +83,7 @@ class SamplingParams:
             penalties, before temperature/top-k/top-p, as vLLM reports them).
         speculative: False opts this request out of speculative decoding (drafts are
             verified losslessly, so this only trades its speed against the batch's).
+        structured: a constraint on the generated text, or None (unconstrained).
     """
 
     max_new_tokens: int = 20
@@ -69,6 +103,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_p: float = 0.0
     speculative: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
