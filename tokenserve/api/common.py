@@ -27,8 +27,9 @@ import orjson
 from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_client import EngineClient, EngineInfo
 from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, EngineStream
+from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import MAX_TOKENS_NUM, show
-from tokenserve.api.framing import EVENT_STREAM, close_stream
+from tokenserve.api.framing import EVENT_STREAM
 from tokenserve.config.tree import ServerConfig
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
@@ -330,12 +331,14 @@ async def collect(
 
 
 async def guard_stream(
-    response: HttpResponse, body: Awaitable[bool], log: logging.Logger, what: str
+    response: HttpResponse, body: Awaitable[bool], log: logging.Logger, what: str,
+    family: str,
 ) -> bool:
     """Await ``body`` (a stream's writes) and return what it returns (False: it closed the
     stream itself). Any failure but a disconnect once the head is out is answered as
     spec §0.4 step 9 asks: logged on ``log`` (naming ``what``), ``Engine failure: <exc>``
-    as the last chunk, then close (False). Before the head, the failure is raised."""
+    as ``family``'s error event (:func:`tokenserve.api.errors.fail_stream`), then close
+    (False). Before the head, the failure is raised."""
     try:
         return await body
     except HandlerExit:
@@ -344,7 +347,7 @@ async def guard_stream(
         if not response.started:  # refused at admission: an ordinary error answer
             raise
         log.exception("engine failed while streaming %s", what)
-        await close_stream(response, f"Engine failure: {exc}")
+        await fail_stream(response, family, f"Engine failure: {exc}")
         return False
 
 
@@ -360,6 +363,7 @@ async def run_stream(
     on_output: Render,
     on_failure: Render,
     *,
+    family: str,
     context: ServeContext | None = None,
     aliases: tuple[str, ...] = (),
     log: logging.Logger = logger,
@@ -369,9 +373,9 @@ async def run_stream(
     Admission first (a full queue is a 503 answer), then the head. Each output is
     written as ``on_output`` renders it; a failed final output (timeout, engine error) as
     ``on_failure`` renders it (the tokens that came with it), then :func:`failure_text`
-    is the last chunk and the connection closes. An engine failure is answered by
-    :func:`guard_stream`; a stream that ends without a final output closes with
-    ``Engine stream ended without a final output.``
+    as ``family``'s error event (:func:`tokenserve.api.errors.fail_stream`) ends it.
+    An engine failure is answered by :func:`guard_stream`; a stream that ends without a
+    final output ends with the error ``Engine stream ended without a final output.``
     """
 
     async def pump(stream: EngineStream) -> bool:
@@ -381,16 +385,16 @@ async def run_stream(
             if chunk is not None:
                 await response.write(chunk)
             if failed:
-                await close_stream(response, failure_text(out))
+                await fail_stream(response, family, failure_text(out))
                 return False
         return True
 
     async with EngineStream(engine, request, http_request.disconnected,
                             context=context, aliases=aliases) as stream:
         await response.start_stream(200, EVENT_STREAM)
-        if not await guard_stream(response, pump(stream), log, request.request_id):
+        if not await guard_stream(response, pump(stream), log, request.request_id, family):
             return
         if not stream.finished:
-            await close_stream(response, NO_FINAL_OUTPUT)
+            await fail_stream(response, family, NO_FINAL_OUTPUT)
             return
     await response.end()

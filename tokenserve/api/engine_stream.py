@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from types import TracebackType
@@ -59,6 +60,10 @@ class StreamObserver(Protocol):
     def on_output(self, out: RequestOutput) -> None:
         """Called with every output, before the handler renders it."""
 
+    def response_id(self, fresh: str) -> str:
+        """The id the handler's answer carries instead of ``fresh`` (:func:`response_id`):
+        the same on P and D, and on every resubmission, for one request."""
+
 
 #: the observer of the family handler running in this task (:func:`observed`); None
 #: outside PD. A context variable, so the family handlers keep their (request, response)
@@ -75,6 +80,26 @@ def observed(observer: StreamObserver) -> Iterator[None]:
         yield
     finally:
         _OBSERVER.reset(token)
+
+
+def response_id(fresh: str) -> str:
+    """The id a family writes into its answer (OpenAI's ``chatcmpl-<hex>``, Triton's
+    default ``id``): ``fresh`` (a new ``uuid4().hex``) on a mixed server; under a PD
+    observer the observer's, so every chunk of one response carries one id although P and
+    D each run the handler (issue 22: one id per response, as on a mixed server)."""
+    observer = _OBSERVER.get()
+    return fresh if observer is None else observer.response_id(fresh)
+
+
+def derived_id(req_id: str, n: int) -> str:
+    """The ``n``-th response id of the PD request ``req_id``: 32 hex digits like
+    ``uuid4().hex``, a function of the coordinator's ``req-id`` (which is kept across
+    resubmissions, spec/pd_disaggregation.md §7.3) and of ``n`` only."""
+    return uuid.uuid5(_PD_ID_NAMESPACE, f"{req_id}/{n}").hex
+
+
+#: the namespace of :func:`derived_id` (any fixed UUID).
+_PD_ID_NAMESPACE = uuid.UUID("6f1c9a52-8d0e-4c39-9b55-2d7e4a1f0c11")
 
 
 class EngineStream:

@@ -1,15 +1,13 @@
 """How the families frame a streamed answer on the wire (spec/interfaces.md §0.4 step 9,
-§2.1, §3.2, §4.1, §5, §6.3): server-sent events, NUL-delimited JSON, and the plain-text
-last chunk of a stream that failed. Imports nothing of the engine: the coordinator frames
-with it too."""
+§2.1, §3.2, §4.1, §5, §6.3): server-sent events and NUL-delimited JSON (a failed stream's
+last event is :mod:`tokenserve.api.errors`'s). Imports nothing of the engine: the
+coordinator frames with it too."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
-
-from tokenserve.transport.cycle import HttpResponse
 
 #: the content type of every family's stream (vLLM's NUL-delimited JSON too, spec §4.1).
 EVENT_STREAM = "text/event-stream"
@@ -26,10 +24,3 @@ def sse(event: Any, *, space: bool = True) -> bytes:
 def nul_chunk(event: Any) -> bytes:
     """One vLLM stream chunk, ``<json>\\0`` (spec §4.1)."""
     return orjson.dumps(event) + b"\0"
-
-
-async def close_stream(response: HttpResponse, text: str) -> None:
-    """spec §0.4 step 9: ``text`` as the plain-text last chunk of a started stream, then
-    the connection closes."""
-    await response.write(text.encode())
-    await response.end(close_connection=True)

@@ -34,12 +34,13 @@ from typing import Any
 
 import httpx
 
-from tokenserve.api.routes import ROUTES, Coord, match, path_of
+from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json
+from tokenserve.api.routes import ROUTES, Coord, Family, Route, match, path_of
 from tokenserve.config.flags import coordinator_config
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.dlink import DLink
-from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers, plain_error
+from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
 from tokenserve.coordinator.reqids import ReqIdGenerator
@@ -138,16 +139,18 @@ class Coordinator:
         return router
 
     async def infer(self, request: HttpRequest, response: HttpResponse) -> None:
-        """An inference request (§3.1-§3.3): admitted (400 / 429 / 503 as plain text),
-        given a fresh req-id, then relayed through a P and a D (:class:`Flow`)."""
+        """An inference request (§3.1-§3.3): admitted (429 / 503 in the family's error
+        shape, §3.2 rule [I]), given a fresh req-id, then relayed through a P and a D
+        (:class:`Flow`). The body is not validated: P does (§3.2 rule [I] (b))."""
+        ingress = classify(request.path, request.body, self.cfg.chars_per_token)
         try:
-            ingress = classify(request.path, request.body, self.cfg.chars_per_token)
             if self.in_flight >= self.cfg.max_requests:
                 raise AdmissionError(429, msg.TOO_MANY)
             if not self.pool.ready():
                 raise AdmissionError(503, msg.NOT_READY)
         except AdmissionError as exc:
-            await response.send(exc.status, plain_error(exc.message), "text/plain")
+            await response.send(exc.status, error_json(ingress.family, exc.status, exc.message),
+                                ERROR_CONTENT_TYPE)
             return
         req_id = self._ids.next()
         while req_id in self._flows:  # pragma: no cover - 2**64 ids
@@ -165,19 +168,21 @@ class Coordinator:
         if self.pool.ready():
             await response.send(200, b"", "text/plain")
         else:
-            await response.send(503, plain_error(msg.NOT_READY), "text/plain")
+            await response.send(503, error_json("mindie", 503, msg.NOT_READY),
+                                ERROR_CONTENT_TYPE)
 
     async def forward(self, request: HttpRequest, response: HttpResponse) -> None:
         """The routes the table marks ``Coord.FORWARD`` (``/health``, ``/v1/models[/{m}]``,
         ``/v1/tokenizer``, ``/info``, ``/v1/config``, Triton's ``/v2`` metadata and model
         config): the least loaded P's answer, status and body unchanged, asked on the P's
-        plane that serves the route (``@MGMT`` for the management plane). 503 when not ready; 408 ``Request tokenizer
-        timeout`` (tokenizer) or 500 ``Connect to p instance failed`` when P fails."""
+        plane that serves the route (``@MGMT`` for the management plane). 503 when not
+        ready; 408 ``Request tokenizer timeout`` (tokenizer) or 500 ``Connect to p
+        instance failed`` when P fails, in the route family's error shape."""
         p = self.pool.choose_p()
-        if p is None or (request.path == path_of("server.health") and not self.pool.ready()):
-            await response.send(503, plain_error(msg.NOT_READY), "text/plain")
-            return
         route = match(request.method, request.path)
+        if p is None or (request.path == path_of("server.health") and not self.pool.ready()):
+            await _send_error(response, route, 503, msg.NOT_READY)
+            return
         plane = route.plane if route is not None else Plane.BUSINESS
         base = p.addr.base_url if plane is Plane.BUSINESS else p.addr.mgmt_url
         url = base + request.path + (f"?{request.query}" if request.query else "")
@@ -189,10 +194,10 @@ class Coordinator:
                 content=request.body or None, timeout=timeout)
         except httpx.TimeoutException:
             status, text = (408, msg.TOKENIZER_TIMEOUT) if tokenizer else (503, msg.NOT_READY)
-            await response.send(status, plain_error(text), "text/plain")
+            await _send_error(response, route, status, text)
             return
         except httpx.HTTPError:
-            await response.send(500, plain_error(msg.CONNECT_P_FAILED), "text/plain")
+            await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
             return
         await response.send(resp.status_code, resp.content,
                             resp.headers.get("content-type", "application/json"))
@@ -200,6 +205,14 @@ class Coordinator:
     def _client_or_fail(self) -> httpx.AsyncClient:
         assert self._client is not None, "Coordinator.start() first"
         return self._client
+
+
+async def _send_error(response: HttpResponse, route: Route | None, status: int,
+                      message: str) -> None:
+    """A coordinator-made error on a non-inference route, in the shape a mixed server
+    answers that route's errors (OpenAI's routes: its object; the rest: MindIE's)."""
+    family = "openai" if route is not None and route.family is Family.OPENAI else "mindie"
+    await response.send(status, error_json(family, status, message), ERROR_CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------------- serving

@@ -1,13 +1,13 @@
 """What the coordinator decides about a request before any instance sees it
 (spec/pd_disaggregation.md §3.1-§3.2, §4.1): its family, whether it streams, the minimal
-validation MindIE Motor does, its cost, and the headers forwarded to P.
+its cost, and the headers forwarded to P.
 
 The family and stream rule of each route are the route table's
 (:mod:`tokenserve.api.routes`, the server's own: ``/generate`` is vLLM when ``prompt`` is
 non-null, else TGI).
 
-Everything beyond the checks here (types, ranges, the model name, ...) is P's to
-validate: P's non-200 answer reaches the client unchanged.
+The coordinator validates nothing (§3.2 rule [I] (b), unlike MindIE Motor's checks in
+§3.1): every body is P's to validate, and P's non-200 answer reaches the client unchanged.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from typing import Any
 
 import orjson
 
-from tokenserve.api.routes import inference_route
+from tokenserve.api.routes import Family, inference_route
 
-#: §3.2: the admission errors' bodies (text/plain, each followed by CRLF on the wire).
+#: §3.2: MindIE-MS's messages, the text of the errors the coordinator makes itself (in the
+#: family's error shape, :func:`tokenserve.api.errors.error_json`, rule [I] of §3.2).
 NOT_READY = "MindIE-MS Coordinator is not ready"
 TOO_MANY = "Too many requests"
-BAD_FORMAT = "Request format is invalid"
-OPENAI_BAD_FORMAT = "Invalid request format: Missing both 'prompt' or 'messages'"
 CONNECT_P_FAILED = "Connect to p instance failed"
 SEND_P_FAILED = "Send messges to p instance failed"  # sic, MindIE's spelling
 RECV_P_FAILED = "Receive messages from p instance failed"
@@ -46,8 +45,8 @@ PD_HEADERS = frozenset({"req-type", "req-id", "d-target", "d-port", "is-recomput
 
 
 class AdmissionError(Exception):
-    """A request refused by the coordinator itself (§3.2): ``status`` with the plain-text
-    ``message``."""
+    """A request refused by the coordinator itself (§3.2): ``status`` with MindIE-MS's
+    ``message``, answered in the family's error shape."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -73,58 +72,41 @@ class Ingress:
 
 
 def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
-    """Family, stream flag, validation and cost of an inference request on ``path``.
+    """Family, stream flag and cost of an inference request on ``path``; never refuses.
+
+    [I] drop-in rule (§3.2 (b)): the coordinator does not validate a body. A body that is
+    not a JSON object, or lacks its prompt, is classified as well as it can be (the
+    route's family, no stream) and forwarded to P, whose answer (the family's own 4xx)
+    reaches the client unchanged. ``/generate`` with neither ``prompt`` nor ``inputs`` is
+    TGI's (the server's error shape for it is the same for both families).
 
     Raises:
-        AdmissionError: 400 ``Request format is invalid`` (OpenAI: the missing-prompt
-            message) for a body that is not a JSON object or lacks its prompt field.
+        ValueError: ``path`` is not an inference route (a programming error).
     """
+    route = inference_route("POST", path)
+    if route is None:
+        raise ValueError(f"{path} is not an inference route")
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         body = None
     if not isinstance(body, dict):
-        raise AdmissionError(400, BAD_FORMAT)
-    route = inference_route("POST", path)
-    if route is None:
-        raise ValueError(f"{path} is not an inference route")
+        body = {}
     try:
         resolved = route.resolve(body)
-    except ValueError:  # /generate with neither prompt nor inputs
-        raise AdmissionError(400, BAD_FORMAT) from None
+    except ValueError:  # /generate with neither prompt nor inputs: P answers 422
+        return Ingress(Family.TGI.value, False, body, 1)
     family = resolved.family.value
-    prompt = _prompt(family, body)
+    prompt = body.get(resolved.prompt)
+    if family == "mindie" and prompt is None:
+        prompt = body.get("input_id")
+    if family == "openai" and prompt is None:
+        prompt = body.get("prompt")
+    if family == "triton" and not isinstance(prompt, str):
+        inputs = body.get("inputs")
+        first = inputs[0] if isinstance(inputs, list) and inputs else None
+        prompt = first.get("data") if isinstance(first, dict) else None
     return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token))
-
-
-def _prompt(family: str, body: dict[str, Any]) -> Any:
-    """The prompt value §3.1 requires, or AdmissionError(400)."""
-    if family == "mindie":
-        has_text, has_ids = "inputs" in body, "input_id" in body
-        if has_text == has_ids:
-            raise AdmissionError(400, BAD_FORMAT)
-        return _string(body["inputs"]) if has_text else body["input_id"]
-    if family in ("tgi", "vllm"):
-        return _string(body.get("inputs" if family == "tgi" else "prompt"))
-    if family == "openai":
-        for key in ("messages", "prompt"):
-            if body.get(key) is not None:
-                return body[key]
-        raise AdmissionError(400, OPENAI_BAD_FORMAT)
-    text = body.get("text_input")
-    if isinstance(text, str):
-        return text
-    inputs = body.get("inputs")
-    first = inputs[0] if isinstance(inputs, list) and inputs else None
-    if isinstance(first, dict) and first.get("datatype") == "UINT32" and "data" in first:
-        return first["data"]
-    raise AdmissionError(400, BAD_FORMAT)
-
-
-def _string(value: Any) -> str:
-    if not isinstance(value, str):  # §3.1: multimodal list inputs are refused in PD
-        raise AdmissionError(400, BAD_FORMAT)
-    return value
 
 
 def _cost(prompt: Any, chars_per_token: float) -> int:
@@ -146,8 +128,3 @@ def forward_headers(headers: dict[str, str]) -> dict[str, str]:
     named = {t.strip().lower() for t in headers.get("connection", "").split(",")}
     drop = HOP_BY_HOP | PD_HEADERS | named
     return {k: v for k, v in headers.items() if k.lower() not in drop}
-
-
-def plain_error(message: str) -> bytes:
-    """A §3.2 body: the message and CRLF."""
-    return message.encode() + b"\r\n"

@@ -16,7 +16,7 @@
         ids       -> token history (never relayed)
         data      -> stream: written as is
         lastData  -> stream: written, end; non-stream: the JSON body
-        error     -> stream: last chunk, close; else 500 {"error","error_type"}
+        error     -> stream: the family's error event, close; else 500, family shape
         retry     -> resubmit its body with is-recompute: true            [500 retry]
         (drop)    -> the D's /dresult ended: resubmit the recompute body built from
                      the history on another D (nothing lost, nothing repeated)
@@ -39,15 +39,14 @@ from typing import Any
 import httpx
 import orjson
 
-from tokenserve.api.framing import close_stream
+from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json, fail_stream
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.history import TokenHistory
-from tokenserve.coordinator.ingress import Ingress, forward_headers, plain_error
+from tokenserve.coordinator.ingress import Ingress, forward_headers
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.pd.wire import DMessage, vllm_body
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
-from tokenserve.transport.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +56,13 @@ _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class Failure(Exception):
-    """Ends a request with ``status`` and ``message``: plain text (§3.2) or, with
-    ``wrapper``, the JSON error wrapper; on a started stream the message is the last
-    chunk."""
+    """Ends a request with ``status`` and ``message`` (§3.2's, or D's ``error:`` text) in
+    the family's error shape (§3.2 rule [I]); on a started stream, the family's error
+    event (:mod:`tokenserve.api.errors`)."""
 
-    def __init__(self, status: int, message: str, *, wrapper: bool = False) -> None:
+    def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
-        self.status, self.message, self.wrapper = status, message, wrapper
+        self.status, self.message = status, message
 
 
 @dataclass(frozen=True)
@@ -176,12 +175,12 @@ class Flow:
         resp = self._response
         if resp.finished:
             return
+        family = self._in.family
         if resp.started:
-            await close_stream(resp, f.message)
-        elif f.wrapper:
-            await resp.send(f.status, error_body(f.status, f.message), "application/json")
+            await fail_stream(resp, family, f.message, f.status)
         else:
-            await resp.send(f.status, plain_error(f.message), "text/plain")
+            await resp.send(f.status, error_json(family, f.status, f.message),
+                            ERROR_CONTENT_TYPE)
 
     # ------------------------------------------------------------------ P
 
@@ -383,7 +382,7 @@ class Flow:
             return True
         elif m.kind == "error":
             self._completed = True
-            raise Failure(500, m.body, wrapper=True)
+            raise Failure(500, m.body)
         elif m.kind == "retry":
             self._count_retry()
             logger.info("request %s: D %s asks for a recompute", self.req_id, self.d.name)

@@ -40,10 +40,10 @@ import orjson
 
 from tokenserve.aio import Signal
 from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
-from tokenserve.api.engine_stream import observed
+from tokenserve.api.engine_stream import derived_id, observed
 from tokenserve.api.routes import path_of
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
-from tokenserve.pd.node import PdNode, inter_comm_url
+from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import HEARTBEAT, close_message, encode
@@ -134,10 +134,11 @@ class DecodeObserver:
         self.done = False  # the request's last message (lastData/error/retry) is out
         self.pending_ids: tuple[int, ...] = ()
         self.error_message = "refused"  # why the handler refused it (before admission)
+        self.ids_given = 0  # response ids handed to the handler (derived_id, as on P)
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():
-            raise HttpError(400, "PD serves one sequence per request (n = 1, best_of = 1).")
+            raise HttpError(422, PD_ONE_SEQUENCE)
         p = self.params
         state = p.get("generatorState")
         source = {"reqId": self.req_id, "kv": p.get("kv"), "blocks": p["blockTable"][0],
@@ -156,6 +157,10 @@ class DecodeObserver:
 
     async def before_wait(self) -> None:
         return
+
+    def response_id(self, fresh: str) -> str:
+        self.ids_given += 1
+        return derived_id(self.req_id, self.ids_given)
 
     def on_output(self, out: RequestOutput) -> None:
         self.sink.muted = out.replay

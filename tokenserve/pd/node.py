@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: spec config.md ``interCommPort`` default, when a ``d-target`` carries no port.
 DEFAULT_INTER_COMM_PORT = 1121
+#: spec/interfaces.md §4.1, §5.1: PD mode refuses ``n`` != 1 and ``best_of`` != 1 with 422
+#: (MindIE does too); raised in the family's error shape when a handler admits a second
+#: sequence on P or D.
+PD_ONE_SEQUENCE = "PD serves one sequence per request (n = 1, best_of = 1)."
 
 
 def inter_comm_url(addr: str, path: str) -> str:

@@ -32,10 +32,10 @@ from typing import Any
 import orjson
 
 from tokenserve.api.common import parse_json_object
-from tokenserve.api.engine_stream import RequestHandedOff, observed
+from tokenserve.api.engine_stream import RequestHandedOff, derived_id, observed
 from tokenserve.api.routes import path_of
 from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
-from tokenserve.pd.node import PdNode, RoleStatus, inter_comm_url
+from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
@@ -109,10 +109,11 @@ class PrefillObserver:
         self.num_cached_tokens = 0
         self.handed_off = False
         self.error: str | None = None
+        self.ids_given = 0  # response ids handed to the handler (derived_id)
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.greq is not None:
-            raise HttpError(400, "PD serves one sequence per request (n = 1, best_of = 1).")
+            raise HttpError(422, PD_ONE_SEQUENCE)
         prompt = greq.prompt_token_ids
         adopt = None
         if self.history is not None:
@@ -122,6 +123,10 @@ class PrefillObserver:
         self.greq = replace(greq, request_id=self.req_id, prompt_token_ids=prompt,
                             prefill_only=True, adopt=adopt)
         return self.greq
+
+    def response_id(self, fresh: str) -> str:
+        self.ids_given += 1
+        return derived_id(self.req_id, self.ids_given)
 
     def on_output(self, out: RequestOutput) -> None:
         self.sink.muted = out.replay  # recompute: the client has these tokens' text

@@ -112,5 +112,6 @@ class MindIEApi(FamilyApi):
             return sse(event)
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         family="mindie",
                          context=self._context,
                          log=logger)

@@ -49,9 +49,10 @@ from tokenserve.api.common import (
     tokenizer_call,
 )
 from tokenserve.api.context import ServeContext
-from tokenserve.api.engine_stream import FanOut
+from tokenserve.api.engine_stream import FanOut, response_id
+from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import choice_seed
-from tokenserve.api.framing import EVENT_STREAM, SSE_DONE, close_stream, sse
+from tokenserve.api.framing import EVENT_STREAM, SSE_DONE, sse
 from tokenserve.api.openai.protocol import (
     OpenAIBody,
     TokenTexts,
@@ -256,7 +257,7 @@ class OpenAIApi(FamilyApi):
         if total > self._info.max_batch_size:
             raise HttpError(422, f"The request asks for {total} sequences; at most "
                                  f"{self._info.max_batch_size} (maxBatchSize) are allowed.")
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rid = f"{prefix}-{response_id(uuid.uuid4().hex)}"
         choices: list[Choice] = []
         for p, ids in enumerate(prompts):
             self._check_fits(len(ids))
@@ -320,7 +321,8 @@ class OpenAIApi(FamilyApi):
     # ------------------------------------------------------------------ stream
 
     async def _stream(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
-        if await guard_stream(response, self._pump(request, response, plan), logger, plan.id):
+        if await guard_stream(response, self._pump(request, response, plan), logger, plan.id,
+                              "openai"):
             await response.end()
 
     async def _pump(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> bool:
@@ -337,9 +339,9 @@ class OpenAIApi(FamilyApi):
             async for index, out in fan:
                 choice = plan.choices[index]
                 if out.finished and out.finish_reason in FAILED_FINISH:
-                    # spec §0.4 step 9: the error text is the last chunk, then close (the
+                    # spec §0.4 step 9: the error text is the last event, then close (the
                     # other choices are aborted)
-                    await close_stream(response, failure_text(out))
+                    await fail_stream(response, "openai", failure_text(out))
                     return False
                 if not (out.finished or out.new_text or out.logprobs):
                     continue  # nothing to show (spec §5.1 item 2)

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenserve.api.errors import openai_error  # noqa: F401 - the family's error body
 from tokenserve.api.fields import (
     FLT_MAX,
     INT32_MAX,
@@ -42,7 +43,6 @@ from tokenserve.api.fields import (
 )
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
-from tokenserve.transport.errors import error_type_for
 
 #: spec §5.1: ``top_logprobs`` in [0, 20] (``n``, ``best_of``: ``MAX_N``, ``MAX_BEST_OF``).
 MAX_TOP_LOGPROBS = 20
@@ -345,19 +345,6 @@ def parse_completion_body(obj: dict[str, Any], vocab_size: int) -> OpenAIBody:
 
 #: vLLM's floor for reported log-probabilities (keeps ``-inf`` out of JSON).
 LOGPROB_FLOOR = -9999.0
-
-
-def openai_error(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
-    """The error body of every OpenAI route ([I], issue "errors in each family's own shape").
-
-    OpenAI's ``{"error": {message, type, param, code}}``, so the ``openai`` SDK shows the
-    message, plus MindIE's top-level ``error_type`` (spec §0.3) for MindIE tooling; both
-    ``type`` fields carry the MindIE class of ``status`` (e.g. ``Input Validation Error``)
-    and ``code`` is the status. The status codes themselves are MindIE's (spec §0.4).
-    """
-    kind = error_type or error_type_for(status)
-    return {"error": {"message": message, "type": kind, "param": None, "code": status},
-            "error_type": kind}
 
 
 def openai_finish_reason(reason: FinishReason | None) -> str:

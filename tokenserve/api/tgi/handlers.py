@@ -133,5 +133,6 @@ class TgiApi(FamilyApi):
             return sse(tgi_token_event(out)) if out.new_token_ids else None
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         family="tgi",
                          context=self._context,
                          log=logger)

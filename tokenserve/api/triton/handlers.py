@@ -47,6 +47,7 @@ from tokenserve.api.common import (
     step_times,
 )
 from tokenserve.api.engine_client import EngineStats, engine_healthy
+from tokenserve.api.engine_stream import response_id
 from tokenserve.api.fields import INT32_MAX, get_int, get_object, required
 from tokenserve.api.framing import sse
 from tokenserve.api.management import kv_mem_sizes
@@ -89,7 +90,7 @@ class TritonApi(FamilyApi):
 
     @staticmethod
     def _request(request: HttpRequest, ids: list[int], p: TritonParams) -> GenerateRequest:
-        return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
+        return GenerateRequest(request_id=response_id(uuid.uuid4().hex), prompt_token_ids=tuple(ids),
                                params=p.sampling, priority=p.priority, timeout_s=p.timeout_s,
                                arrival_time=request.arrival_time)
 
@@ -275,5 +276,6 @@ class TritonApi(FamilyApi):
             return sse(self._text_output(rid, out.new_text), space=False) if out.new_text else None
 
         await run_stream(self._engine, greq, request, response, on_output, on_failure,
+                         family="triton",
                          context=self._context,
                          aliases=aliases, log=logger)

@@ -27,8 +27,9 @@ from tokenserve.api.common import (
     guard_stream,
 )
 from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, FanOut
+from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import MAX_N
-from tokenserve.api.framing import EVENT_STREAM, close_stream, nul_chunk
+from tokenserve.api.framing import EVENT_STREAM, nul_chunk
 from tokenserve.api.vllm.protocol import VllmBody, parse_vllm_body, sequence_params, vllm_answer
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
@@ -97,13 +98,13 @@ class VllmApi(FamilyApi):
     async def _stream(self, response: HttpResponse, vb: VllmBody, fan: FanOut) -> None:
         await response.start_stream(200, EVENT_STREAM)
         if await guard_stream(response, self._pump(response, vb, fan), logger,
-                              "a vLLM request"):
+                              "a vLLM request", "vllm"):
             await response.end()
 
     @staticmethod
     async def _pump(response: HttpResponse, vb: VllmBody, fan: FanOut) -> bool:
         """Write each step's new texts; False when it closed the stream on a failed or
-        incomplete sequence (spec §0.4 step 9: the error text is the last chunk)."""
+        incomplete sequence (spec §0.4 step 9: the error text is the last chunk, an error event)."""
         done = [False] * vb.count
         sent = False
         while not all(done):
@@ -125,6 +126,7 @@ class VllmApi(FamilyApi):
                 await response.write(nul_chunk({"text": deltas}))
                 sent = True
             if failed is not None or incomplete:
-                await close_stream(response, failure_text(failed) if failed else NO_FINAL_OUTPUT)
+                await fail_stream(response, "vllm",
+                                  failure_text(failed) if failed else NO_FINAL_OUTPUT)
                 return False
         return True

@@ -1,0 +1,83 @@
+"""Each family's error shape, for a whole answer and inside a started stream
+(spec/interfaces.md §0.3, §0.4 step 9; spec/pd_disaggregation.md §3.2 rule [I]).
+
+One module so a mixed server and the PD coordinator write an error the same way, byte for
+byte: the coordinator makes its own errors (not ready, overload, timeouts, no P) with
+:func:`error_json` / :func:`fail_stream`, the families raise :class:`HttpError` (answered
+by the server or, for OpenAI, by its wrapper with :func:`openai_error`) and end a failed
+stream with :func:`fail_stream`.
+
+Shapes (``family`` is :class:`tokenserve.api.routes.Family`'s value):
+
+========  =====================================  ==========================================
+family    whole answer (``application/json``)    in a started stream (then the stream ends)
+========  =====================================  ==========================================
+openai    ``{"error": {message, type, param,     ``data: {that object}\\n\\n`` then
+          code}, "error_type"}``                 ``data: [DONE]\\n\\n`` (vLLM's server)
+vllm      ``{"error", "error_type"}`` (§0.3)     ``{"error", "error_type"}\\0``
+triton    ``{"error", "error_type"}``            ``data:{"error", "error_type"}\\n\\n``
+tgi,      ``{"error", "error_type"}``            ``data: {"error", "error_type"}\\n\\n``
+mindie
+========  =====================================  ==========================================
+
+[I] a stream that fails after its head ends with the family's own error event, which every
+family's clients parse (the ``openai`` SDK and ``huggingface_hub`` raise on it), not with
+MindIE's plain-text last chunk (spec §0.4 step 9 [V]): a drop-in for one server must not
+leave a client with a silently truncated stream (issue 22).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from tokenserve.api.framing import SSE_DONE, nul_chunk, sse
+from tokenserve.transport.cycle import HttpResponse
+from tokenserve.transport.errors import error_obj, error_type_for
+
+#: the content type of every whole error answer
+ERROR_CONTENT_TYPE = "application/json"
+
+
+def openai_error(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
+    """The error body of every OpenAI route ([I], issue "errors in each family's own shape").
+
+    OpenAI's ``{"error": {message, type, param, code}}``, so the ``openai`` SDK shows the
+    message, plus MindIE's top-level ``error_type`` (spec §0.3) for MindIE tooling; both
+    ``type`` fields carry the MindIE class of ``status`` (e.g. ``Input Validation Error``)
+    and ``code`` is the status. The status codes themselves are MindIE's (spec §0.4).
+    """
+    kind = error_type or error_type_for(status)
+    return {"error": {"message": message, "type": kind, "param": None, "code": status},
+            "error_type": kind}
+
+
+def error_dict(family: str, status: int, message: str) -> dict[str, Any]:
+    """``family``'s error object for ``status`` / ``message`` (module table)."""
+    if family == "openai":
+        return openai_error(status, message)
+    return error_obj(status, message)
+
+
+def error_json(family: str, status: int, message: str) -> bytes:
+    """A whole error answer's body in ``family``'s shape (:data:`ERROR_CONTENT_TYPE`)."""
+    return orjson.dumps(error_dict(family, status, message))
+
+
+def stream_error(family: str, message: str, status: int = 500) -> bytes:
+    """The bytes that end ``family``'s stream on a failure (module table)."""
+    obj = error_dict(family, status, message)
+    if family == "openai":
+        return sse(obj) + SSE_DONE
+    if family == "vllm":
+        return nul_chunk(obj)
+    return sse(obj, space=family != "triton")
+
+
+async def fail_stream(response: HttpResponse, family: str, message: str,
+                      status: int = 500) -> None:
+    """End a started stream with ``family``'s error event (:func:`stream_error`), then
+    close the connection."""
+    await response.write(stream_error(family, message, status))
+    await response.end(close_connection=True)
