@@ -390,14 +390,15 @@ async def test_timeout_non_stream_500(env) -> None:
     assert r.json() == {"error": TIMEOUT_MSG, "error_type": "Incomplete Generation"}
 
 
-async def test_timeout_stream_plain_text_last_chunk(env) -> None:
+async def test_timeout_stream_ends_with_an_error_event(env) -> None:
+    """[I] (api/errors.py): the family's error event ends a failed stream, then close."""
     engine, server, client = env
     engine.finish, engine.finish_after = FinishReason.TIMEOUT, 3
     r = await client.post("/infer", json={"input_id": [1, 2], "stream": True})
     assert r.status_code == 200
-    head, _, tail = r.content.rpartition(b"\n\n")
-    assert tail == TIMEOUT_MSG.encode()
-    events = sse_events(head + b"\n\n")
+    events = sse_events(r.content)
+    assert events[-1] == {"error": TIMEOUT_MSG, "error_type": "Incomplete Generation"}
+    events = events[:-1]
     assert [e["token"]["id"] for e in events] == [[1], [2]]
     assert all("generated_text" not in e for e in events)
     await wait_for(lambda: server.num_connections == 0)  # closed after the last chunk

@@ -533,7 +533,12 @@ async def test_timeout_mid_stream_and_non_stream(env) -> None:
     r = await client.post("/v1/chat/completions", json=chat_body())
     assert assert_error(r, 500, "Incomplete Generation") == TIMEOUT_MSG
     r = await client.post("/v1/completions", json={**cmpl_body(), "stream": True})
-    assert r.status_code == 200 and r.content.endswith(TIMEOUT_MSG.encode())
+    assert r.status_code == 200
+    last = r.content.rstrip(b"\n").rpartition(b"\n\n")[2]
+    assert last.startswith(b"data: ")
+    assert orjson.loads(last[6:]) == {
+        "error": {"message": TIMEOUT_MSG, "type": "Incomplete Generation", "param": None,
+                  "code": 500}, "error_type": "Incomplete Generation"}
     assert b"[DONE]" not in r.content
 
 

@@ -218,12 +218,13 @@ async def test_generate_stream(env) -> None:
     assert set(events[0]) == {"id", "model_name", "model_version", "text_output"}
 
 
-async def test_generate_stream_timeout_plain_text_last_chunk(env) -> None:
+async def test_generate_stream_timeout_ends_with_an_error_event(env) -> None:
     engine, client = env
     engine.finish, engine.finish_after = FinishReason.TIMEOUT, 2
     r = await client.post(f"/v2/models/{M}/generate_stream",
                           json={"text_input": "ab", "parameters": {"max_new_tokens": 9}})
-    assert r.content.endswith(TIMEOUT_MSG.encode())
+    assert r.content.endswith(b'data:{"error":' + orjson.dumps(TIMEOUT_MSG)
+                              + b',"error_type":"Incomplete Generation"}\n\n')
     r = await client.post(f"/v2/models/{M}/generate",
                           json={"text_input": "ab", "parameters": {"max_new_tokens": 9}})
     assert r.status_code == 500 and r.json()["error"] == TIMEOUT_MSG

@@ -75,6 +75,27 @@ def p_answer(req_id: str, stream: bool, *, last: bool = False, output: str | Non
     return orjson.dumps(obj)
 
 
+def mindie_error(status: int, text: str) -> dict[str, str]:
+    """What a mixed server answers for ``status`` on a non-OpenAI route (spec/interfaces.md
+    §0.3): the coordinator's own errors look the same (PD spec §3.2 rule [I])."""
+    kinds = {400: "Bad Request", 408: "Request Timeout", 422: "Input Validation Error",
+             429: "Too Many Requests", 500: "Incomplete Generation",
+             503: "Service Unavailable"}
+    return {"error": text, "error_type": kinds[status]}
+
+
+def assert_error(r: httpx.Response, status: int, text: str) -> None:
+    """``r`` is the coordinator's own error ``status``/``text`` in MindIE's JSON shape."""
+    assert r.status_code == status
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == mindie_error(status, text)
+
+
+def mindie_stream_error(text: str) -> str:
+    """The event that ends a failed MindIE-native stream (api/errors.py's table)."""
+    return "data: " + orjson.dumps(mindie_error(500, text)).decode() + "\n\n"
+
+
 async def race_disconnect(request: HttpRequest, work: Awaitable[Any]) -> Any:
     """``work``, or None as soon as the client (the coordinator) goes away."""
     task = asyncio.ensure_future(work)
@@ -423,7 +444,7 @@ async def test_p_answer_with_wrong_req_id_is_a_p_error() -> None:
     async with cluster() as cl:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi", "stream": True})
-        assert (r.status_code, r.text) == (500, "P instance error\r\n")
+        assert_error(r, 500, "P instance error")
 
 
 @bounded
@@ -437,7 +458,7 @@ async def test_p_dropping_the_connection_is_a_receive_failure() -> None:
     async with cluster() as cl:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi"})
-        assert (r.status_code, r.text) == (500, "Receive messages from p instance failed\r\n")
+        assert_error(r, 500, "Receive messages from p instance failed")
 
 
 @bounded
@@ -485,7 +506,7 @@ async def test_d_error(stream: bool) -> None:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi", "stream": stream})
         if stream:
-            assert r.status_code == 200 and r.content == (P_OUT + text).encode()
+            assert r.status_code == 200 and r.text == P_OUT + mindie_stream_error(text)
         else:
             assert r.status_code == 500
             assert r.json() == {"error": text, "error_type": "Incomplete Generation"}
@@ -531,7 +552,7 @@ async def test_retry_limit_ends_the_stream_with_retry_failed() -> None:
     async with cluster(max_retry=2) as cl:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi", "stream": True})
-        assert r.text == P_OUT * 3 + "Request retry failed"
+        assert r.text == P_OUT * 3 + mindie_stream_error("Request retry failed")
         assert len(cl.seen) == 3
 
 
@@ -652,27 +673,35 @@ async def test_client_disconnect_stops_the_request_on_p_and_d() -> None:
         assert cl.ps[0].stops == [stop] and cl.ds[0].stops == [stop]
 
 
-@pytest.mark.parametrize(("path", "raw", "text"), [
-    ("/infer", b"{not json", "Request format is invalid"),
-    ("/infer", b"[1, 2]", "Request format is invalid"),
-    ("/infer", b'{"inputs": "a", "input_id": [1]}', "Request format is invalid"),
-    ("/infer", b'{"stream": true}', "Request format is invalid"),
-    ("/generate", b'{"parameters": {}}', "Request format is invalid"),
-    ("/generate_stream", b'{"inputs": [{"type": "image_url"}]}', "Request format is invalid"),
-    ("/v1/chat/completions", b'{"model": "m1"}',
-     "Invalid request format: Missing both 'prompt' or 'messages'"),
-    ("/v2/models/m1/generate", b'{"text_input": 5}', "Request format is invalid"),
-    ("/v2/models/m1/infer", b'{"inputs": [{"datatype": "FP32", "data": [1]}]}',
-     "Request format is invalid"),
+@pytest.mark.parametrize(("path", "raw"), [
+    ("/infer", b"{not json"),
+    ("/infer", b"[1, 2]"),
+    ("/infer", b'{"inputs": "a", "input_id": [1]}'),
+    ("/infer", b'{"stream": true}'),
+    ("/generate", b'{"parameters": {}}'),
+    ("/generate_stream", b'{"inputs": [{"type": "image_url"}]}'),
+    ("/v1/chat/completions", b'{"model": "m1"}'),
+    ("/v2/models/m1/generate", b'{"text_input": 5}'),
+    ("/v2/models/m1/infer", b'{"inputs": [{"datatype": "FP32", "data": [1]}]}'),
 ])
 @bounded
-async def test_malformed_requests_are_refused_by_the_coordinator(path: str, raw: bytes,
-                                                                 text: str) -> None:
+async def test_malformed_requests_are_forwarded_to_p_and_its_answer_relayed(
+        path: str, raw: bytes) -> None:
+    """PD spec §3.2 rule [I] (b): the coordinator does not validate; P's error (here a
+    scripted 422 in a made-up shape, so nothing of the coordinator's can match it)
+    reaches the client byte for byte, status and content type included."""
+    answer = b'{"detail":"p says no"}'
+
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        return 422, answer
+
     async with cluster() as cl:
+        cl.script(script)
         r = await cl.client.post(path, content=raw)
-        assert (r.status_code, r.text) == (400, text + "\r\n")
-        assert r.headers["content-type"] == "text/plain"
-        assert cl.seen == []
+        assert (r.status_code, r.content) == (422, answer)
+        assert r.headers["content-type"] == "application/json"
+        [seen] = cl.seen
+        assert seen.body == raw and seen.path == path
 
 
 @bounded
@@ -688,7 +717,7 @@ async def test_too_many_requests() -> None:
         first = asyncio.ensure_future(cl.client.post("/infer", json={"inputs": "a"}))
         await until(lambda: cl.seen)
         r = await cl.client.post("/infer", json={"inputs": "b"})
-        assert (r.status_code, r.text) == (429, "Too many requests\r\n")
+        assert_error(r, 429, "Too many requests")
         release.set()
         assert (await first).status_code == 200
 
@@ -700,9 +729,56 @@ async def test_not_ready_without_a_usable_d() -> None:
         await until(lambda: not cl.ds[0].linked)
         await asyncio.sleep(0.1)  # a status poll sees the D down
         r = await cl.client.post("/infer", json={"inputs": "a"})
-        assert (r.status_code, r.text) == (503, "MindIE-MS Coordinator is not ready\r\n")
+        assert_error(r, 503, "MindIE-MS Coordinator is not ready")
         assert (await cl.client.get("/v2/health/ready")).status_code == 503
         assert (await cl.client.get("/health")).status_code == 503
+
+
+@bounded
+async def test_coordinator_errors_take_the_family_shape() -> None:
+    """PD spec §3.2 rule [I] (a): OpenAI routes get the OpenAI error object, the other
+    families MindIE's wrapper, each with MindIE-MS's message."""
+    async with cluster(ready=False) as cl:
+        cl.ds[0].kill()
+        await until(lambda: not cl.ds[0].linked)
+        await asyncio.sleep(0.1)
+        r = await cl.client.post("/v1/chat/completions",
+                                 json={"model": MODEL, "messages": [{"role": "user",
+                                                                     "content": "a"}]})
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+        assert r.json() == {"error": {"message": "MindIE-MS Coordinator is not ready",
+                                      "type": "Service Unavailable", "param": None,
+                                      "code": 503},
+                            "error_type": "Service Unavailable"}
+        for path, body in (("/generate", {"inputs": "a"}), ("/generate", {"prompt": "a"}),
+                           ("/v2/models/m1/generate", {"text_input": "a"})):
+            assert_error(await cl.client.post(path, json=body), 503,
+                         "MindIE-MS Coordinator is not ready")
+
+
+@pytest.mark.parametrize(("path", "body", "event"), [
+    ("/v1/chat/completions",
+     {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "a"}]},
+     'data: {"error":{"message":"Request inference timeout","type":"Incomplete Generation",'
+     '"param":null,"code":500},"error_type":"Incomplete Generation"}\n\n'),
+    ("/generate", {"prompt": "a", "stream": True},
+     '{"error":"Request inference timeout","error_type":"Incomplete Generation"}\0'),
+    ("/generate_stream", {"inputs": "a"},
+     'data: {"error":"Request inference timeout","error_type":"Incomplete Generation"}\n\n'),
+    ("/v2/models/m1/generate_stream", {"text_input": "a"},
+     'data:{"error":"Request inference timeout","error_type":"Incomplete Generation"}\n\n'),
+])
+@bounded
+async def test_a_started_stream_fails_with_the_family_error_event(
+        path: str, body: dict[str, Any], event: str) -> None:
+    """An error after the head is the family's own last event, never bare text."""
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        return 200, p_answer(request.headers["req-id"], True, output=P_OUT)
+
+    async with cluster(infer_timeout_s=0.3) as cl:
+        cl.script(script)
+        r = await cl.client.post(path, json=body)
+        assert r.status_code == 200 and r.text == P_OUT + event
 
 
 @bounded
@@ -719,7 +795,7 @@ async def test_no_reachable_p_is_connect_failed() -> None:
     async with cluster(ghost_p=True) as cl:
         await cl.ps[0].close()  # the only real P goes away too
         r = await cl.client.post("/infer", json={"inputs": "hi"})
-        assert (r.status_code, r.text) == (500, "Connect to p instance failed\r\n")
+        assert_error(r, 500, "Connect to p instance failed")
 
 
 @bounded
@@ -731,7 +807,7 @@ async def test_first_token_timeout() -> None:
     async with cluster(first_token_timeout_s=0.2) as cl:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi"})
-        assert (r.status_code, r.text) == (408, "Request first token timeout\r\n")
+        assert_error(r, 408, "Request first token timeout")
         await until(lambda: cl.ps[0].stops)
 
 
@@ -743,7 +819,8 @@ async def test_inference_timeout_ends_a_started_stream() -> None:
     async with cluster(infer_timeout_s=0.3) as cl:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi", "stream": True})
-        assert r.status_code == 200 and r.text == P_OUT + "Request inference timeout"
+        assert r.status_code == 200
+        assert r.text == P_OUT + mindie_stream_error("Request inference timeout")
 
 
 # ---------------------------------------------------------------------- other routes

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from tokenserve.api.framing import SSE_DONE, nul_chunk, sse
+from tokenserve.api.framing import nul_chunk, sse
 from tokenserve.transport.cycle import HttpResponse
 from tokenserve.transport.errors import error_obj, error_type_for
 
@@ -68,8 +68,6 @@ def error_json(family: str, status: int, message: str) -> bytes:
 def stream_error(family: str, message: str, status: int = 500) -> bytes:
     """The bytes that end ``family``'s stream on a failure (module table)."""
     obj = error_dict(family, status, message)
-    if family == "openai":
-        return sse(obj) + SSE_DONE
     if family == "vllm":
         return nul_chunk(obj)
     return sse(obj, space=family != "triton")

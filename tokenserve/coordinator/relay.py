@@ -176,8 +176,8 @@ class Flow:
         if resp.finished:
             return
         family = self._in.family
-        if resp.started:
-            await fail_stream(resp, family, f.message, f.status)
+        if resp.started:  # as a mixed server's failed stream: 500 in the event
+            await fail_stream(resp, family, f.message)
         else:
             await resp.send(f.status, error_json(family, f.status, f.message),
                             ERROR_CONTENT_TYPE)
