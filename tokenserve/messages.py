@@ -66,6 +66,10 @@ class KvAdoption:
         source: opaque to the engine: where the K/V are, handed to the engine's KV puller.
         num_cached_tokens: prompt tokens the first instance found in its prefix cache
             (reported in usage as if computed here).
+        output_logprobs: the log-probabilities the first instance reported for
+            ``output_token_ids`` (one per id), put on the replay output so the consumer's
+            logprobs match a mixed instance's (issue 22); None when unknown (a recompute,
+            or the request asked for none).
     """
 
     output_token_ids: tuple[int, ...]
@@ -73,6 +77,7 @@ class KvAdoption:
     num_computed: int = 0
     source: Any = None
     num_cached_tokens: int = 0
+    output_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -225,9 +225,11 @@ class SchedulerActor:
             if stop is not None:
                 text = stop.feed(text)
             t.emitted_first = True
+            lps = adopt.output_logprobs if adopt is not None else None
             stream.put(RequestOutput(
                 g.request_id, tuple(outputs), text, False, None, req.num_prompt_tokens,
-                req.num_output_tokens, seed=params.seed, replay=True))
+                req.num_output_tokens, seed=params.seed, replay=True,
+                logprobs=lps if lps is not None and len(lps) == len(outputs) else None))
 
     def _pd_events(self) -> None:
         """Start the K/V pulls the scheduler asked for; end the requests it evicted for

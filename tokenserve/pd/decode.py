@@ -44,6 +44,7 @@ from tokenserve.api.engine_stream import derived_id, observed
 from tokenserve.api.routes import path_of
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
+from tokenserve.pd.prefill import decode_logprobs
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import HEARTBEAT, close_message, encode
@@ -153,7 +154,8 @@ class DecodeObserver:
                            tuple(p["firstToken"]),
                            base64.b64decode(state) if state is not None else None,
                            int(p["numComputed"]), source,
-                           int(p.get("prefixCachedTokenNums") or 0)))
+                           int(p.get("prefixCachedTokenNums") or 0),
+                           decode_logprobs(p.get("firstTokenLogprobs"))))
 
     async def before_wait(self) -> None:
         return

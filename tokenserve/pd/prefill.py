@@ -34,7 +34,13 @@ import orjson
 from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_stream import RequestHandedOff, derived_id, observed
 from tokenserve.api.routes import path_of
-from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
+from tokenserve.messages import (
+    GenerateRequest,
+    KvAdoption,
+    KvHandoff,
+    RequestOutput,
+    TokenLogprob,
+)
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
@@ -103,6 +109,7 @@ class PrefillObserver:
         self.history = history
         self.greq: GenerateRequest | None = None
         self.output_ids: list[int] = []  # every output token so far (replayed included)
+        self.logprobs: list[TokenLogprob] | None = []  # one per output_ids (None: unknown)
         self.delivered = 0  # of which already shown to the client before this P
         self.text = ""  # text this P rendered (postsingletext)
         self.handoff: KvHandoff | None = None
@@ -131,6 +138,10 @@ class PrefillObserver:
     def on_output(self, out: RequestOutput) -> None:
         self.sink.muted = out.replay  # recompute: the client has these tokens' text
         self.output_ids.extend(out.new_token_ids)
+        if self.logprobs is not None and out.logprobs is not None:
+            self.logprobs.extend(out.logprobs)
+        elif out.new_token_ids:
+            self.logprobs = None
         if not out.replay:
             self.text += out.new_text
         if out.handoff is not None:
@@ -159,6 +170,7 @@ class PrefillObserver:
             "reqId": self.req_id,
             "tokens": list(g.prompt_token_ids),
             "firstToken": self.output_ids,
+            "firstTokenLogprobs": encode_logprobs(self.logprobs, len(self.output_ids)),
             "method": self.request.method,
             "path": self.request.path,
             "query": self.request.query,
@@ -190,6 +202,27 @@ class PrefillObserver:
         ans = r.json()
         if not ans.get("isValidDecodeParameters"):
             raise RuntimeError(ans.get("errorMessage") or "D refused the request")
+
+
+def encode_logprobs(entries: list[TokenLogprob] | None, n: int) -> list[list[Any]] | None:
+    """``DecodeParameters.firstTokenLogprobs`` [I]: P's logprob entries of its ``n`` output
+    tokens as ``[token_id, logprob, [[id, logprob], ...]]`` rows (JSON floats round-trip
+    exactly), None when the request asked for none or a count does not match."""
+    if entries is None or len(entries) != n or n == 0:
+        return None
+    return [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in entries]
+
+
+def decode_logprobs(rows: Any) -> tuple[TokenLogprob, ...] | None:
+    """:func:`encode_logprobs`' rows back (None for None or a malformed value)."""
+    if not isinstance(rows, list):
+        return None
+    try:
+        return tuple(TokenLogprob(int(r[0]), float(r[1]),
+                                  tuple((int(t[0]), float(t[1])) for t in r[2]))
+                     for r in rows)
+    except (TypeError, ValueError, IndexError):
+        return None
 
 
 def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
