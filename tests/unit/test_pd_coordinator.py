@@ -673,6 +673,41 @@ async def test_client_disconnect_stops_the_request_on_p_and_d() -> None:
         assert cl.ps[0].stops == [stop] and cl.ds[0].stops == [stop]
 
 
+@pytest.mark.parametrize("by", ["client id", "req-id"])
+@bounded
+async def test_stop_infer_reaches_the_instances_that_hold_the_request(by: str) -> None:
+    """interfaces §2.3 on the coordinator: the client's stopInfer goes to the request's P
+    and D (by the client's Triton ``id`` or the coordinator's req-id); 200 when one of
+    them answers 200."""
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        rid, d = request.headers["req-id"], cl.d_for(request)
+        d.say(rid, ("ids", "1,5"))
+        return 200, p_answer(rid, True, output=P_OUT)
+
+    async with cluster() as cl:
+        cl.script(script)
+        path = f"/v2/models/{MODEL}/generate_stream"
+        async with cl.client.stream("POST", path, json={"id": "c-1", "text_input": "hi"}) as r:
+            async for chunk in r.aiter_raw():
+                assert chunk == P_OUT.encode()
+                break
+            [seen] = cl.seen
+            body = {"id": "c-1" if by == "client id" else seen.req_id}
+            stop = await cl.client.post(f"/v2/models/{MODEL}/stopInfer", json=body)
+            assert stop.status_code == 200
+            want = (f"/v2/models/{MODEL}/stopInfer", body)
+            assert cl.ps[0].stops == [want] and cl.ds[0].stops == [want]
+
+
+@bounded
+async def test_stop_infer_of_an_unknown_id_is_a_p_answer() -> None:
+    async with cluster() as cl:
+        r = await cl.client.post(f"/v2/models/{MODEL}/stopInfer", json={"id": "nope"})
+        assert r.status_code == 200  # the fake P echoes; a real one says 404
+        assert cl.ps[0].stops == [(f"/v2/models/{MODEL}/stopInfer", {"id": "nope"})]
+        assert cl.ds[0].stops == []
+
+
 @pytest.mark.parametrize(("path", "raw"), [
     ("/infer", b"{not json"),
     ("/infer", b"[1, 2]"),
@@ -834,8 +869,10 @@ async def test_forwarded_routes_and_probes() -> None:
         r = await cl.client.post("/v1/tokenizer", json={"inputs": "abc"})
         assert r.json() == {"token_number": 3}
         for path in ("/v1/startup", "/v1/health", "/v1/readiness", "/v2/health/live",
-                     "/v2/health/ready", "/v2/models/m1/ready"):
-            assert (await cl.client.get(path)).status_code == 200, path
+                     "/v2/health/ready"):
+            r = await cl.client.get(path)
+            assert r.status_code == 200 and r.content == b"", path
+            assert r.headers["content-type"] == "application/json"  # as a mixed server
 
 
 @bounded

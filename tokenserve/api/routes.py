@@ -59,6 +59,7 @@ class Coord(str, enum.Enum):
     RELAY = "relay"  # through a P and a D
     PROBE = "probe"  # 200 while a P and a D are usable, else 503
     FORWARD = "forward"  # to the least loaded P, answer unchanged
+    STOP = "stop"  # stopInfer: to the instances holding the request (else a P)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", f"{_M}/getSlotCount", "triton.slot_count", _F.TRITON, _MG, "triton.slot_count"),
     _r("POST", "/v1/tokenizer", "mindie.tokenizer", _F.MINDIE, _B, "mindie_extra.tokenizer",
        coordinator=Coord.FORWARD),
-    _r("POST", f"{_M}/stopInfer", "mindie.stop_infer", _F.MINDIE, _B, "mindie_extra.stop_infer"),
+    _r("POST", f"{_M}/stopInfer", "mindie.stop_infer", _F.MINDIE, _B, "mindie_extra.stop_infer",
+       coordinator=Coord.STOP),
     # --- server: health, management, metrics (spec §3.6, §7) -------------------------------
     _r("GET", "/health", "server.health", _F.SERVER, _MG, "server.health",
        coordinator=Coord.FORWARD),

@@ -33,6 +33,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 import httpx
+import orjson
 
 from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json
 from tokenserve.api.routes import ROUTES, Coord, Family, Route, match, path_of
@@ -132,7 +133,7 @@ class Coordinator:
         """Every route of the coordinator (module docstring)."""
         router = Router()
         handlers = {Coord.RELAY: self.infer, Coord.PROBE: self.probe,
-                    Coord.FORWARD: self.forward}
+                    Coord.FORWARD: self.forward, Coord.STOP: self.stop_infer}
         for route in ROUTES:
             if route.coordinator is not Coord.NONE:
                 router.add(route.method, route.path, handlers[route.coordinator])
@@ -164,9 +165,15 @@ class Coordinator:
             del self._flows[req_id]
 
     async def probe(self, request: HttpRequest, response: HttpResponse) -> None:
-        """§9.4 status probes: 200 (empty) while a P and a D are usable, else 503."""
+        """§9.4 status probes: 200 (empty, ``application/json`` as a mixed server's Triton
+        probes) while a P and a D are usable, else 503. Triton's model probe, when
+        ready, is a P's answer (404 for a model it does not serve, as a mixed server)."""
         if self.pool.ready():
-            await response.send(200, b"", "text/plain")
+            route = match(request.method, request.path)
+            if route is None or route.name != "triton.model_ready":
+                await response.send(200, b"", "application/json")
+            else:
+                await self.forward(request, response)
         else:
             await response.send(503, error_json("mindie", 503, msg.NOT_READY),
                                 ERROR_CONTENT_TYPE)
@@ -201,6 +208,42 @@ class Coordinator:
             return
         await response.send(resp.status_code, resp.content,
                             resp.headers.get("content-type", "application/json"))
+
+    async def stop_infer(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /v2/models/{m}/stopInfer`` (interfaces §2.3): ``{"id"}`` names a request
+        by the coordinator's req-id or the client's own ``id`` (Triton). The client's
+        request goes, unchanged, to the P and D that hold that request (each registers
+        it under both ids), and the first 200 is the answer (the request's own stream
+        then ends as stopped); when no request here has that id, or none answers 200,
+        a P's answer is (404 ``RequestId is <id> not found.``, 422 for a bad body, 404
+        for an unknown model: what a mixed server answers)."""
+        try:
+            body: Any = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            body = None
+        rid = body.get("id") if isinstance(body, dict) else None
+        flow = self._flows.get(rid) if isinstance(rid, str) else None
+        if flow is None and isinstance(rid, str):
+            flow = next((f for f in self._flows.values() if f.client_id == rid), None)
+        holders = [i for i in (flow.p, flow.d) if i is not None] if flow is not None else []
+        if holders:
+            answers = await asyncio.gather(*(self._stop_on(i, request) for i in holders))
+            ok = next((a for a in answers if a is not None and a.status_code == 200), None)
+            if ok is not None:
+                await response.send(200, ok.content,
+                                    ok.headers.get("content-type", "application/json"))
+                return
+        await self.forward(request, response)
+
+    async def _stop_on(self, inst: Instance, request: HttpRequest) -> httpx.Response | None:
+        """The client's stopInfer sent to ``inst`` (business plane); None when it fails."""
+        url = inst.addr.base_url + request.path
+        try:
+            return await self._client_or_fail().post(
+                url, content=request.body, headers=forward_headers(request.headers),
+                timeout=self.cfg.status_timeout_s)
+        except httpx.HTTPError:
+            return None
 
     def _client_or_fail(self) -> httpx.AsyncClient:
         assert self._client is not None, "Coordinator.start() first"

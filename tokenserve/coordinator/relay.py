@@ -124,6 +124,13 @@ class Flow:
         self._delay = 0.0
         self._history = TokenHistory()
 
+    @property
+    def client_id(self) -> str | None:
+        """The id the client gave the request in its body (Triton's ``id``), if any:
+        ``stopInfer`` may name the request by it (interfaces §2.3)."""
+        value = self._in.body.get("id")
+        return value if isinstance(value, str) else None
+
     # ------------------------------------------------------------------ inputs
 
     def on_d_message(self, source: str, message: DMessage) -> None:
