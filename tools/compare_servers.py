@@ -4,11 +4,14 @@ Every family's inference routes (whole and streamed, greedy), their other routes
 input; each answer is compared on status, content type and body, with the fields that
 differ between any two runs (ids, creation times, timings) blanked. Use it to check that a
 refactor keeps every route's bytes (old build vs new), or that a PD coordinator answers as
-a mixed server does:
+a mixed server does (the parity check of issue 22):
 
     python tools/compare_servers.py http://127.0.0.1:1025 http://127.0.0.1:2025 [--model NAME]
 
-Exit status 1 when any answer differs.
+Besides the blanked comparison, every streamed answer must carry one ``id`` in all its
+events (a PD stream once changed id at the P -> D hand-off). ``--status-only`` paths
+(``/metrics``) are compared on status and content type only: their counters differ by
+design. Exit status 1 when any answer differs.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def requests(model: str) -> list[tuple[str, str, Any]]:
     m = f"/v2/models/{model}"
     gen = {"max_new_tokens": 12}
     chat = [{"role": "user", "content": p}]
+    emoji = [{"role": "user", "content": "Reply with only the emoji 🌊🐳 and nothing else."}]
     oai = {"model": model, "max_tokens": 12, "temperature": 0}  # OpenAI samples by default
     out: list[tuple[str, str, Any]] = [
         ("POST", "/infer", {"inputs": p, "parameters": gen, "stream": False}),
@@ -76,6 +80,18 @@ def requests(model: str) -> list[tuple[str, str, Any]]:
                                           "top_logprobs": 2}),
         ("POST", "/v1/chat/completions", {**oai, "messages": chat, "stream": True,
                                           "stream_options": {"include_usage": True}}),
+        # logprobs across the P -> D hand-off, a character split over two tokens there
+        ("POST", "/v1/chat/completions", {**oai, "messages": emoji, "stream": True,
+                                          "logprobs": True, "top_logprobs": 2,
+                                          "stream_options": {"include_usage": True}}),
+        ("POST", "/v1/chat/completions", {**oai, "messages": emoji, "logprobs": True,
+                                          "top_logprobs": 2}),
+        ("POST", "/v1/completions", {**oai, "prompt": p, "stream": True, "logprobs": 2}),
+        ("POST", "/v1/completions", {**oai, "prompt": p, "echo": True, "logprobs": 1}),
+        ("POST", "/infer", {"inputs": p, "stream": True,
+                            "parameters": {**gen, "details": True}}),
+        ("POST", "/generate", {"inputs": p, "parameters": {
+            **gen, "details": True, "decoder_input_details": True, "top_n_tokens": 2}}),
         ("POST", f"{m}/generate", {"text_input": p, "parameters": gen}),
         ("POST", f"{m}/generate_stream", {"text_input": p, "parameters": gen}),
         ("POST", f"{m}/infer", {"id": "a1", "inputs": [{"name": "input0", "shape": [1, 4],
@@ -100,8 +116,31 @@ def requests(model: str) -> list[tuple[str, str, Any]]:
         ("POST", f"{m}/generate", {"parameters": gen}),
         ("POST", f"{m}/infer", {"inputs": []}),
         ("GET", "/infer", None), ("GET", "/no/such/route", None),
+        ("POST", f"{m}/stopInfer", {"id": "no-such-request"}),
+        ("POST", f"{m}/stopInfer", {"id": "bad id!"}),
+        ("POST", "/v1/chat/completions", {**oai, "messages": chat, "stream": True,
+                                          "max_tokens": 0}),
+        ("GET", "/metrics", None),
     ]
     return out
+
+
+#: routes compared on status and content type only (their numbers differ by design)
+STATUS_ONLY = frozenset({"/metrics"})
+
+
+def stream_ids(body: bytes) -> set[str]:
+    """The distinct ``id`` values of a stream's events (empty for a whole answer)."""
+    ids: set[str] = set()
+    for part in re.split(rb"\n\n|\0", body):
+        payload = part[5:].lstrip() if part.startswith(b"data:") else part
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+            ids.add(obj["id"])
+    return ids
 
 
 def fetch(client: httpx.Client, base: str, method: str, path: str, body: Any
@@ -112,7 +151,13 @@ def fetch(client: httpx.Client, base: str, method: str, path: str, body: Any
     elif body is not None:
         kw = {"json": body}
     r = client.request(method, base + path, **kw)
-    return r.status_code, r.headers.get("content-type", ""), _normalise(r.content)
+    ctype = r.headers.get("content-type", "")
+    if path in STATUS_ONLY:
+        return r.status_code, ctype, None
+    if ctype.startswith("text/event-stream") and len(stream_ids(r.content)) > 1:
+        return r.status_code, ctype, ("ids differ within one stream",
+                                      sorted(stream_ids(r.content)))
+    return r.status_code, ctype, _normalise(r.content)
 
 
 def main(argv: list[str] | None = None) -> int:
