@@ -12,6 +12,12 @@ from tests.sse import read_sse
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
+@pytest.fixture
+def client(server_client):
+    """Every test here runs against a mixed server and against PD (conftest ``server``)."""
+    return server_client
+
+
 async def infer(client, ids, **params):
     r = await client.post("/infer_token", json={"input_id": ids, "parameters": params})
     assert r.status_code == 200, r.text
@@ -24,16 +30,16 @@ async def stream_events(client, ids, **params):
                           {"input_id": ids, "stream": True, "parameters": params})
 
 
-async def test_chat_prompt_gives_sensible_english(live, client):
-    out = await infer(client, live.chat_ids("What is the capital of France?"),
+async def test_chat_prompt_gives_sensible_english(server, client):
+    out = await infer(client, server.chat_ids("What is the capital of France?"),
                       max_new_tokens=24, details=True)
     assert "Paris" in out["generated_text"], out
     assert out["details"]["finish_reason"] in ("eos_token", "length")
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_max_new_tokens_five_gives_exactly_five(live, client):
-    ids = live.chat_ids("Tell me a long story about a dragon.")
+async def test_max_new_tokens_five_gives_exactly_five(server, client):
+    ids = server.chat_ids("Tell me a long story about a dragon.")
     out = await infer(client, ids, max_new_tokens=5, details=True)
     d = out["details"]
     assert d["generated_tokens"] == 5 and len(d["generated_token_ids"]) == 5
@@ -41,31 +47,31 @@ async def test_max_new_tokens_five_gives_exactly_five(live, client):
     assert isinstance(d["seed"], int)
 
 
-async def test_concurrent_greedy_equals_sequential(live, client):
+async def test_concurrent_greedy_equals_sequential(server, client):
     questions = [f"Give me one fact about the number {i}." for i in range(16)]
-    prompts = [live.chat_ids(q) for q in questions]
+    prompts = [server.chat_ids(q) for q in questions]
     seq = [(await infer(client, p, max_new_tokens=24, details=True))["details"]
            ["generated_token_ids"] for p in prompts]
     conc = await asyncio.gather(*(infer(client, p, max_new_tokens=24, details=True)
                                   for p in prompts))
     assert [c["details"]["generated_token_ids"] for c in conc] == seq
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_seeded_sampling_is_batch_independent(live, client):
-    ids = live.chat_ids("Write a short poem about rain.")
+async def test_seeded_sampling_is_batch_independent(server, client):
+    ids = server.chat_ids("Write a short poem about rain.")
     params = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.95, seed=1234,
                   details=True)
     alone = await infer(client, ids, **params)
-    others = [infer(client, live.chat_ids(f"Count to {i}."), max_new_tokens=16, do_sample=True,
+    others = [infer(client, server.chat_ids(f"Count to {i}."), max_new_tokens=16, do_sample=True,
                     seed=i) for i in range(6)]
     together, *_ = await asyncio.gather(infer(client, ids, **params), *others)
     assert together["details"]["generated_token_ids"] == alone["details"]["generated_token_ids"]
     assert together["details"]["seed"] == 1234
 
 
-async def test_stream_matches_non_stream(live, client):
-    ids = live.chat_ids("Explain what a cat is in two sentences.")
+async def test_stream_matches_non_stream(server, client):
+    ids = server.chat_ids("Explain what a cat is in two sentences.")
     events = await stream_events(client, ids, max_new_tokens=20, details=True)
     full = await infer(client, ids, max_new_tokens=20)
     first, last = events[0], events[-1]
@@ -80,9 +86,9 @@ async def test_stream_matches_non_stream(live, client):
     assert sum(len(e["token"]["id"]) for e in events) == last["details"]["generated_tokens"]
 
 
-async def test_chinese_and_emoji_stream_valid_utf8(live, client):
+async def test_chinese_and_emoji_stream_valid_utf8(server, client):
     text = "你好，世界！🌍🚀 我爱北京。😀\n" * 3
-    ids = live.engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = server.engine.tokenizer.encode(text, add_special_tokens=False)
     events = await stream_events(client, ids, max_new_tokens=40)
     pieces = [e["token"]["text"] for e in events[:-1]]
     final = events[-1]["generated_text"]
@@ -94,15 +100,17 @@ async def test_chinese_and_emoji_stream_valid_utf8(live, client):
     assert final == full["generated_text"]
 
 
-async def test_client_disconnect_mid_stream_frees_kv_blocks(live):
-    ids = live.chat_ids("Write a very long essay about the history of Rome.")
+async def test_client_disconnect_mid_stream_frees_kv_blocks(server):
+    ids = server.chat_ids("Write a very long essay about the history of Rome.")
     body = {"input_id": ids, "stream": True,
             "parameters": {"max_new_tokens": 400, "details": False}}
-    await live.disconnect_mid_stream("/infer_token", body)
+    await server.disconnect_mid_stream("/infer_token", body)
 
 
 async def test_engine_timeout_stops_request_and_frees_blocks(live):
-    """A client `timeout` that fires: the request ends with the spec's error (§0.4)."""
+    """A client `timeout` that fires: the request ends with the spec's error (§0.4).
+    Mixed only: it drives the in-process engine directly (no HTTP, nothing PD could
+    change)."""
     from tokenserve.messages import FinishReason, GenerateRequest
     from tokenserve.sampling_params import SamplingParams
 
@@ -133,7 +141,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,body,ctype,status", BAD, ids=[b[0] for b in BAD])
-async def test_bad_input_gets_4xx_then_server_still_serves(live, client, name, body, ctype,
+async def test_bad_input_gets_4xx_then_server_still_serves(server, client, name, body, ctype,
                                                            status):
     r = await client.post("/infer_token", content=body, headers={"content-type": ctype})
     assert r.status_code == status, (name, r.text)
@@ -143,7 +151,7 @@ async def test_bad_input_gets_4xx_then_server_still_serves(live, client, name, b
     assert isinstance(out["generated_text"], str)
 
 
-async def test_huge_body_is_413_and_server_keeps_serving(live, client):
+async def test_huge_body_is_413_and_server_keeps_serving(server, client):
     body = b'{"input_id": [' + b"1," * (21 << 20) + b"1]}"  # ~42 MiB > 40 MiB limit
     try:
         r = await client.post("/infer_token", content=body,
@@ -156,8 +164,8 @@ async def test_huge_body_is_413_and_server_keeps_serving(live, client):
     assert isinstance(out["generated_text"], str)
 
 
-async def test_prompt_longer_than_context_is_4xx(live, client):
-    n = live.engine.max_model_len + 5
+async def test_prompt_longer_than_context_is_4xx(server, client):
+    n = server.engine.max_model_len + 5
     r = await client.post("/infer_token", json={"input_id": [28] * n})
     assert 400 <= r.status_code < 500
     assert "error" in r.json()
@@ -168,13 +176,13 @@ async def test_health(client):
     assert r.status_code == 200
 
 
-async def test_stop_mid_character_drops_the_broken_tail(live, client):
+async def test_stop_mid_character_drops_the_broken_tail(server, client):
     """Issue 11 §6: a greedy Chinese answer cut by max_new_tokens mid-way through a
     multi-byte character ends without U+FFFD, in the stream and the final text alike;
     the token ids still report every token."""
-    ids = live.chat_ids("请用中文介绍一下长城的历史。")
+    ids = server.chat_ids("请用中文介绍一下长城的历史。")
     full = (await infer(client, ids, max_new_tokens=48, details=True))["details"]
-    decode = live.engine.tokenizer.decode
+    decode = server.engine.tokenizer.decode
     # greedy: a shorter max_new_tokens gives a prefix of these ids; cut inside a character
     n = max(k for k in range(2, 49) if decode(full["generated_token_ids"][:k]).endswith("\ufffd"))
     out = await infer(client, ids, max_new_tokens=n, details=True)
@@ -186,4 +194,4 @@ async def test_stop_mid_character_drops_the_broken_tail(live, client):
     assert events[-1]["generated_text"] == text
     assert "".join(e["token"]["text"] or "" for e in events) == text
     assert [t for e in events for t in e["token"]["id"]] == got
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()

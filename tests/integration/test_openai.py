@@ -12,12 +12,18 @@ import pytest_asyncio
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
+
+@pytest.fixture
+def client(server_client):
+    """Every test here runs against a mixed server and against PD (conftest ``server``)."""
+    return server_client
+
 EMOJI_LINE = "你好，世界！🌍🚀 我爱北京。😀\n"
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def sdk(live):
-    client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0,
+async def sdk(server):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
                                 timeout=120)
     yield client
     await client.close()
@@ -27,75 +33,75 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-async def chat(sdk, live, text: str, **kw):
-    return await sdk.chat.completions.create(model=live.engine.model_name,
+async def chat(sdk, server, text: str, **kw):
+    return await sdk.chat.completions.create(model=server.engine.model_name,
                                              messages=user(text), **kw)
 
 
-async def cmpl(sdk, live, prompt, **kw):
-    return await sdk.completions.create(model=live.engine.model_name, prompt=prompt, **kw)
+async def cmpl(sdk, server, prompt, **kw):
+    return await sdk.completions.create(model=server.engine.model_name, prompt=prompt, **kw)
 
 
-async def test_models(sdk, live):
+async def test_models(sdk, server):
     models = [m.id async for m in sdk.models.list()]
-    assert models == [live.engine.model_name]
-    model = await sdk.models.retrieve(live.engine.model_name)
+    assert models == [server.engine.model_name]
+    model = await sdk.models.retrieve(server.engine.model_name)
     assert model.owned_by == "MindIE Server"
     with pytest.raises(openai.NotFoundError) as exc:
         await sdk.models.retrieve("no-such-model")
     assert "Model no-such-model not found." in exc.value.message
 
 
-async def test_chat_answers_and_counts_usage(sdk, live):
+async def test_chat_answers_and_counts_usage(sdk, server):
     q = "What is the capital of France?"
-    out = await chat(sdk, live, q, max_tokens=24, temperature=0)
+    out = await chat(sdk, server, q, max_tokens=24, temperature=0)
     choice = out.choices[0]
     assert "Paris" in choice.message.content and choice.message.role == "assistant"
     assert choice.finish_reason in ("stop", "length")
-    assert out.id.startswith("chatcmpl-") and out.model == live.engine.model_name
-    assert out.usage.prompt_tokens == len(live.chat_ids(q))
-    ids = live.engine.tokenizer.encode(choice.message.content, add_special_tokens=False)
+    assert out.id.startswith("chatcmpl-") and out.model == server.engine.model_name
+    assert out.usage.prompt_tokens == len(server.chat_ids(q))
+    ids = server.engine.tokenizer.encode(choice.message.content, add_special_tokens=False)
     assert out.usage.completion_tokens in (len(ids), len(ids) + 1)  # + the EOS token
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_completion_length_and_usage(sdk, live):
+async def test_completion_length_and_usage(sdk, server):
     prompt = "The quick brown fox"
-    out = await cmpl(sdk, live, prompt, max_tokens=5, temperature=0,
+    out = await cmpl(sdk, server, prompt, max_tokens=5, temperature=0,
                      extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.id.startswith("cmpl-")
-    assert out.usage.prompt_tokens == len(live.engine.tokenizer.encode(prompt))
+    assert out.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
     assert out.usage.completion_tokens == 5
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
-async def test_greedy_stream_equals_non_stream(sdk, live, kind):
+async def test_greedy_stream_equals_non_stream(sdk, server, kind):
     kw = {"max_tokens": 16, "temperature": 0}
     if kind == "chat":
         q = "Explain what a cat is in two sentences."
-        full = (await chat(sdk, live, q, **kw)).choices[0].message.content
-        chunks = [c async for c in await chat(sdk, live, q, stream=True, **kw)]
+        full = (await chat(sdk, server, q, **kw)).choices[0].message.content
+        chunks = [c async for c in await chat(sdk, server, q, stream=True, **kw)]
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[0].choices[0].delta.content == ""
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
     else:
         prompt = "Once upon a time, in a small village,"
-        full = (await cmpl(sdk, live, prompt, **kw)).choices[0].text
-        chunks = [c async for c in await cmpl(sdk, live, prompt, stream=True, **kw)]
+        full = (await cmpl(sdk, server, prompt, **kw)).choices[0].text
+        chunks = [c async for c in await cmpl(sdk, server, prompt, stream=True, **kw)]
         text = "".join(c.choices[0].text for c in chunks)
     assert text == full and full
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].usage is not None  # usage rides on the finishing chunk
     assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_stream_include_usage(sdk, live):
+async def test_stream_include_usage(sdk, server):
     q = "Name three colours."
     kw = {"max_tokens": 8, "temperature": 0}
-    plain = (await chat(sdk, live, q, **kw)).usage
-    chunks = [c async for c in await chat(sdk, live, q, stream=True,
+    plain = (await chat(sdk, server, q, **kw)).usage
+    chunks = [c async for c in await chat(sdk, server, q, stream=True,
                                           stream_options={"include_usage": True}, **kw)]
     got = chunks[-1].usage
     assert chunks[-1].choices == [] and got is not None
@@ -106,53 +112,67 @@ async def test_stream_include_usage(sdk, live):
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
 
 
-async def test_n2_chat_and_completions(sdk, live):
-    out = await chat(sdk, live, "Write a word.", n=2, max_tokens=8, temperature=1.0, seed=3)
+async def test_n2_chat_and_completions(sdk, server):
+    if server.kind == "pd":  # PD serves one sequence per request (MindIE too): 422
+        from tokenserve.pd.node import PD_ONE_SEQUENCE
+
+        with pytest.raises(openai.UnprocessableEntityError) as exc:
+            await chat(sdk, server, "Write a word.", n=2, max_tokens=8, temperature=1.0,
+                       seed=3)
+        assert exc.value.message == PD_ONE_SEQUENCE
+        assert exc.value.body["type"] == "Input Validation Error"
+        with pytest.raises(openai.UnprocessableEntityError):
+            await cmpl(sdk, server, ["Hello", "Bye"], max_tokens=6, stream=True, seed=1)
+        await server.assert_idle_and_leak_free()
+        return
+    out = await chat(sdk, server, "Write a word.", n=2, max_tokens=8, temperature=1.0, seed=3)
     assert [c.index for c in out.choices] == [0, 1]
     assert out.usage.completion_tokens == sum(
-        len(live.engine.tokenizer.encode(c.message.content, add_special_tokens=False))
+        len(server.engine.tokenizer.encode(c.message.content, add_special_tokens=False))
         + (c.finish_reason == "stop") for c in out.choices)
-    chunks = [c async for c in await cmpl(sdk, live, ["Hello", "Bye"], n=2, max_tokens=6,
+    chunks = [c async for c in await cmpl(sdk, server, ["Hello", "Bye"], n=2, max_tokens=6,
                                           stream=True, seed=1)]
     finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
     assert finished == [0, 1, 2, 3]
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_seed_reproducible_with_sampling(sdk, live):
-    kw = {"n": 2, "max_tokens": 12, "temperature": 1.2, "top_p": 0.95, "seed": 1234}
-    a = await chat(sdk, live, "Write a short poem about rain.", **kw)
-    b = await chat(sdk, live, "Write a short poem about rain.", **kw)
+async def test_seed_reproducible_with_sampling(sdk, server):
+    n = 1 if server.kind == "pd" else 2  # PD: one sequence per request
+    kw = {"n": n, "max_tokens": 12, "temperature": 1.2, "top_p": 0.95, "seed": 1234}
+    a = await chat(sdk, server, "Write a short poem about rain.", **kw)
+    b = await chat(sdk, server, "Write a short poem about rain.", **kw)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
-    assert a.choices[0].message.content != a.choices[1].message.content  # seed, seed+1
+    if n == 2:
+        assert a.choices[0].message.content != a.choices[1].message.content  # seed, seed+1
 
 
-async def test_stop_string(sdk, live):
+async def test_stop_string(sdk, server):
     prompt = "1, 2, 3, 4, 5,"
-    full = (await cmpl(sdk, live, prompt, max_tokens=16, temperature=0)).choices[0].text
+    full = (await cmpl(sdk, server, prompt, max_tokens=16, temperature=0)).choices[0].text
     assert " 8," in full, full  # the model counts on
-    out = await cmpl(sdk, live, prompt, max_tokens=16, temperature=0, stop=[" 8"])
+    out = await cmpl(sdk, server, prompt, max_tokens=16, temperature=0, stop=[" 8"])
     assert out.choices[0].text == full[: full.index(" 8")]
     assert out.choices[0].finish_reason == "stop"
-    chunks = [c async for c in await cmpl(sdk, live, prompt, max_tokens=16, temperature=0,
+    chunks = [c async for c in await cmpl(sdk, server, prompt, max_tokens=16, temperature=0,
                                           stop=" 8", stream=True)]
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_chinese_and_emoji_stream_without_replacement_chars(sdk, live):
+async def test_chinese_and_emoji_stream_without_replacement_chars(sdk, server):
     prompt = EMOJI_LINE * 3
     kw = {"max_tokens": 18, "temperature": 0}  # 18 tokens = "你好，世界！🌍🚀" if it repeats
-    full = (await cmpl(sdk, live, prompt, **kw)).choices[0].text
-    pieces = [c.choices[0].text async for c in await cmpl(sdk, live, prompt, stream=True, **kw)]
+    full = (await cmpl(sdk, server, prompt, **kw)).choices[0].text
+    pieces = [c.choices[0].text async for c in await cmpl(sdk, server, prompt, stream=True, **kw)]
     assert "".join(pieces) == full
     # only a character cut by max_tokens may end the text as U+FFFD (the final flush)
     assert "\ufffd" not in "".join(pieces[:-1]) + full.rstrip("\ufffd"), pieces
     assert any(ord(ch) > 0xFFFF for ch in full) and "你好" in full, full  # emoji + CJK
 
 
-async def test_logprobs(sdk, live):
-    out = await chat(sdk, live, "Say hello.", max_tokens=6, temperature=0, logprobs=True,
+async def test_logprobs(sdk, server):
+    out = await chat(sdk, server, "Say hello.", max_tokens=6, temperature=0, logprobs=True,
                      top_logprobs=3)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
@@ -162,7 +182,7 @@ async def test_logprobs(sdk, live):
         assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-4)  # greedy
     raw = b"".join(bytes(e.bytes) for e in content)
     assert raw.decode("utf-8", errors="replace").startswith(out.choices[0].message.content[:3])
-    c = await cmpl(sdk, live, "The sky is", max_tokens=5, temperature=0, logprobs=2,
+    c = await cmpl(sdk, server, "The sky is", max_tokens=5, temperature=0, logprobs=2,
                    extra_body={"ignore_eos": True})
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
@@ -171,33 +191,34 @@ async def test_logprobs(sdk, live):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
-async def test_validation_errors_are_422(sdk, live):
+async def test_validation_errors_are_422(sdk, server):
     # the SDK shows the message (OpenAI error shape), not just "Error code: 422"
     with pytest.raises(openai.UnprocessableEntityError) as exc:
-        await chat(sdk, live, "hi", max_tokens=4, top_p=0)
+        await chat(sdk, server, "hi", max_tokens=4, top_p=0)
     assert exc.value.status_code == 422
     assert "Parameter top_p must be in (0.0,1.0], got 0" in str(exc.value)
     assert "Parameter top_p must be in (0.0,1.0], got 0" in exc.value.message
     assert exc.value.type == "Input Validation Error"
     assert exc.value.body["message"].startswith("Parameter top_p")
     with pytest.raises(openai.UnprocessableEntityError) as exc:
-        await cmpl(sdk, live, "hi", max_tokens=4, temperature=-1)
+        await cmpl(sdk, server, "hi", max_tokens=4, temperature=-1)
     assert "Parameter temperature must be in" in str(exc.value)
     with pytest.raises(openai.UnprocessableEntityError) as exc:
-        await chat(sdk, live, "hi", max_tokens=4, n=2, temperature=0)
+        await chat(sdk, server, "hi", max_tokens=4, n=2, temperature=0)
     assert "must be 1 when temperature is 0" in exc.value.message
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         await sdk.chat.completions.create(model="nope", messages=user("hi"), max_tokens=4)
     assert "Model not found" in exc.value.message
-    out = await chat(sdk, live, "hi", max_tokens=2, extra_body={"repetition_penalty": 1.1,
+    out = await chat(sdk, server, "hi", max_tokens=2, extra_body={"repetition_penalty": 1.1,
                                                                  "top_k": -1}, user="me")
     assert out.choices[0].finish_reason in ("stop", "length")
 
 
-async def test_disconnect_mid_stream_frees_blocks(sdk, live):
-    await live.assert_idle_and_leak_free()
-    before = live.engine.stats().finished_by_reason.get("abort", 0)
-    stream = await chat(sdk, live, "Tell me a long story about a dragon.", n=2, max_tokens=200,
+async def test_disconnect_mid_stream_frees_blocks(sdk, server):
+    await server.assert_idle_and_leak_free()
+    before = await server.aborted()
+    n = 1 if server.kind == "pd" else 2  # PD: one sequence per request
+    stream = await chat(sdk, server, "Tell me a long story about a dragon.", n=n, max_tokens=200,
                         stream=True, extra_body={"ignore_eos": True})
     seen = 0
     async for _ in stream:
@@ -206,5 +227,5 @@ async def test_disconnect_mid_stream_frees_blocks(sdk, live):
             break
     await stream.close()
     await asyncio.sleep(0.05)
-    await live.assert_idle_and_leak_free()
-    assert live.engine.stats().finished_by_reason.get("abort", 0) >= before + 2
+    await server.assert_idle_and_leak_free()
+    assert await server.aborted_at_least(before + n) >= before + n

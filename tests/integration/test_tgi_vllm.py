@@ -15,12 +15,18 @@ from tests.sse import read_sse
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
+
+@pytest.fixture
+def client(server_client):
+    """Every test here runs against a mixed server and against PD (conftest ``server``)."""
+    return server_client
+
 CJK_EMOJI = "你好，世界！🌍🚀 我爱北京。😀\n" * 3
 
 
-def chat(live, user: str) -> str:
+def chat(server, user: str) -> str:
     """A one-turn ChatML prompt as text, ready for the assistant's answer."""
-    return live.engine.tokenizer.apply_chat_template([{"role": "user", "content": user}],
+    return server.engine.tokenizer.apply_chat_template([{"role": "user", "content": user}],
                                                      add_generation_prompt=True)
 
 
@@ -43,21 +49,21 @@ async def vllm(client, body: dict) -> list[str]:
 # --------------------------------------------------------------------------- TGI
 
 
-async def test_tgi_client_details(live):
-    hf = InferenceClient(base_url=live.url)
-    out = await asyncio.to_thread(hf.text_generation, chat(live, "What is the capital of France?"),
+async def test_tgi_client_details(server):
+    hf = InferenceClient(base_url=server.url)
+    out = await asyncio.to_thread(hf.text_generation, chat(server, "What is the capital of France?"),
                                   details=True, max_new_tokens=16, top_n_tokens=3)
     assert "Paris" in out.generated_text, out
     d = out.details
     assert d.finish_reason in ("eos_token", "length")
     assert d.generated_tokens == len(d.tokens) and d.generated_tokens <= 16
     assert isinstance(d.seed, int) and d.prefill == []
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_tgi_client_stream_equals_non_stream(live):
-    hf = InferenceClient(base_url=live.url)
-    prompt = chat(live, "Explain what a cat is in two sentences.")
+async def test_tgi_client_stream_equals_non_stream(server):
+    hf = InferenceClient(base_url=server.url)
+    prompt = chat(server, "Explain what a cat is in two sentences.")
     full = await asyncio.to_thread(hf.text_generation, prompt, max_new_tokens=20)
     tokens = await asyncio.to_thread(
         lambda: list(hf.text_generation(prompt, max_new_tokens=20, stream=True)))
@@ -71,7 +77,7 @@ async def test_tgi_client_stream_equals_non_stream(live):
     assert last.details.finish_reason in ("eos_token", "length")
 
 
-async def test_tgi_full_text_and_prefill(live, client):
+async def test_tgi_full_text_and_prefill(server, client):
     prompt = "The quick brown fox"
     body = {"inputs": prompt, "parameters": {"max_new_tokens": 4, "return_full_text": True,
                                              "decoder_input_details": True}}
@@ -79,11 +85,11 @@ async def test_tgi_full_text_and_prefill(live, client):
     obj = r.json()
     d = obj["details"]
     assert obj["generated_text"].startswith(prompt + " ")
-    assert len(d["prefill"]) == d["prompt_tokens"] == len(live.engine.tokenizer.encode(prompt))
-    assert [t["id"] for t in d["prefill"]] == live.engine.tokenizer.encode(prompt)
+    assert len(d["prefill"]) == d["prompt_tokens"] == len(server.engine.tokenizer.encode(prompt))
+    assert [t["id"] for t in d["prefill"]] == server.engine.tokenizer.encode(prompt)
 
 
-async def test_tgi_cjk_emoji_stream_has_no_replacement_char(live, client):
+async def test_tgi_cjk_emoji_stream_has_no_replacement_char(server, client):
     body = {"inputs": CJK_EMOJI, "parameters": {"max_new_tokens": 24}}
     events = await tgi_events(client, "/generate_stream", body)
     pieces = [e["token"]["text"] for e in events]
@@ -99,17 +105,17 @@ async def test_tgi_cjk_emoji_stream_has_no_replacement_char(live, client):
 # --------------------------------------------------------------------------- vLLM
 
 
-async def test_vllm_stream_equals_non_stream(live, client):
-    prompt = chat(live, "Give me one fact about the moon.")
+async def test_vllm_stream_equals_non_stream(server, client):
+    prompt = chat(server, "Give me one fact about the moon.")
     [text] = await vllm(client, {"prompt": prompt, "max_tokens": 20})
     assert text.startswith(prompt + " ")
     chunks = await vllm_chunks(client, {"prompt": prompt, "max_tokens": 20})
     assert all(len(c["text"]) == 1 for c in chunks)
     assert prompt + " " + "".join(c["text"][0] for c in chunks) == text
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_vllm_cjk_emoji_stream_has_no_replacement_char(live, client):
+async def test_vllm_cjk_emoji_stream_has_no_replacement_char(server, client):
     chunks = await vllm_chunks(client, {"prompt": CJK_EMOJI, "max_tokens": 24})
     pieces = [c["text"][0] for c in chunks]
     streamed = "".join(pieces)
@@ -119,22 +125,31 @@ async def test_vllm_cjk_emoji_stream_has_no_replacement_char(live, client):
     assert text == CJK_EMOJI + " " + streamed
 
 
-async def test_vllm_n_sampled_sequences(live, client):
-    prompt = chat(live, "Name a colour.")
+async def test_vllm_n_sampled_sequences(server, client):
+    prompt = chat(server, "Name a colour.")
+    if server.kind == "pd":  # PD serves one sequence per request (MindIE too): 422
+        from tokenserve.pd.node import PD_ONE_SEQUENCE
+
+        r = await client.post("/generate", json={"prompt": prompt, "max_tokens": 8, "n": 2,
+                                                 "temperature": 0.9, "seed": 7})
+        assert r.status_code == 422 and r.headers["content-type"] == "application/json"
+        assert r.json() == {"error": PD_ONE_SEQUENCE, "error_type": "Input Validation Error"}
+        await server.assert_idle_and_leak_free()
+        return
     texts = await vllm(client, {"prompt": prompt, "max_tokens": 8, "n": 2, "temperature": 0.9,
                                 "seed": 7})
     assert len(texts) == 2 and all(t.startswith(prompt + " ") for t in texts)
     assert texts == await vllm(client, {"prompt": prompt, "max_tokens": 8, "n": 2,
                                         "temperature": 0.9, "seed": 7})  # seeded
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
 # --------------------------------------------------------------------------- stop strings
 # These depend on the engine's stop-string support (SamplingParams.stop).
 
 
-async def test_tgi_stop_string_cuts_before_period(live, client):
-    prompt = chat(live, "What is the capital of France?")
+async def test_tgi_stop_string_cuts_before_period(server, client):
+    prompt = chat(server, "What is the capital of France?")
     base = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True}}
     full = (await client.post("/generate", json=base)).json()["generated_text"]
     assert "." in full, full
@@ -145,11 +160,11 @@ async def test_tgi_stop_string_cuts_before_period(live, client):
     events = await tgi_events(client, "/generate_stream", body)
     assert events[-1]["generated_text"] == out["generated_text"]
     assert "".join(e["token"]["text"] for e in events) == out["generated_text"]
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
-async def test_vllm_stop_string(live, client):
-    prompt = chat(live, "What is the capital of France?")
+async def test_vllm_stop_string(server, client):
+    prompt = chat(server, "What is the capital of France?")
     [full] = await vllm(client, {"prompt": prompt, "max_tokens": 24})
     gen = full[len(prompt) + 1:]
     assert "." in gen, gen
@@ -160,34 +175,34 @@ async def test_vllm_stop_string(live, client):
     assert kept == [f"{prompt} {cut}."]
     chunks = await vllm_chunks(client, {"prompt": prompt, "max_tokens": 24, "stop": ["."]})
     assert "".join(c["text"][0] for c in chunks) == cut
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
 
 
 # --------------------------------------------------------------------------- disconnect
 
 
 @pytest.mark.parametrize("family", ["tgi", "vllm"])
-async def test_client_disconnect_mid_stream_frees_kv_blocks(live, family):
+async def test_client_disconnect_mid_stream_frees_kv_blocks(server, family):
     # max_new_tokens 200: the request must still be running when the client leaves
     # (it is aborted after three chunks, so this stays fast)
-    prompt = chat(live, "Write a very long essay about the history of Rome.")
+    prompt = chat(server, "Write a very long essay about the history of Rome.")
     if family == "tgi":
         path, body, sep = "/generate_stream", {"inputs": prompt,
                                                "parameters": {"max_new_tokens": 200}}, b"\n\n"
     else:
         path, body, sep = "/generate", {"prompt": prompt, "max_tokens": 200, "stream": True}, b"\0"
-    await live.assert_idle_and_leak_free()
-    await live.disconnect_mid_stream(path, body, sep)
+    await server.assert_idle_and_leak_free()
+    await server.disconnect_mid_stream(path, body, sep)
 
 
 # --------------------------------------------------------------------------- /info
 
 
-async def test_info(live, client):
+async def test_info(server, client):
     obj = (await client.get("/info")).json()
     [model] = obj["models"]
-    assert model["model_id"] == live.engine.model_name
-    assert model["max_total_tokens"] == live.engine.max_model_len
+    assert model["model_id"] == server.engine.model_name
+    assert model["max_total_tokens"] == server.engine.max_model_len
     assert model["model_dtype"] == "float32" and model["model_device_type"] == "cpu"
     assert obj["max_concurrent_requests"] == 32 and obj["max_batch_total_tokens"] == 2048
-    assert obj["max_input_length"] == live.engine.max_model_len - 1
+    assert obj["max_input_length"] == server.engine.max_model_len - 1

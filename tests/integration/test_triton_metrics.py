@@ -16,12 +16,18 @@ from tests.sse import read_sse
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-def addr(live) -> str:
-    return live.url.removeprefix("http://")
+@pytest.fixture
+def client(server_client):
+    """Every test here runs against a mixed server and against PD (conftest ``server``)."""
+    return server_client
 
 
-def prompt_text(live, user: str) -> str:
-    return live.engine.tokenizer.apply_chat_template(
+def addr(server) -> str:
+    return server.url.removeprefix("http://")
+
+
+def prompt_text(server, user: str) -> str:
+    return server.engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": user}], add_generation_prompt=True)
 
 
@@ -37,14 +43,14 @@ async def scrape(client) -> dict[str, float]:
             for s in fam.samples if "le" not in s.labels}
 
 
-async def test_tritonclient_ready_and_infer(live):
+async def test_tritonclient_ready_and_infer(server):
     import tritonclient.http as tc
 
-    model = live.engine.model_name
-    ids = live.chat_ids("What is the capital of France?")
+    model = server.engine.model_name
+    ids = server.chat_ids("What is the capital of France?")
 
     def call() -> tuple[bool, bool, list[int], list[int]]:
-        c = tc.InferenceServerClient(url=addr(live), network_timeout=120)
+        c = tc.InferenceServerClient(url=addr(server), network_timeout=120)
         try:
             inp = tc.InferInput("input0", [1, len(ids)], "UINT32")
             inp.set_data_from_numpy(np.array([ids], dtype=np.uint32))  # binary (default)
@@ -62,13 +68,13 @@ async def test_tritonclient_ready_and_infer(live):
     ready, model_ready, out, out2 = await asyncio.to_thread(call)
     assert ready and model_ready
     assert 0 < len(out) <= 12 and out == out2  # greedy: same ids either encoding
-    assert "Paris" in live.engine.tokenizer.decode(out)
-    await live.assert_idle_and_leak_free()
+    assert "Paris" in server.engine.tokenizer.decode(out)
+    await server.assert_idle_and_leak_free()
 
 
-async def test_generate_stream_equals_non_stream(live, client):
-    model = live.engine.model_name
-    body = {"id": "eq-1", "text_input": prompt_text(live, "Explain what a cat is."),
+async def test_generate_stream_equals_non_stream(server, client):
+    model = server.engine.model_name
+    body = {"id": "eq-1", "text_input": prompt_text(server, "Explain what a cat is."),
             "parameters": {"max_new_tokens": 12, "details": True}}
     r = await client.post(f"/v2/models/{model}/generate", json=body)
     assert r.status_code == 200, r.text
@@ -81,8 +87,8 @@ async def test_generate_stream_equals_non_stream(live, client):
     assert events[0]["prefill_time"] is not None and events[1]["decode_time"] is not None
 
 
-async def test_generate_stream_chinese_emoji_utf8(live, client):
-    model = live.engine.model_name
+async def test_generate_stream_chinese_emoji_utf8(server, client):
+    model = server.engine.model_name
     body = {"text_input": "你好，世界！🌍🚀 我爱北京。😀\n" * 3, "max_tokens": 24}
     events = await stream_events(client, model, body)
     text = "".join(e["text_output"] for e in events)
@@ -91,23 +97,23 @@ async def test_generate_stream_chinese_emoji_utf8(live, client):
     assert any("\u4e00" <= c <= "\u9fff" for c in text), text
 
 
-async def test_generate_stream_disconnect_frees_kv_blocks(live):
-    model = live.engine.model_name
-    body = {"text_input": prompt_text(live, "Write a very long essay about Rome."),
+async def test_generate_stream_disconnect_frees_kv_blocks(server):
+    model = server.engine.model_name
+    body = {"text_input": prompt_text(server, "Write a very long essay about Rome."),
             "parameters": {"max_new_tokens": 400}}
-    await live.disconnect_mid_stream(f"/v2/models/{model}/generate_stream", body)
+    await server.disconnect_mid_stream(f"/v2/models/{model}/generate_stream", body)
 
 
-async def test_stop_infer_stops_running_stream(live, client):
-    model = live.engine.model_name
-    body = {"id": "stop-me-1", "text_input": prompt_text(live, "Count from 1 to 1000."),
+async def test_stop_infer_stops_running_stream(server, client):
+    model = server.engine.model_name
+    body = {"id": "stop-me-1", "text_input": prompt_text(server, "Count from 1 to 1000."),
             "parameters": {"max_new_tokens": 400, "details": True}}
-    aborted_before = live.engine.stats().finished_by_reason.get("abort", 0)
+    aborted_before = await server.aborted()
     events: list[dict] = []
     first = asyncio.Event()
 
     async def run() -> None:
-        async with (httpx.AsyncClient(base_url=live.url, timeout=60) as c,
+        async with (httpx.AsyncClient(base_url=server.url, timeout=60) as c,
                     c.stream("POST", f"/v2/models/{model}/generate_stream", json=body) as r):
             buf = b""
             async for chunk in r.aiter_bytes():
@@ -124,21 +130,24 @@ async def test_stop_infer_stops_running_stream(live, client):
     await asyncio.wait_for(task, 30)
     assert events[-1]["details"]["finish_reason"] == "stop_sequence"
     assert events[-1]["details"]["generated_tokens"] < 400
-    await live.assert_idle_and_leak_free()
-    assert live.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
+    await server.assert_idle_and_leak_free()
+    assert await server.aborted_at_least(aborted_before + 1) == aborted_before + 1
     r = await client.post(f"/v2/models/{model}/stopInfer", json={"id": "stop-me-1"})
     assert r.status_code == 404
 
 
-async def test_metrics_count_requests(live, client):
-    model = live.engine.model_name
+async def test_metrics_count_requests(server, client):
+    model = server.engine.model_name
+    if server.kind == "pd":  # the instances' own counters (the coordinator's: issue 22 b)
+        await pd_metrics_count_requests(server, client, model)
+        return
     before = await scrape(client)
     n = 3
     for i in range(n):
         r = await client.post(f"/v2/models/{model}/generate",
                               json={"text_input": f"Say {i}.", "parameters": {"max_new_tokens": 4}})
         assert r.status_code == 200
-    await live.assert_idle_and_leak_free()
+    await server.assert_idle_and_leak_free()
     after = await scrape(client)
     assert after["request_received_total"] - before["request_received_total"] == n
     assert after["request_success_total"] - before["request_success_total"] == n
@@ -151,14 +160,45 @@ async def test_metrics_count_requests(live, client):
     assert r.status_code == 200 and r.json()["resultType"] == "vector"
 
 
-async def test_triton_metadata_and_tokenizer(live, client):
-    model = live.engine.model_name
+async def pd_metrics_count_requests(server, client, model: str) -> None:
+    """PD's equivalent of the counts below, on P's and D's own /metrics: each request is
+    received and succeeds once on P (the hand-off counts as a success) and once on D."""
+    insts = [httpx.AsyncClient(base_url=i.url, timeout=30)
+             for i in (server.pair.p, server.pair.d)]
+    try:
+        before = [await scrape(c) for c in insts]
+        n = 3
+        for i in range(n):
+            r = await client.post(f"/v2/models/{model}/generate",
+                                  json={"text_input": f"Say {i}.",
+                                        "parameters": {"max_new_tokens": 4}})
+            assert r.status_code == 200
+        await server.assert_idle_and_leak_free()
+        for c, b in zip(insts, before, strict=True):
+            a = await scrape(c)
+            assert a["request_received_total"] - b["request_received_total"] == n
+            assert a["request_success_total"] - b["request_success_total"] == n
+            assert a["num_requests_running"] == 0 and a["num_requests_waiting"] == 0
+            assert a["cpu_cache_usage_perc"] == 0
+    finally:
+        for c in insts:
+            await c.aclose()
+
+
+async def test_triton_metadata_and_tokenizer(server, client):
+    model = server.engine.model_name
     cfg = (await client.get(f"/v2/models/{model}/config")).json()
-    assert cfg["max_seq_len"] == live.engine.max_model_len
-    slots = (await client.get(f"/v2/models/{model}/getSlotCount")).json()
-    assert slots["total_slots"] == live.engine.cfg.max_batch_size
-    st = live.engine.stats()
-    assert slots["available_tokens_length"] == st.num_free_blocks * live.engine.cfg.block_size
+    assert cfg["max_seq_len"] == server.engine.max_model_len
+    if server.kind == "mixed":  # an instance's slots: PD has one per instance (below)
+        slots = (await client.get(f"/v2/models/{model}/getSlotCount")).json()
+        assert slots["total_slots"] == server.engine.cfg.max_batch_size
+        st = server.engine.stats()
+        assert slots["available_tokens_length"] == st.num_free_blocks * server.engine.cfg.block_size
+    else:
+        for inst in (server.pair.p, server.pair.d):
+            async with httpx.AsyncClient(base_url=inst.url, timeout=30) as c:
+                slots = (await c.get(f"/v2/models/{model}/getSlotCount")).json()
+            assert slots["total_slots"] == server.engine.cfg.max_batch_size
     r = await client.post("/v1/tokenizer", json={"inputs": "Hello world"})
     assert r.status_code == 200
     out = r.json()

@@ -187,7 +187,10 @@ class Coordinator:
         instance failed`` when P fails, in the route family's error shape."""
         p = self.pool.choose_p()
         route = match(request.method, request.path)
-        if p is None or (request.path == path_of("server.health") and not self.pool.ready()):
+        if request.path == path_of("server.health") and (p is None or not self.pool.ready()):
+            await response.send(503, b"", "application/json")  # a mixed server's unhealthy
+            return
+        if p is None:
             await _send_error(response, route, 503, msg.NOT_READY)
             return
         plane = route.plane if route is not None else Plane.BUSINESS
