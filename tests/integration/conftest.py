@@ -33,15 +33,6 @@ class LiveServer:
                                        add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
 
-    async def aborted_at_least(self, n: float, timeout: float = 30.0) -> float:
-        """:meth:`aborted`, once it reaches ``n`` (PD: the instances count a stopped
-        request when its handler ends, after the coordinator's stopInfer) or after
-        ``timeout`` seconds."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while (got := await self.aborted()) < n and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.2)
-        return got
-
     async def disconnect_mid_stream(self, path: str, body: dict, sep: bytes = b"\n\n",
                                     after: int = 3) -> None:
         """Stream ``body`` to ``path``, hang up after ``after`` events (``sep``-framed),
@@ -185,6 +176,15 @@ class Target:
         if self.pair is None:
             return self.engine.stats().finished_by_reason.get("abort", 0)
         return await asyncio.to_thread(self.pair.failed)
+
+    async def aborted_at_least(self, n: float, timeout: float = 30.0) -> float:
+        """:meth:`aborted`, once it reaches ``n`` (PD: the instances count a stopped
+        request when its handler ends, after the coordinator's stopInfer) or after
+        ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (got := await self.aborted()) < n and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        return got
 
     async def disconnect_mid_stream(self, path: str, body: dict, sep: bytes = b"\n\n",
                                     after: int = 3) -> None:

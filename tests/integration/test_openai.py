@@ -119,7 +119,7 @@ async def test_n2_chat_and_completions(sdk, server):
         with pytest.raises(openai.UnprocessableEntityError) as exc:
             await chat(sdk, server, "Write a word.", n=2, max_tokens=8, temperature=1.0,
                        seed=3)
-        assert exc.value.message == PD_ONE_SEQUENCE
+        assert PD_ONE_SEQUENCE in exc.value.message
         assert exc.value.body["type"] == "Input Validation Error"
         with pytest.raises(openai.UnprocessableEntityError):
             await cmpl(sdk, server, ["Hello", "Bye"], max_tokens=6, stream=True, seed=1)

@@ -770,6 +770,23 @@ async def test_not_ready_without_a_usable_d() -> None:
 
 
 @bounded
+async def test_a_blank_last_message_ends_the_stream_with_nothing_more() -> None:
+    """D's lastData " " (nothing left to send: an empty field would be ignored, §6.3)
+    must not reach the client (it broke vLLM's NUL framing after a stop string)."""
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        rid, d = request.headers["req-id"], cl.d_for(request)
+        d.say(rid, ("ids", "1,5"), ("ids", "6"), ("data", '{"text":["b"]}\n'),
+              ("lastData", " "))
+        return 200, p_answer(rid, True, output='{"text":["a"]}\0')
+
+    async with cluster() as cl:
+        cl.script(script)
+        r = await cl.client.post("/generate", json={"prompt": "hi", "stream": True})
+        assert r.status_code == 200
+        assert r.content == b'{"text":["a"]}\0{"text":["b"]}\0'
+
+
+@bounded
 async def test_coordinator_errors_take_the_family_shape() -> None:
     """PD spec §3.2 rule [I] (a): OpenAI routes get the OpenAI error object, the other
     families MindIE's wrapper, each with MindIE-MS's message."""

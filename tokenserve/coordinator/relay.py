@@ -382,7 +382,10 @@ class Flow:
         elif m.kind == "lastData":
             self._completed = True
             if stream:
-                await resp.write(self._stream_body(m.body))
+                # a blank body is D's placeholder for "no final bytes" (an empty field
+                # would be ignored, §6.3): the client gets nothing for it
+                if m.body.strip():
+                    await resp.write(self._stream_body(m.body))
                 await resp.end()
             else:
                 await resp.send(200, m.body.encode(), "application/json")

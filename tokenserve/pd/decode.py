@@ -195,6 +195,8 @@ class DecodeObserver:
             return
         self.done = True
         ids = self._ids() if kind == "lastData" else b""
+        # " ": an empty field is ignored by the reader (§6.3); the coordinator sends a
+        # blank stream lastData as nothing
         self.hub.publish(ids + encode(self.req_id, kind, body or " "))
 
 
