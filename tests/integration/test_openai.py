@@ -91,6 +91,7 @@ async def test_greedy_stream_equals_non_stream(sdk, server, kind):
         chunks = [c async for c in await cmpl(sdk, server, prompt, stream=True, **kw)]
         text = "".join(c.choices[0].text for c in chunks)
     assert text == full and full
+    assert len({c.id for c in chunks}) == 1  # one id per response (PD: P's and D's chunks)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].usage is not None  # usage rides on the finishing chunk
     assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
