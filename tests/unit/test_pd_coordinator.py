@@ -23,6 +23,7 @@ import httpx
 import orjson
 import pytest
 
+from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import INFERENCE
 from tokenserve.cli import build_parser
 from tokenserve.config.flags import coordinator_config as config_from_args
@@ -673,12 +674,12 @@ async def test_client_disconnect_stops_the_request_on_p_and_d() -> None:
         assert cl.ps[0].stops == [stop] and cl.ds[0].stops == [stop]
 
 
-@pytest.mark.parametrize("by", ["client id", "req-id"])
+@pytest.mark.parametrize("by", ["client id", "req-id", "answer id"])
 @bounded
 async def test_stop_infer_reaches_the_instances_that_hold_the_request(by: str) -> None:
     """interfaces §2.3 on the coordinator: the client's stopInfer goes to the request's P
-    and D (by the client's Triton ``id`` or the coordinator's req-id); 200 when one of
-    them answers 200."""
+    and D (by the client's Triton ``id``, the coordinator's req-id or the id the answer
+    carries); 200 when one of them answers 200."""
     async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
         rid, d = request.headers["req-id"], cl.d_for(request)
         d.say(rid, ("ids", "1,5"))
@@ -692,7 +693,8 @@ async def test_stop_infer_reaches_the_instances_that_hold_the_request(by: str) -
                 assert chunk == P_OUT.encode()
                 break
             [seen] = cl.seen
-            body = {"id": "c-1" if by == "client id" else seen.req_id}
+            body = {"id": {"client id": "c-1", "req-id": seen.req_id,
+                           "answer id": derived_id(seen.req_id, 1)}[by]}
             stop = await cl.client.post(f"/v2/models/{MODEL}/stopInfer", json=body)
             assert stop.status_code == 200
             want = (f"/v2/models/{MODEL}/stopInfer", body)

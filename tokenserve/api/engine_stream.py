@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from types import TracebackType
@@ -89,17 +88,6 @@ def response_id(fresh: str) -> str:
     D each run the handler (issue 22: one id per response, as on a mixed server)."""
     observer = _OBSERVER.get()
     return fresh if observer is None else observer.response_id(fresh)
-
-
-def derived_id(req_id: str, n: int) -> str:
-    """The ``n``-th response id of the PD request ``req_id``: 32 hex digits like
-    ``uuid4().hex``, a function of the coordinator's ``req-id`` (which is kept across
-    resubmissions, spec/pd_disaggregation.md §7.3) and of ``n`` only."""
-    return uuid.uuid5(_PD_ID_NAMESPACE, f"{req_id}/{n}").hex
-
-
-#: the namespace of :func:`derived_id` (any fixed UUID).
-_PD_ID_NAMESPACE = uuid.UUID("6f1c9a52-8d0e-4c39-9b55-2d7e4a1f0c11")
 
 
 class EngineStream:

@@ -214,7 +214,8 @@ class Coordinator:
 
     async def stop_infer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v2/models/{m}/stopInfer`` (interfaces §2.3): ``{"id"}`` names a request
-        by the coordinator's req-id or the client's own ``id`` (Triton). The client's
+        by the coordinator's req-id, the client's own ``id`` (Triton) or the id the
+        answer carries (:meth:`Flow.known_as`). The client's
         request goes, unchanged, to the P and D that hold that request (each registers
         it under both ids), and the first 200 is the answer (the request's own stream
         then ends as stopped); when no request here has that id, or none answers 200,
@@ -227,7 +228,7 @@ class Coordinator:
         rid = body.get("id") if isinstance(body, dict) else None
         flow = self._flows.get(rid) if isinstance(rid, str) else None
         if flow is None and isinstance(rid, str):
-            flow = next((f for f in self._flows.values() if f.client_id == rid), None)
+            flow = next((f for f in self._flows.values() if f.known_as(rid)), None)
         holders = [i for i in (flow.p, flow.d) if i is not None] if flow is not None else []
         if holders:
             answers = await asyncio.gather(*(self._stop_on(i, request) for i in holders))

@@ -40,6 +40,7 @@ import httpx
 import orjson
 
 from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json, fail_stream
+from tokenserve.api.ids import derived_id
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.history import TokenHistory
@@ -124,12 +125,11 @@ class Flow:
         self._delay = 0.0
         self._history = TokenHistory()
 
-    @property
-    def client_id(self) -> str | None:
-        """The id the client gave the request in its body (Triton's ``id``), if any:
-        ``stopInfer`` may name the request by it (interfaces §2.3)."""
-        value = self._in.body.get("id")
-        return value if isinstance(value, str) else None
+    def known_as(self, rid: str) -> bool:
+        """Whether a client may name this request ``rid`` in ``stopInfer`` (interfaces
+        §2.3): its req-id, the ``id`` its body gave (Triton), or the response id the
+        family wrote (:func:`tokenserve.api.ids.derived_id`, the first one)."""
+        return rid in (self.req_id, self._in.body.get("id"), derived_id(self.req_id, 1))
 
     # ------------------------------------------------------------------ inputs
 

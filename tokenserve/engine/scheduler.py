@@ -66,10 +66,10 @@ import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from tokenserve.config.tree import SpecConfig
 from tokenserve.engine import finish as rules
 from tokenserve.engine.block_pool import BlockPool, block_key
 from tokenserve.engine.finish import Finish
-from tokenserve.config.tree import SpecConfig
 from tokenserve.engine.ngram import propose
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.messages import FinishReason, ScheduledSeq, SeqStart

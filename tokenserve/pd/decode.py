@@ -40,7 +40,8 @@ import orjson
 
 from tokenserve.aio import Signal
 from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
-from tokenserve.api.engine_stream import derived_id, observed
+from tokenserve.api.engine_stream import observed
+from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
 from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url

@@ -32,7 +32,8 @@ from typing import Any
 import orjson
 
 from tokenserve.api.common import parse_json_object
-from tokenserve.api.engine_stream import RequestHandedOff, derived_id, observed
+from tokenserve.api.engine_stream import RequestHandedOff, observed
+from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
 from tokenserve.messages import (
     GenerateRequest,

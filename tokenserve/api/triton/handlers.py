@@ -249,7 +249,7 @@ class TritonApi(FamilyApi):
         rid = rid or greq.request_id
         first = True
         last_time = request.arrival_time or time.monotonic()
-        aliases = (rid,) if rid != greq.request_id else ()
+        aliases = (rid,)  # PD: P and D admit it under the req-id
 
         def on_output(out: RequestOutput) -> bytes | None:
             nonlocal first, last_time
