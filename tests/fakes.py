@@ -72,6 +72,11 @@ class FakeEngine:
         """PD prefill: free a parked request (nothing is parked here)."""
         return False
 
+    async def evict(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        """PD prefill: end a request still held under ``request_id`` (nothing is parked
+        here)."""
+        return False
+
     async def wait_aborted_early(self, timeout: float = 1.0) -> str:
         """Wait until the latest request is aborted with its stream closed before the end
         (a client disconnect); it must never complete. Returns its request_id."""

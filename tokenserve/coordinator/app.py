@@ -152,13 +152,24 @@ class Coordinator:
         req_id = self._ids.next()
         while req_id in self._flows:  # pragma: no cover - 2**64 ids
             req_id = self._ids.next()
-        ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn)
+        ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn,
+                          self._rekey)
         flow = Flow(ctx, req_id, request, response, ingress)
         self._flows[req_id] = flow  # before P sees it: D may answer first (§11)
         try:
             await flow.run()
         finally:
-            del self._flows[req_id]
+            del self._flows[flow.req_id]
+
+    def _rekey(self, old: str) -> str:
+        """A fresh req-id for the flow registered under ``old`` (its P was lost: what
+        that P handed to a D keeps the old id, whose messages then match nothing)."""
+        flow = self._flows.pop(old)
+        new = self._ids.next()
+        while new in self._flows:  # pragma: no cover - 2**64 ids
+            new = self._ids.next()
+        self._flows[new] = flow
+        return new
 
     async def probe(self, request: HttpRequest, response: HttpResponse) -> None:
         """§9.4 status probes: 200 (empty) while a P and a D are usable, else 503."""

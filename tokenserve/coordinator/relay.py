@@ -8,8 +8,13 @@
     submit: POST <path> to P, headers req-type/req-id/d-target/d-port
             (+ is-recompute), body unchanged or the recompute body
             connect failed -> another P, p_connect_tries in all          [500 connect]
+            P lost before answering (reset, read/write error) -> the same body on
+                another P under a fresh req-id (what the lost P handed to D is
+                stopped, and its late messages match no request), max_retry  [503]
     P answer (D's messages wait in the inbox meanwhile, §11 ordering)  [408 first token]
-        non-200 -> forwarded unchanged (while retrying: resubmit, §7.3)
+        non-200 -> forwarded unchanged (while retrying: resubmit, §7.3, after
+                   retry_delay_s doubling each time: [I] the retries outlast P's
+                   kv_trans_timeout)
         stream: head + output; isLastResp -> end
         non-stream: isLastResp -> output is the body
     D messages, from the request's current D only                       [408 inference]
@@ -56,6 +61,11 @@ PLACE_POLL_S = 0.05
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
+class PLost(Exception):
+    """The P a submission went to failed before answering (connection reset, read or
+    write error): the request may be placed again."""
+
+
 class Failure(Exception):
     """Ends a request with ``status`` and ``message``: plain text (§3.2) or, with
     ``wrapper``, the JSON error wrapper; on a started stream the message is the last
@@ -95,6 +105,8 @@ class FlowContext:
     pool: InstancePool
     client: httpx.AsyncClient
     spawn: Callable[[Awaitable[None]], None]
+    #: gives the flow registered under an id a fresh id (and registers it under it)
+    rekey: Callable[[str], str] | None = None
 
 
 class Flow:
@@ -124,6 +136,7 @@ class Flow:
         self._prefer_p: Instance | None = None
         self._delay = 0.0
         self._history = TokenHistory()
+        self._p_lost = False  # the last submission's P failed before answering
 
     # ------------------------------------------------------------------ inputs
 
@@ -166,7 +179,12 @@ class Flow:
 
     async def _attempt(self) -> bool:
         """One submission to P and its relay; True when the request is done."""
-        reply = await self._submit()
+        try:
+            reply = await self._submit()
+        except PLost:
+            self._after_p_lost()
+            return False
+        self._p_lost = False
         done = await self._on_p(reply)
         if done is None:  # resubmit (P error while retrying)
             return False
@@ -247,6 +265,8 @@ class Flow:
             if not wait:
                 return None
             if loop.time() >= deadline:
+                if self._p_lost:  # [I] no P took over from a lost one: unavailable
+                    raise Failure(503, msg.NOT_READY, wrapper=True)
                 raise Failure(408, msg.SCHEDULE_TIMEOUT)
             await asyncio.sleep(PLACE_POLL_S)
 
@@ -275,7 +295,10 @@ class Flow:
                 timeout=httpx.Timeout(None, connect=self._ctx.cfg.connect_timeout_s))
         except _CONNECT_ERRORS:
             raise
-        except (httpx.WriteError, httpx.WriteTimeout):
+        except (httpx.WriteError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            logger.warning("request %s: P %s lost: %r", self.req_id, p.name, exc)
+            raise PLost() from None
+        except httpx.WriteTimeout:
             raise Failure(500, msg.SEND_P_FAILED) from None
         except httpx.HTTPError:
             raise Failure(500, msg.RECV_P_FAILED) from None
@@ -324,7 +347,8 @@ class Flow:
                 assert self.d is not None
                 self._lost.add(self.d.name)
             else:
-                self._prefer_p, self._delay = self.p, self._ctx.cfg.retry_delay_s
+                self._prefer_p = self.p
+                self._delay = self._ctx.cfg.retry_delay_s * 2 ** (self._retries - 1)
             return None
         if self._response.started:  # cannot happen before a resubmission; be safe
             raise Failure(reply.status, reply.body.decode(errors="replace"))
@@ -332,10 +356,25 @@ class Flow:
         self._completed = True  # P refused it: nothing runs
         return True
 
-    def _count_retry(self) -> None:
+    def _count_retry(self, status: int = 500, text: str = msg.RETRY_FAILED) -> None:
         if self._retries >= self._ctx.cfg.max_retry:
-            raise Failure(500, msg.RETRY_FAILED)
+            raise Failure(status, text, wrapper=status == 503)
         self._retries += 1
+
+    def _after_p_lost(self) -> None:
+        """The P of the last submission failed before answering: whatever it handed to
+        its D is stopped, and the same body goes to another P (out of scheduling until
+        its next good status poll) under a fresh req-id, so the lost submission's late
+        D messages match nothing; 503 once ``max_retry`` is spent."""
+        assert self.p is not None
+        self._ctx.pool.mark_unreachable(self.p)
+        self._prefer_p, self._p_lost = None, True
+        stop = [self.d] if self.d is not None else []
+        self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
+        self._count_retry(503, msg.NOT_READY)
+        if self._ctx.rekey is not None:
+            self.req_id = self._ctx.rekey(self.req_id)
+        self.p = None
 
     # ------------------------------------------------------------------ D
 

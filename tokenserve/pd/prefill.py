@@ -200,6 +200,10 @@ async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
                         response: HttpResponse) -> None:
     """Run one coordinator request on this prefill instance (module docstring)."""
     req_id, target, recompute = prefill_gate(node, request.headers)
+    # a resubmission of a request this P still parks for a D that died before pulling
+    # it: the new submission replaces the parked copy (its blocks freed first)
+    if await node.engine.evict(req_id):
+        logger.info("request %s: resubmitted, the copy parked here was freed", req_id)
     if node.is_self(target):  # spec §4.3: flex-local, an ordinary mixed request
         await handler(request, response)
         return
