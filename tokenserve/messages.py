@@ -132,6 +132,10 @@ class AbortRequest:
     error: str | None = None
 
 
+#: how the error of a request whose KV pull failed begins (D recomputes it elsewhere).
+KV_PULL_FAILED = "Pull kv failed irreversibly."
+
+
 @dataclass(frozen=True)
 class KvPulled:
     """The engine's KV puller finished pulling an adopted request's blocks (``error``:

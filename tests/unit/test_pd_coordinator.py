@@ -14,6 +14,7 @@ import contextlib
 import functools
 import socket
 import sys
+import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -186,6 +187,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: bytes
+    at: float = field(default_factory=time.monotonic)
 
     @property
     def req_id(self) -> str:
@@ -289,7 +291,11 @@ async def cluster(d_blocks: tuple[int, ...] = (100,), n_p: int = 1, *,
             cl = Cluster(client, ps, ds, conf, extra)
             if ready:
                 await until(lambda: all(d.linked for d in ds))
-                await wait_ready(client)
+                mport = conf.management_port
+                async with httpx.AsyncClient(
+                        base_url=url if mport is None else f"http://127.0.0.1:{mport}",
+                        timeout=10.0) as probe:
+                    await wait_ready(probe)
             yield cl
     finally:
         stop.set()
@@ -863,3 +869,16 @@ async def test_port_in_use_is_a_value_error() -> None:
                                 port=s.getsockname()[1])
         with pytest.raises(ValueError, match="cannot listen"):
             await serve_coordinator(cfg)
+
+
+@bounded
+async def test_d_request_no_flow_waits_for_is_stopped_once() -> None:
+    """Messages for a req-id this coordinator does not know (an earlier coordinator's
+    request still running on D): stopInfer on that D, once."""
+    async with cluster() as cl:
+        d = cl.ds[0]
+        d.say("1234", ("ids", "1,5"), ("data", D_DATA))
+        d.say("1234", ("ids", "6"), ("data", D_DATA))
+        await until(lambda: d.stops)
+        await asyncio.sleep(0.1)
+        assert [b for _, b in d.stops] == [{"id": "1234"}]

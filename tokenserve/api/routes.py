@@ -59,6 +59,7 @@ class Coord(str, enum.Enum):
     RELAY = "relay"  # through a P and a D
     PROBE = "probe"  # 200 while a P and a D are usable, else 503
     FORWARD = "forward"  # to the least loaded P, answer unchanged
+    MANAGE = "manage"  # the coordinator's own (management port, metrics)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,21 @@ ROUTES: tuple[Route, ...] = (
        coordinator=Coord.PROBE),
     _r("GET", "/v1/readiness", "coordinator.readiness", _F.COORDINATOR, _MG, None,
        coordinator=Coord.PROBE),
+    # --- the coordinator's management routes (PD spec §9.4 manage_port; [I] add/remove) ---
+    _r("GET", "/v1/instances", "coordinator.instances", _F.COORDINATOR, _MG, None,
+       coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/refresh", "coordinator.instances_refresh", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/add", "coordinator.instances_add", _F.COORDINATOR, _MG, None,
+       coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/remove", "coordinator.instances_remove", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/offline", "coordinator.instances_offline", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/online", "coordinator.instances_online", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("GET", "/v1/coordinator_info", "coordinator.info", _F.COORDINATOR, _MG, None,
+       coordinator=Coord.MANAGE),
 )
 
 BY_NAME: dict[str, Route] = {r.name: r for r in ROUTES}

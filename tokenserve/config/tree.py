@@ -137,6 +137,10 @@ class PdConfig:
         kv_port_range: (lowest, highest) TCP port Mooncake's listeners (handshake RPC
             and TCP data) may bind, for firewalls (Mooncake's ``MC_MIN_RPC_PORT`` /
             ``MC_MAX_RPC_PORT``); None: the environment's, else Mooncake's 15000-17000.
+        dresult_orphan_timeout_s: (D) seconds its requests outlive the last ``/dresult``
+            consumer (a coordinator that died): after this with none connected, every
+            request still running is aborted and its KV blocks freed ([I], issue 22; a
+            re-linking coordinator reconnects within ``relink_backoff_max_s``).
     """
 
     infer_mode: str = "standard"
@@ -147,8 +151,12 @@ class PdConfig:
     kv_device: str = ""
     kv_trans_timeout_s: float = 10.0
     kv_port_range: tuple[int, int] | None = None
+    dresult_orphan_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.dresult_orphan_timeout_s <= 0:
+            raise ValueError("dresult orphan timeout must be > 0, got "
+                             f"{self.dresult_orphan_timeout_s}")
         if self.kv_port_range is not None:
             lo, hi = self.kv_port_range
             if not 1024 <= lo <= hi <= 65535 or hi - lo < 1:
@@ -451,6 +459,8 @@ class CoordinatorConfig:
         prefill: the P instances (flex instances may be listed in both lists).
         decode: the D instances.
         host, port: the coordinator's listener (``port=0``: any free port).
+        management_port: a second listener for the management plane (spec §9.4
+            ``manage_port`` and status routes); None: the main port serves them.
         schedule_timeout_s: a request that cannot be placed on a P and a D for this long
             (on a resubmission, when none is usable) ends with 408.
         first_token_timeout_s: P's answer must arrive this long after arrival, else 408.
@@ -482,6 +492,7 @@ class CoordinatorConfig:
     decode: tuple[InstanceAddr, ...]
     host: str = LOOPBACK
     port: int = MINDIE_PORT
+    management_port: int | None = None
     schedule_timeout_s: float = 600.0
     first_token_timeout_s: float = 600.0
     infer_timeout_s: float = 600.0

@@ -138,6 +138,11 @@ class Flow:
         self._history = TokenHistory()
         self._p_lost = False  # the last submission's P failed before answering
 
+    @property
+    def cost(self) -> int:
+        """The request's estimated prompt tokens."""
+        return self._in.cost
+
     # ------------------------------------------------------------------ inputs
 
     def on_d_message(self, source: str, message: DMessage) -> None:
@@ -173,6 +178,8 @@ class Flow:
                 await self._fail(f)
         finally:
             self._request.disconnected.unsubscribe(self._on_gone)
+            if self.d is not None:
+                self.d.outstanding -= 1
             if not self._completed and self.p is not None:
                 stop = [i for i in (self.p, self.d) if i is not None]
                 self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
@@ -281,6 +288,9 @@ class Flow:
         url = p.addr.base_url + self._request.path
         if self._request.query:
             url += "?" + self._request.query
+        if self.d is not None:
+            self.d.outstanding -= 1
+        d.outstanding += 1
         self.p, self.d, self._d_lost = p, d, False
         self._history.reset()
         self._epoch += 1
@@ -289,6 +299,8 @@ class Flow:
                      " (recompute)" if self._recompute else "")
         cost = self._in.cost
         p.prefill_load += cost
+        p.outstanding += 1
+        p.chosen += 1
         try:
             resp = await self._ctx.client.post(
                 url, content=self._body, headers=headers,
@@ -304,6 +316,7 @@ class Flow:
             raise Failure(500, msg.RECV_P_FAILED) from None
         finally:
             p.prefill_load -= cost
+            p.outstanding -= 1
         return PReply(resp.status_code, resp.headers.get("content-type", "application/json"),
                       resp.content)
 

@@ -34,6 +34,7 @@ from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.engine.scheduler import Scheduler
 from tokenserve.messages import (
+    KV_PULL_FAILED,
     AbortRequest,
     FinishReason,
     GenerateRequest,
@@ -251,7 +252,7 @@ class SchedulerActor:
                                     req.pull_tokens)
         except Exception as exc:  # noqa: BLE001 - any failure fails this request alone
             log.warning("KV pull for %s failed: %s", req.request_id, exc)
-            error = f"Pull kv failed irreversibly. {exc}"
+            error = f"{KV_PULL_FAILED} {exc}"
             quarantine = bool(getattr(exc, "timed_out", False))  # KvTransferError's flag
         self.inbox.put_nowait(KvPulled(req.request_id, error, quarantine))
 

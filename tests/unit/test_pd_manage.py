@@ -1,0 +1,154 @@
+"""The coordinator's instance states and management routes (spec/pd_disaggregation.md
+§9.4): the pure state function and body parsers without sockets, then the routes on the
+management port in front of fake P and D servers (tests/unit/test_pd_coordinator.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from tests.unit.test_pd_coordinator import (
+    D_LAST_JSON,
+    FakeD,
+    bounded,
+    cluster,
+    free_port,
+    relay_script,
+    until,
+)
+from tokenserve.config.tree import InstanceAddr
+from tokenserve.coordinator.manage import parse_ids, parse_members, parse_refresh
+from tokenserve.coordinator.pool import D_ROLES, P_ROLES, Instance
+
+READY_P = {"service": {"currentRole": "prefill", "roleStatus": "RoleReady"}}
+READY_D = {"service": {"currentRole": "decode"}}
+
+
+def test_instance_states() -> None:
+    p = Instance(InstanceAddr("h", 1), P_ROLES)
+    assert p.state() == "joining" and not p.usable()
+    p.polled = True
+    assert p.state() == "unreachable"
+    p.status = READY_P
+    assert p.state() == "ready" and p.usable()
+    p.status = {"service": {"currentRole": "decode"}}  # switched away by POST /v1/role
+    assert p.state() == "not-ready"
+    p.status = {"service": {"currentRole": "flex", "roleStatus": "RoleSwitching"}}
+    assert p.state() == "not-ready"
+    p.status, p.offline = READY_P, True
+    assert p.state() == "offline" and not p.usable()
+    d = Instance(InstanceAddr("h", 2), D_ROLES, status=READY_D, polled=True)
+    assert d.state() == "unlinked"
+    d.link_up = True
+    assert d.state() == "ready"
+    d.status = {"service": {"currentRole": "flex"}}  # a flex instance serves as D too
+    assert d.state() == "ready"
+
+
+def test_membership_bodies() -> None:
+    ms = parse_members({"prefill": ["10.0.0.1:1025@1026"], "decode": ["[::1]:7"]})
+    assert [(m.kind, m.addr) for m in ms] == [
+        ("prefill", InstanceAddr("10.0.0.1", 1025, 1026)), ("decode", InstanceAddr("::1", 7))]
+    for bad in ({}, {"prefill": "a:1"}, {"decode": [1]}, {"decode": ["nope"]}):
+        with pytest.raises(ValueError):
+            parse_members(bad)
+    refresh = {"ids": [1, 2], "instances": [
+        {"id": 1, "ip": "10.0.0.1", "port": 1025, "static_info": {"role": ord("P")}},
+        {"id": 2, "ip": "10.0.0.2", "port": 1025, "management_port": 1026,
+         "static_info": {"role": ord("F")}}]}
+    got = [(m.kind, m.addr, m.ident) for m in parse_refresh(refresh)]
+    assert got == [("prefill", InstanceAddr("10.0.0.1", 1025), "1"),
+                   ("prefill", InstanceAddr("10.0.0.2", 1025, 1026), "2"),
+                   ("decode", InstanceAddr("10.0.0.2", 1025, 1026), "2")]
+    for bad in ({}, {"instances": [{"ip": "x", "port": 1}]},
+                {"instances": [{"ip": "x", "port": "1", "static_info": {"role": 80}}]}):
+        with pytest.raises(ValueError):
+            parse_refresh(bad)
+    assert parse_ids({"ids": ["a:1", 3]}) == ["a:1", "3"]
+    with pytest.raises(ValueError):
+        parse_ids({"ids": "a:1"})
+
+
+@bounded
+async def test_state_changes_are_logged_once_each(caplog) -> None:
+    caplog.set_level(logging.INFO, "tokenserve.coordinator.pool")
+    async with cluster() as cl:
+        d = cl.ds[0]
+        name = f"127.0.0.1:{d.port} (decode)"
+        d.kill()
+        await until(lambda: "ready -> unlinked" in caplog.text
+                    or "ready -> unreachable" in caplog.text)
+        await asyncio.sleep(0.3)  # several polls of a dead D
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(name)]
+    assert lines[0] == f"{name}: joining -> unlinked" or lines[0].endswith("-> ready")
+    assert len(lines) == len(set(lines)), lines  # no state logged twice in a row
+    assert all("->" in line for line in lines)
+
+
+def d_ports(cl) -> list[int]:
+    """The D of each request the Ps have seen, in arrival order."""
+    seen = sorted(((s.headers["req-id"], s) for s in cl.seen), key=lambda x: x[1].at)
+    return [int(s.headers["d-port"]) for _, s in seen]
+
+
+@bounded
+async def test_management_port_lists_adds_drains_and_removes() -> None:
+    mport = free_port()
+    async with cluster(n_p=2, management_port=mport) as cl:
+        cl.script(relay_script(cl, False))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{mport}",
+                                     timeout=10.0) as m:
+            rows = (await m.get("/v1/instances")).json()["instances"]
+            assert [(r["kind"], r["state"]) for r in rows] == [
+                ("prefill", "ready"), ("prefill", "ready"), ("decode", "ready")]
+            assert rows[2]["free_blocks"] == 100
+            # the management plane is not on the main port, and inference not here
+            assert (await cl.client.get("/v1/instances")).status_code == 404
+            assert (await m.post("/infer", json={"inputs": "hi"})).status_code == 404
+
+            # offline the first P: new requests all go to the second
+            p0 = f"127.0.0.1:{cl.ps[0].port}"
+            assert (await m.post("/v1/instances/offline", json={"ids": [p0]})).json() \
+                == {"result": "ok"}
+            for _ in range(3):
+                r = await cl.client.post("/infer", json={"inputs": "hi"})
+                assert r.text == D_LAST_JSON
+            assert (len(cl.ps[0].seen), len(cl.ps[1].seen)) == (0, 3)
+            assert (await m.post("/v1/instances/online", json={"ids": [p0]})).status_code \
+                == 200
+            assert (await m.post("/v1/instances/offline", json={"ids": ["x:1"]})) \
+                .status_code == 404
+
+            # add a D at run time: it is linked and takes requests
+            d2 = FakeD(1000)  # more free blocks: the D of choice
+            await d2.start()
+            try:
+                cl.ds.append(d2)
+                r = await m.post("/v1/instances/add",
+                                 json={"decode": [f"127.0.0.1:{d2.port}"]})
+                assert r.json()["added"] == [f"decode 127.0.0.1:{d2.port}"]
+                await until(lambda: d2.linked)
+                while not any(row["state"] == "ready" and row["name"].endswith(str(d2.port))
+                              for row in (await m.get("/v1/instances")).json()["instances"]):
+                    await asyncio.sleep(0.01)
+                r = await cl.client.post("/infer", json={"inputs": "hi"})
+                assert r.text == D_LAST_JSON
+                assert d_ports(cl) == [cl.ds[0].port] * 3 + [d2.port]
+
+                info = (await m.get("/v1/coordinator_info")).json()
+                assert info["request_num"] == 0 and len(info["schedule_info"]) == 4
+                assert all(row["allocated_slots"] == 0 for row in info["schedule_info"])
+
+                r = await m.post("/v1/instances/remove",
+                                 json={"decode": [f"127.0.0.1:{d2.port}"]})
+                assert r.json()["removed"] == [f"decode 127.0.0.1:{d2.port}"]
+                await until(lambda: not d2.linked)
+                r = await cl.client.post("/infer", json={"inputs": "hi"})
+                assert d_ports(cl) == [cl.ds[0].port] * 3 + [d2.port, cl.ds[0].port]
+                assert (await m.post("/v1/instances/add", json={"decode": "x"})) \
+                    .status_code == 400
+            finally:
+                await d2.close()
