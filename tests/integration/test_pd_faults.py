@@ -182,3 +182,77 @@ def test_killed_coordinator_leaves_no_block_held(cl):
         d3.assert_leak_free()
     finally:
         second.stop()
+
+
+def test_management_port_offline_p_and_add_d(cl):
+    """Through the management port: a P taken offline finishes its in-flight stream and
+    gets no new request; a D added at run time is linked and takes new requests."""
+    from tests.integration.pd_cluster import free_port
+
+    p, p2, d3, d = cl["p"], cl["p2"], cl["d3"], cl["d"]
+    mport = free_port()
+    coord = coordinator(cl["tmp"], [p, p2], [d3], "--management-port", str(mport),
+                        name="coord_manage").start()
+    mgmt = f"http://127.0.0.1:{mport}"
+    try:
+        coord.wait_ready("/v1/models")
+        deadline = time.monotonic() + 60
+        while httpx.get(mgmt + "/v1/readiness", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        story = " ".join(["Once upon a time a cat walked along the river bank."] * 30)
+        body = {"prompt": story, "stream": True, "max_tokens": 120, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_chunks, coord.url, body)
+            deadline = time.monotonic() + 120
+            busy = None
+            while busy is None:  # the P prefilling it
+                assert time.monotonic() < deadline, "no P ever held the request"
+                rows = httpx.get(mgmt + "/v1/instances", timeout=10).json()["instances"]
+                busy = next((r["name"] for r in rows
+                             if r["kind"] == "prefill" and r["outstanding"]), None)
+            drained = p if p.addr == busy else p2
+            other = p2 if drained is p else p
+            r = httpx.post(mgmt + "/v1/instances/offline", json={"ids": [drained.addr]},
+                           timeout=10)
+            assert r.json() == {"result": "ok"}
+            assert stream.result(timeout=300) >= 100  # the in-flight request ran to its end
+        before = _success(drained.url), _success(other.url)
+        for i in range(3):
+            status, _ = _vllm_text(coord.url, {"prompt": f"Hi {i}", "max_tokens": 4})
+            assert status == 200
+        assert _success(drained.url) == before[0]
+        assert _success(other.url) == before[1] + 3
+        r = httpx.post(mgmt + "/v1/instances/add", json={"decode": [d.addr]}, timeout=10)
+        assert r.json()["added"] == [f"decode {d.addr}"]
+        deadline = time.monotonic() + 60
+        while not any(row["name"] == d.addr and row["state"] == "ready" for row in
+                      httpx.get(mgmt + "/v1/instances", timeout=10).json()["instances"]):
+            assert time.monotonic() < deadline, "the added D never became ready"
+            time.sleep(0.2)
+        runs = _decoded(d.url)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda i: _vllm_text(
+                coord.url, {"prompt": f"Count {i}", "max_tokens": 8}), range(4)))
+        assert all(s == 200 for s, _ in got)
+        assert _decoded(d.url) > runs  # the new D took some of them
+        httpx.post(mgmt + "/v1/instances/remove", json={"decode": [d.addr]}, timeout=10)
+        for proc in (p, p2, d3, d):
+            proc.assert_leak_free()
+    finally:
+        coord.stop()
+
+
+def _stream_chunks(url: str, body: dict) -> int:
+    """A vLLM stream to its end: how many chunks it had."""
+    n = 0
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_bytes():
+            n += chunk.count(b"\0")
+    return n
+
+
+def _decoded(url: str) -> float:
+    """Requests a decode instance finished (its request_success_total)."""
+    return _success(url)

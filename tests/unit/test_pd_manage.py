@@ -152,3 +152,23 @@ async def test_management_port_lists_adds_drains_and_removes() -> None:
                     .status_code == 400
             finally:
                 await d2.close()
+
+
+def test_coordinator_config_file(tmp_path) -> None:
+    from tokenserve.cli import build_parser
+    from tokenserve.config.flags import coordinator_config
+
+    f = tmp_path / "coord.json"
+    f.write_text('{"prefill": ["10.0.0.1:1025@1026", "10.0.0.2:1025"], '
+                 '"decode": "10.0.0.3:1025", "management_port": 1027, "max_retry": 7, '
+                 '"schedule_timeout_s": 30}')
+    parse = build_parser().parse_args
+    cfg = coordinator_config(parse(["coordinator", "--config", str(f), "--max-retry", "2"]))
+    assert cfg.prefill == (InstanceAddr("10.0.0.1", 1025, 1026), InstanceAddr("10.0.0.2", 1025))
+    assert cfg.decode == (InstanceAddr("10.0.0.3", 1025),)
+    assert (cfg.management_port, cfg.max_retry, cfg.schedule_timeout_s) == (1027, 2, 30)
+    f.write_text('{"prefill": ["10.0.0.1:1025"], "decode": ["x:1"], "bogus": 1}')
+    with pytest.raises(ValueError, match="bogus"):
+        coordinator_config(parse(["coordinator", "--config", str(f)]))
+    with pytest.raises(ValueError, match="no decode"):
+        coordinator_config(parse(["coordinator", "--prefill", "a:1"]))
