@@ -236,6 +236,10 @@ def test_management_port_offline_p_and_add_d(cl):
                 coord.url, {"prompt": f"Count {i}", "max_tokens": 8}), range(4)))
         assert all(s == 200 for s, _ in got)
         assert _decoded(d.url) > runs  # the new D took some of them
+        text = httpx.get(coord.url + "/metrics", timeout=30).text
+        assert 'coordinator_requests_total{route="generate",status="200"}' in text
+        assert f'instance="{p.addr}"' in text and f'instance="{d.addr}"' in text
+        assert "request_success_total{" in text  # the instances' own series
         httpx.post(mgmt + "/v1/instances/remove", json={"decode": [d.addr]}, timeout=10)
         for proc in (p, p2, d3, d):
             proc.assert_leak_free()

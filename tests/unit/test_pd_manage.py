@@ -16,6 +16,7 @@ from tests.unit.test_pd_coordinator import (
     bounded,
     cluster,
     free_port,
+    p_answer,
     relay_script,
     until,
 )
@@ -172,3 +173,34 @@ def test_coordinator_config_file(tmp_path) -> None:
         coordinator_config(parse(["coordinator", "--config", str(f)]))
     with pytest.raises(ValueError, match="no decode"):
         coordinator_config(parse(["coordinator", "--prefill", "a:1"]))
+
+
+@bounded
+async def test_coordinator_metrics_count_requests_retries_and_failovers() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def script(p, request):
+        rid, d = request.headers["req-id"], cl.d_for(request)
+        if len(cl.seen) == 1:  # the first P dies under the first request
+            assert p.server is not None
+            p.server.force_close()
+            await asyncio.sleep(10)
+        d.say(rid, ("ids", "1,5"), ("lastData", D_LAST_JSON))
+        return 200, p_answer(rid, False)
+
+    async with cluster(n_p=2) as cl:
+        cl.script(script)
+        assert (await cl.client.post("/infer", json={"inputs": "hi"})).status_code == 200
+        assert (await cl.client.post("/infer", json={"inputs": "a"})).status_code == 200
+        text = (await cl.client.get("/metrics")).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("coordinator_requests_total",
+                    (("route", "mindie.infer"), ("status", "200")))] == 2
+    assert samples[("coordinator_retries_total", ())] == 1
+    assert samples[("coordinator_failovers_total", (("kind", "prefill"),))] == 1
+    assert samples[("coordinator_ttft_seconds_count", ())] == 2
+    assert samples[("coordinator_e2e_seconds_count", ())] == 2
+    assert samples[("coordinator_requests_in_flight", ())] == 0
+    outstanding = [k for k in samples if k[0] == "coordinator_instance_outstanding"]
+    assert len(outstanding) == 3 and all(samples[k] == 0 for k in outstanding)

@@ -207,7 +207,8 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", "/health/timed-{n}", "server.health_timed_n", _F.SERVER, _MG, "management.timed"),
     _r("GET", "/v1/config", "server.config", _F.SERVER, _MG, "management.config",
        coordinator=Coord.FORWARD),
-    _r("GET", "/metrics", "server.metrics", _F.SERVER, _MT, "metrics.prometheus"),
+    _r("GET", "/metrics", "server.metrics", _F.SERVER, _MT, "metrics.prometheus",
+       coordinator=Coord.MANAGE),
     _r("GET", "/metrics-json", "server.metrics_json", _F.SERVER, _MG, "metrics.json"),
     # --- PD instance side (PD spec §4-§6, §8-§9) ----------------------------------------------
     _r("GET", "/v1/status", "pd.status_v1", _F.SERVER, _MG, "pd.status_v1"),

@@ -320,6 +320,10 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser
         default = getattr(dflt, dest)
         c.add_argument(flag, dest=dest, type=float, default=None, metavar="S",
                        help=f"seconds: {what} (default {default:g})")
+    c.add_argument("--p-policy", choices=("load", "affinity"), default=None,
+                   help="how a prefill instance is chosen: load (MindIE-MS DIGS load "
+                        "balance) or affinity (same prompt prefix, same P while its load "
+                        f"stays within bound; default {dflt.p_policy})")
     c.add_argument("--max-requests", type=int, default=None,
                    help=f"in-flight requests before 429 (default {dflt.max_requests})")
     c.add_argument("--max-retry", type=int, default=None,
@@ -362,7 +366,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 #: coordinator flags that set the CoordinatorConfig field of the same name
-_COORD_FLAGS = ("host", "port", "management_port", "schedule_timeout_s",
+_COORD_FLAGS = ("host", "port", "management_port", "p_policy", "schedule_timeout_s",
                 "first_token_timeout_s", "infer_timeout_s", "drain_timeout_s",
                 "max_requests", "max_retry")
 

@@ -486,6 +486,12 @@ class CoordinatorConfig:
             the instances' default, ``EngineConfig.block_size``).
         max_body_bytes: request body limit (§3.2 ``body_limit``: 1 MB).
         drain_timeout_s: on SIGTERM/SIGINT, how long running requests get to finish.
+        p_policy: how a P is chosen: ``load`` (DIGS load balance, spec §3.4) or
+            ``affinity`` (same prompt prefix, same P while its load stays in bound;
+            :mod:`tokenserve.coordinator.policy`).
+        affinity_prefix_chars: the prompt characters affinity hashes.
+        affinity_load_bound: affinity keeps a P while its prefill load is at most this
+            times the least loaded P's, plus the request.
     """
 
     prefill: tuple[InstanceAddr, ...]
@@ -511,8 +517,16 @@ class CoordinatorConfig:
     block_size_hint: int = EngineConfig.block_size
     max_body_bytes: int = 2**20
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    p_policy: str = "load"
+    affinity_prefix_chars: int = 512
+    affinity_load_bound: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.p_policy not in ("load", "affinity"):
+            raise ValueError(f"p_policy must be load or affinity, got {self.p_policy!r}")
+        if self.affinity_prefix_chars < 1 or self.affinity_load_bound < 1:
+            raise ValueError("affinity_prefix_chars must be >= 1 and affinity_load_bound "
+                             ">= 1")
         if not self.prefill or not self.decode:
             raise ValueError("the coordinator needs at least one prefill and one decode "
                              "instance")

@@ -41,6 +41,7 @@ from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.dlink import DLink
 from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers, plain_error
 from tokenserve.coordinator.manage import Management
+from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
 from tokenserve.coordinator.reqids import ReqIdGenerator
@@ -72,6 +73,7 @@ class Coordinator:
         self._pool: InstancePool | None = None
         self._flows: dict[str, Flow] = {}
         self._ids = ReqIdGenerator()
+        self.metrics = CoordinatorMetrics(lambda: self.pool, lambda: self.in_flight)
         self._tasks: dict[int, list[asyncio.Task[None]]] = {}  # id(instance) -> its tasks
         self._background: set[asyncio.Task[None]] = set()
         #: req-ids of orphan D requests already stopped (insertion order, bounded)
@@ -161,7 +163,7 @@ class Coordinator:
                     Coord.FORWARD: self.forward}
         manage = Management(self.pool, self.watch, self.unwatch,
                             lambda: [f.cost for f in self._flows.values()])
-        own = manage.handlers()
+        own = {**manage.handlers(), "server.metrics": self.serve_metrics}
         for route in ROUTES:
             if route.coordinator is Coord.MANAGE:
                 router.add(route.method, route.path, own[route.name])
@@ -185,7 +187,7 @@ class Coordinator:
         while req_id in self._flows:  # pragma: no cover - 2**64 ids
             req_id = self._ids.next()
         ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn,
-                          self._rekey)
+                          self._rekey, self.metrics)
         flow = Flow(ctx, req_id, request, response, ingress)
         self._flows[req_id] = flow  # before P sees it: D may answer first (§11)
         try:
@@ -202,6 +204,12 @@ class Coordinator:
             new = self._ids.next()
         self._flows[new] = flow
         return new
+
+    async def serve_metrics(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``GET /metrics``: the coordinator's own series and its instances'
+        (:mod:`tokenserve.coordinator.metrics`)."""
+        body = await self.metrics.render(self._client_or_fail(), self.cfg.status_timeout_s)
+        await response.send(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
     async def probe(self, request: HttpRequest, response: HttpResponse) -> None:
         """§9.4 status probes: 200 (empty) while a P and a D are usable, else 503."""

@@ -64,12 +64,15 @@ class Ingress:
         stream: whether the client gets ``text/event-stream`` (§3.1).
         body: the parsed JSON body (the recompute body is built from it).
         cost: estimated prompt tokens (text: characters / ``chars_per_token``).
+        prompt: the prompt as text (chat: the messages' JSON; ids: comma-separated),
+            what prefix affinity hashes the start of.
     """
 
     family: str
     stream: bool
     body: dict[str, Any]
     cost: int
+    prompt: str = ""
 
 
 def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
@@ -94,7 +97,8 @@ def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
         raise AdmissionError(400, BAD_FORMAT) from None
     family = resolved.family.value
     prompt = _prompt(family, body)
-    return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token))
+    text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
+    return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token), text)
 
 
 def _prompt(family: str, body: dict[str, Any]) -> Any:

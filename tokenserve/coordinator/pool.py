@@ -7,13 +7,8 @@ Each instance's ``GET /v1/status`` (management plane) is polled every
 and its ``roleStatus`` is ``RoleReady`` (or absent); a D also needs its ``/dresult``
 stream open (:mod:`tokenserve.coordinator.dlink`), or its messages would be lost.
 
-Selection ([I] a simplification of MindIE's DIGS scheduler, §3.4)::
-
-    P: least outstanding prefill work = estimated prompt tokens of the requests sent to
-       it and not yet answered (ties: the one chosen least often, then list order, so
-       an idle cluster takes turns and a P that comes back gets work)
-    D: most free KV blocks = resource.availBlockNum of the last poll minus the blocks the
-       coordinator assigned to it since that poll (ties: command-line order)
+Selection: :mod:`tokenserve.coordinator.policy` (pure): MindIE-MS's DIGS load balance
+(§3.4) by default, prefix-cache affinity for P with ``p_policy="affinity"``.
 
 A P whose connection fails is unusable until its next successful poll (§10: repeated
 failures take an instance out of scheduling); the poll is the health probe that brings a
@@ -38,6 +33,7 @@ import httpx
 
 from tokenserve.api.routes import path_of
 from tokenserve.config.tree import CoordinatorConfig, InstanceAddr
+from tokenserve.coordinator.policy import DView, PView, affinity_p, digs_d, digs_p, prefix_key
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +116,11 @@ class Instance:
                 "prefill_load": self.prefill_load,
                 "free_blocks": resource.get("availBlockNum"),
                 "total_blocks": resource.get("totalNpuBlockNums")}
+
+    def total_blocks(self) -> int:
+        """(D) ``totalNpuBlockNums`` of the last poll (0 when unknown)."""
+        total = ((self.status or {}).get("resource") or {}).get("totalNpuBlockNums")
+        return total if isinstance(total, int) else 0
 
     def free_blocks(self) -> int:
         """(D) ``availBlockNum`` of the last poll minus the blocks assigned since."""
@@ -219,22 +220,33 @@ class InstancePool:
 
     # ------------------------------------------------------------------ selection
 
-    def choose_p(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
-        """The usable P (not in ``exclude``, by name) with the least prefill load."""
+    def choose_p(self, exclude: frozenset[str] = frozenset(), *, prompt: str = "",
+                 cost: int = 0) -> Instance | None:
+        """The usable P (not in ``exclude``, by name) the policy picks for a request
+        whose prompt text is ``prompt`` and cost ``cost`` tokens
+        (:mod:`tokenserve.coordinator.policy`)."""
         cands = [p for p in self.prefill if p.usable() and p.name not in exclude]
-        return min(cands, key=lambda p: (p.prefill_load, p.chosen), default=None)
+        views = [PView(p.name, p.prefill_load, p.chosen) for p in cands]
+        if self._cfg.p_policy == "affinity" and prompt:
+            i = affinity_p(views, prefix_key(prompt, self._cfg.affinity_prefix_chars), cost,
+                           self._cfg.affinity_load_bound)
+        else:
+            i = digs_p(views)
+        return None if i is None else cands[i]
 
     def choose_d(self, exclude: frozenset[str] = frozenset(), *, assign: int = 1,
                  avoid: str | None = None) -> Instance | None:
         """The usable D (not in ``exclude``; not the P named ``avoid``: [I] a flex
-        instance is never paired with itself) with the most free blocks, charged
-        ``assign`` blocks."""
+        instance is never paired with itself) of least DIGS load, charged ``assign``
+        blocks."""
         cands = [d for d in self.decode
                  if d.usable() and d.name not in exclude and d.name != avoid]
-        best = max(cands, key=lambda d: d.free_blocks(), default=None)
-        if best is not None:
-            best.assigned_blocks += assign
-        return best
+        i = digs_d([DView(d.outstanding, d.free_blocks() + d.assigned_blocks,
+                          d.assigned_blocks, d.total_blocks()) for d in cands], assign)
+        if i is None:
+            return None
+        cands[i].assigned_blocks += assign
+        return cands[i]
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a prompt of ``tokens`` tokens will hold on D (at least 1)."""

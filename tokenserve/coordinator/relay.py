@@ -4,7 +4,7 @@
 
 ::
 
-    place: choose P (least prefill load) and D (most free blocks)      [408 schedule]
+    place: choose P and D (coordinator/policy.py: DIGS, or prefix affinity)  [408]
     submit: POST <path> to P, headers req-type/req-id/d-target/d-port
             (+ is-recompute), body unchanged or the recompute body
             connect failed -> another P, p_connect_tries in all          [500 connect]
@@ -45,10 +45,12 @@ import httpx
 import orjson
 
 from tokenserve.api.framing import close_stream
+from tokenserve.api.routes import match
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.history import TokenHistory
 from tokenserve.coordinator.ingress import Ingress, forward_headers, plain_error
+from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.pd.wire import DMessage, vllm_body
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
@@ -107,6 +109,7 @@ class FlowContext:
     spawn: Callable[[Awaitable[None]], None]
     #: gives the flow registered under an id a fresh id (and registers it under it)
     rekey: Callable[[str], str] | None = None
+    metrics: CoordinatorMetrics | None = None
 
 
 class Flow:
@@ -137,6 +140,8 @@ class Flow:
         self._delay = 0.0
         self._history = TokenHistory()
         self._p_lost = False  # the last submission's P failed before answering
+        self._arrival = now
+        self._ttft_seen = False
 
     @property
     def cost(self) -> int:
@@ -180,6 +185,7 @@ class Flow:
             self._request.disconnected.unsubscribe(self._on_gone)
             if self.d is not None:
                 self.d.outstanding -= 1
+            self._record_end()
             if not self._completed and self.p is not None:
                 stop = [i for i in (self.p, self.d) if i is not None]
                 self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
@@ -263,7 +269,7 @@ class Flow:
         while True:
             p = self._prefer_p
             if p is None or not p.usable():
-                p = pool.choose_p()
+                p = pool.choose_p(prompt=self._in.prompt, cost=self._in.cost)
             if p is not None:
                 d = (pool.choose_d(frozenset(self._lost), assign=blocks, avoid=p.name)
                      or pool.choose_d(assign=blocks, avoid=p.name))
@@ -346,6 +352,7 @@ class Flow:
             if not isinstance(output, str):
                 raise Failure(500, msg.P_ERROR)
             await resp.send(200, output.encode(), "application/json")
+        self._first_byte()
         self._answered = True
         self._completed = last
         return last
@@ -373,6 +380,33 @@ class Flow:
         if self._retries >= self._ctx.cfg.max_retry:
             raise Failure(status, text, wrapper=status == 503)
         self._retries += 1
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.retries.inc()
+
+    def _count(self, what: str, kind: str = "") -> None:
+        """Metrics: a recompute, or a failover of an instance of ``kind``."""
+        m = self._ctx.metrics
+        if m is None:
+            return
+        if what == "recompute":
+            m.recomputes.inc()
+        else:
+            m.failovers.labels(kind).inc()
+
+    def _first_byte(self) -> None:
+        """Metrics: the client got its first byte now (once)."""
+        if not self._ttft_seen and self._response.started and self._ctx.metrics is not None:
+            self._ttft_seen = True
+            self._ctx.metrics.ttft.observe(asyncio.get_running_loop().time() - self._arrival)
+
+    def _record_end(self) -> None:
+        m = self._ctx.metrics
+        if m is None:
+            return
+        route = match(self._request.method, self._request.path)
+        status = self._response.status if self._response.started else 499
+        m.requests.labels(route.name if route else "other", str(status)).inc()
+        m.e2e.observe(asyncio.get_running_loop().time() - self._arrival)
 
     def _after_p_lost(self) -> None:
         """The P of the last submission failed before answering: whatever it handed to
@@ -382,6 +416,7 @@ class Flow:
         assert self.p is not None
         self._ctx.pool.mark_unreachable(self.p)
         self._prefer_p, self._p_lost = None, True
+        self._count("failover", "prefill")
         stop = [self.d] if self.d is not None else []
         self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
         self._count_retry(503, msg.NOT_READY)
@@ -425,6 +460,7 @@ class Flow:
         elif m.kind == "data":
             if stream:
                 await resp.write(self._stream_body(m.body))
+                self._first_byte()
         elif m.kind == "lastData":
             self._completed = True
             if stream:
@@ -432,6 +468,7 @@ class Flow:
                 await resp.end()
             else:
                 await resp.send(200, m.body.encode(), "application/json")
+            self._first_byte()
             return True
         elif m.kind == "error":
             self._completed = True
@@ -440,6 +477,7 @@ class Flow:
             self._count_retry()
             logger.info("request %s: D %s asks for a recompute", self.req_id, self.d.name)
             self._body, self._recompute = m.body.encode(), True
+            self._count("recompute")
             return False
         return None
 
@@ -455,9 +493,11 @@ class Flow:
         self._lost.add(lost.name)
         self._ctx.spawn(self._ctx.pool.stop_infer([lost], self.req_id))
         self._count_retry()
+        self._count("failover", "decode")
         body = self._history.recompute_body(self._request.path, self._in.body)
         if body is not None:
             self._body, self._recompute = body, True
+            self._count("recompute")
         elif not self._response.started:
             self._body, self._recompute = self._request.body, False
         else:

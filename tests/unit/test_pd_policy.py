@@ -1,0 +1,55 @@
+"""P/D choice, pure (tokenserve/coordinator/policy.py; spec/pd_disaggregation.md §3.4):
+DIGS for P and D, prefix affinity for P, without sockets."""
+
+from __future__ import annotations
+
+from tokenserve.coordinator.policy import (
+    DView,
+    PView,
+    affinity_p,
+    digs_d,
+    digs_p,
+    prefix_key,
+)
+
+
+def test_digs_p_least_load_then_turns_then_order() -> None:
+    assert digs_p([]) is None
+    assert digs_p([PView("a", 30), PView("b", 10), PView("c", 10)]) == 1
+    assert digs_p([PView("a", 0, chosen=3), PView("b", 0, chosen=2)]) == 1
+    assert digs_p([PView("a", 0, 1), PView("b", 0, 1)]) == 0
+
+
+def test_digs_d_weighs_slots_and_blocks() -> None:
+    assert digs_d([], 1) is None
+    # same blocks: fewer requests wins
+    assert digs_d([DView(4, 50, 0, 100), DView(1, 50, 0, 100)], 1) == 1
+    # same requests: more free blocks (counting those assigned since the poll) wins
+    assert digs_d([DView(2, 90, 60, 100), DView(2, 50, 0, 100)], 1) == 1
+    # a bigger cache with the same use is less loaded
+    assert digs_d([DView(0, 90, 0, 100), DView(0, 990, 0, 1000)], 4) == 1
+    # unknown totals: free blocks decide
+    assert digs_d([DView(0, 10, 0, 0), DView(0, 20, 0, 0)], 1) == 1
+
+
+def test_affinity_same_prefix_same_p_while_in_bound() -> None:
+    ps = [PView("10.0.0.1:1025", 0), PView("10.0.0.2:1025", 0), PView("10.0.0.3:1025", 0)]
+    system = "You are a helpful assistant. " * 30
+    keys = [prefix_key(system + f"question {i}", 512) for i in range(20)]
+    picks = {affinity_p(ps, k, 100, 2.0) for k in keys}
+    assert len(picks) == 1  # one shared prefix, one P
+    spread = {affinity_p(ps, prefix_key(f"{i} " + system, 512), 100, 2.0) for i in range(50)}
+    assert spread == {0, 1, 2}  # different prefixes use every P
+    (best,) = picks
+    # the affinity P overloaded beyond bound x least + the request: the least loaded
+    loaded = [PView(p.name, 1000 if i == best else 10) for i, p in enumerate(ps)]
+    assert affinity_p(loaded, keys[0], 100, 2.0) != best
+    within = [PView(p.name, 110 if i == best else 10) for i, p in enumerate(ps)]
+    assert affinity_p(within, keys[0], 100, 2.0) == best
+    # membership change: a P leaving moves only its own prefixes
+    names = [p.name for p in ps]
+    before = {k: names[affinity_p(ps, prefix_key(f"{k}x", 8), 1, 2.0)] for k in range(60)}
+    after = {k: names[[0, 2][affinity_p([ps[0], ps[2]], prefix_key(f"{k}x", 8), 1, 2.0)]]
+             for k in range(60)}
+    assert all(after[k] == before[k] for k in before if before[k] != names[1])
+    assert affinity_p([], b"x", 1, 2.0) is None
