@@ -204,3 +204,20 @@ async def test_coordinator_metrics_count_requests_retries_and_failovers() -> Non
     assert samples[("coordinator_requests_in_flight", ())] == 0
     outstanding = [k for k in samples if k[0] == "coordinator_instance_outstanding"]
     assert len(outstanding) == 3 and all(samples[k] == 0 for k in outstanding)
+
+
+@bounded
+async def test_starts_with_instances_down_and_is_ready_once_a_p_and_a_d_answer() -> None:
+    async with cluster(ready=False, relink_backoff_max_s=0.05) as cl:
+        d = cl.ds[0]
+        d.alive = False
+        await asyncio.sleep(0.2)
+        assert (await cl.client.get("/v1/readiness")).status_code == 503
+        r = await cl.client.post("/infer", json={"inputs": "hi"})
+        assert r.status_code == 503
+        d.alive = True  # D comes up: linked and polled, the coordinator is ready
+        await until(lambda: d.linked)
+        while (await cl.client.get("/v1/readiness")).status_code != 200:
+            await asyncio.sleep(0.01)
+        rows = (await cl.client.get("/v1/instances")).json()["instances"]
+        assert [r["state"] for r in rows] == ["ready", "ready"]
