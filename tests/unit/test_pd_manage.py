@@ -221,3 +221,50 @@ async def test_starts_with_instances_down_and_is_ready_once_a_p_and_a_d_answer()
             await asyncio.sleep(0.01)
         rows = (await cl.client.get("/v1/instances")).json()["instances"]
         assert [r["state"] for r in rows] == ["ready", "ready"]
+
+
+class SwitchingD(FakeD):
+    """An instance whose role a controller switches (POST /v1/role): its status says
+    the role, and /dresult answers only while it decodes."""
+
+    def __init__(self) -> None:
+        super().__init__(100)
+        self.role = "prefill"
+
+    async def _status(self, request, response) -> None:
+        await response.send_json(200, {
+            "service": {"roleStatus": "RoleReady", "currentRole": self.role,
+                        "ipAddress": "127.0.0.1", "interCommPort": self.port},
+            "resource": {"availSlotsNum": 10, "availBlockNum": self.blocks}})
+
+    async def _dresult(self, request, response) -> None:
+        if self.role not in ("decode", "flex"):
+            from tokenserve.transport.errors import HttpError
+
+            raise HttpError(400, "Only the Decode node supports dresult")
+        await super()._dresult(request, response)
+
+
+@bounded
+async def test_an_instance_switched_to_decode_is_picked_up() -> None:
+    async with cluster(relink_backoff_max_s=0.05) as cl:
+        x = SwitchingD()
+        await x.start()
+        try:
+            name = f"127.0.0.1:{x.port}"
+            r = await cl.client.post("/v1/instances/add",
+                                     json={"prefill": [name], "decode": [name]})
+            assert len(r.json()["added"]) == 2
+
+            async def states() -> dict[str, str]:
+                rows = (await cl.client.get("/v1/instances")).json()["instances"]
+                return {r["kind"]: r["state"] for r in rows if r["name"] == name}
+
+            while await states() != {"prefill": "ready", "decode": "not-ready"}:
+                await asyncio.sleep(0.01)
+            x.role = "decode"  # the controller switched it
+            while await states() != {"prefill": "not-ready", "decode": "ready"}:
+                await asyncio.sleep(0.01)
+            assert x.linked
+        finally:
+            await x.close()
