@@ -36,20 +36,22 @@ def test_affinity_same_prefix_same_p_while_in_bound() -> None:
     ps = [PView("10.0.0.1:1025", 0), PView("10.0.0.2:1025", 0), PView("10.0.0.3:1025", 0)]
     system = "You are a helpful assistant. " * 30
     keys = [prefix_key(system + f"question {i}", 512) for i in range(20)]
-    picks = {affinity_p(ps, k, 100, 2.0) for k in keys}
+    picks = {affinity_p(ps, k, 2.0, 100) for k in keys}
     assert len(picks) == 1  # one shared prefix, one P
-    spread = {affinity_p(ps, prefix_key(f"{i} " + system, 512), 100, 2.0) for i in range(50)}
+    spread = {affinity_p(ps, prefix_key(f"{i} " + system, 512), 2.0, 100) for i in range(50)}
     assert spread == {0, 1, 2}  # different prefixes use every P
     (best,) = picks
-    # the affinity P overloaded beyond bound x least + the request: the least loaded
+    # the affinity P out of balance (above 2x the least and the least + 100): the least
     loaded = [PView(p.name, 1000 if i == best else 10) for i, p in enumerate(ps)]
-    assert affinity_p(loaded, keys[0], 100, 2.0) != best
+    assert affinity_p(loaded, keys[0], 2.0, 100) != best
     within = [PView(p.name, 110 if i == best else 10) for i, p in enumerate(ps)]
-    assert affinity_p(within, keys[0], 100, 2.0) == best
+    assert affinity_p(within, keys[0], 2.0, 100) == best  # only 100 above the least
+    within = [PView(p.name, 1000 if i == best else 600) for i, p in enumerate(ps)]
+    assert affinity_p(within, keys[0], 2.0, 100) == best  # under 2x the least
     # membership change: a P leaving moves only its own prefixes
     names = [p.name for p in ps]
-    before = {k: names[affinity_p(ps, prefix_key(f"{k}x", 8), 1, 2.0)] for k in range(60)}
-    after = {k: names[[0, 2][affinity_p([ps[0], ps[2]], prefix_key(f"{k}x", 8), 1, 2.0)]]
+    before = {k: names[affinity_p(ps, prefix_key(f"{k}x", 8), 2.0, 1)] for k in range(60)}
+    after = {k: names[[0, 2][affinity_p([ps[0], ps[2]], prefix_key(f"{k}x", 8), 2.0, 1)]]
              for k in range(60)}
     assert all(after[k] == before[k] for k in before if before[k] != names[1])
-    assert affinity_p([], b"x", 1, 2.0) is None
+    assert affinity_p([], b"x", 2.0, 1) is None

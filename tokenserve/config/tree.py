@@ -490,8 +490,9 @@ class CoordinatorConfig:
             ``affinity`` (same prompt prefix, same P while its load stays in bound;
             :mod:`tokenserve.coordinator.policy`).
         affinity_prefix_chars: the prompt characters affinity hashes.
-        affinity_load_bound: affinity keeps a P while its prefill load is at most this
-            times the least loaded P's, plus the request.
+        affinity_load_bound, affinity_slack_tokens: affinity leaves its P only when that
+            P's prefill load (estimated prompt tokens) is above both this many times the
+            least loaded P's and the least plus this many tokens.
     """
 
     prefill: tuple[InstanceAddr, ...]
@@ -520,13 +521,15 @@ class CoordinatorConfig:
     p_policy: str = "load"
     affinity_prefix_chars: int = 512
     affinity_load_bound: float = 2.0
+    affinity_slack_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.p_policy not in ("load", "affinity"):
             raise ValueError(f"p_policy must be load or affinity, got {self.p_policy!r}")
-        if self.affinity_prefix_chars < 1 or self.affinity_load_bound < 1:
-            raise ValueError("affinity_prefix_chars must be >= 1 and affinity_load_bound "
-                             ">= 1")
+        if (self.affinity_prefix_chars < 1 or self.affinity_load_bound < 1
+                or self.affinity_slack_tokens < 0):
+            raise ValueError("affinity_prefix_chars must be >= 1, affinity_load_bound >= 1 "
+                             "and affinity_slack_tokens >= 0")
         if not self.prefill or not self.decode:
             raise ValueError("the coordinator needs at least one prefill and one decode "
                              "instance")

@@ -17,8 +17,9 @@ Prefix-cache affinity for P (``--p-policy affinity``; SGLang's cache-aware route
 MindIE-MS ``cache_affinity`` are the anchors, [I] a stateless form): the first
 ``prefix_chars`` characters of the prompt pick a P by rendezvous hashing (the same
 prefix lands on the same P while the membership holds; a P joining or leaving moves only
-its share), and that P is taken while its prefill load stays within ``bound`` times the
-least loaded P's plus this request; else the DIGS choice.
+its share), and that P is taken unless it is out of balance: its prefill load exceeds
+both ``bound`` times the least loaded P's and the least plus ``slack`` tokens (SGLang's
+relative and absolute balance thresholds); then the DIGS choice.
 """
 
 from __future__ import annotations
@@ -78,14 +79,16 @@ def prefix_key(prompt: str, prefix_chars: int) -> bytes:
     return prompt[:prefix_chars].encode("utf-8", "surrogatepass")
 
 
-def affinity_p(cands: Sequence[PView], key: bytes, cost: int, bound: float) -> int | None:
-    """Index of the affinity P for a prompt whose prefix is ``key`` and whose estimated
-    prompt tokens are ``cost`` (module docstring); None when there is none."""
+def affinity_p(cands: Sequence[PView], key: bytes, bound: float, slack: int
+               ) -> int | None:
+    """Index of the affinity P for a prompt whose prefix is ``key`` (module
+    docstring); None when there is none."""
     if not cands:
         return None
     best = max(range(len(cands)), key=lambda i: hashlib.blake2b(
         cands[i].name.encode() + b"\0" + key, digest_size=8).digest())
     least = min(c.load for c in cands)
-    if cands[best].load <= bound * least + cost:
-        return best
-    return digs_p(cands)
+    load = cands[best].load
+    if load > bound * least and load > least + slack:
+        return digs_p(cands)
+    return best

@@ -228,8 +228,8 @@ class InstancePool:
         cands = [p for p in self.prefill if p.usable() and p.name not in exclude]
         views = [PView(p.name, p.prefill_load, p.chosen) for p in cands]
         if self._cfg.p_policy == "affinity" and prompt:
-            i = affinity_p(views, prefix_key(prompt, self._cfg.affinity_prefix_chars), cost,
-                           self._cfg.affinity_load_bound)
+            i = affinity_p(views, prefix_key(prompt, self._cfg.affinity_prefix_chars),
+                           self._cfg.affinity_load_bound, self._cfg.affinity_slack_tokens)
         else:
             i = digs_p(views)
         return None if i is None else cands[i]
