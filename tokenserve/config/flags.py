@@ -310,7 +310,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "main port)")
     for flag, dest, what in (
             ("--schedule-timeout", "schedule_timeout_s",
-             "a request waiting this long for a usable P and D gets 408"),
+             "a request waiting this long for a usable P and D gets 408 (503 when its "
+             "P was lost)"),
             ("--first-token-timeout", "first_token_timeout_s",
              "P's first answer must come this long after arrival, else 408"),
             ("--infer-timeout", "infer_timeout_s",
@@ -322,8 +323,8 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help=f"seconds: {what} (default {default:g})")
     c.add_argument("--p-policy", choices=("load", "affinity"), default=None,
                    help="how a prefill instance is chosen: load (MindIE-MS DIGS load "
-                        "balance) or affinity (same prompt prefix, same P while its load "
-                        f"stays within bound; default {dflt.p_policy})")
+                        "balance) or affinity (same prompt prefix, same P unless it is out "
+                        f"of balance; default {dflt.p_policy})")
     c.add_argument("--max-requests", type=int, default=None,
                    help=f"in-flight requests before 429 (default {dflt.max_requests})")
     c.add_argument("--max-retry", type=int, default=None,
