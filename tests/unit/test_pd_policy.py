@@ -55,3 +55,13 @@ def test_affinity_same_prefix_same_p_while_in_bound() -> None:
              for k in range(60)}
     assert all(after[k] == before[k] for k in before if before[k] != names[1])
     assert affinity_p([], b"x", 2.0, 1) is None
+
+
+def test_p_error_retries_back_off_past_kv_trans_timeout() -> None:
+    from tokenserve.config.tree import CoordinatorConfig, InstanceAddr, PdConfig
+    from tokenserve.coordinator.relay import retry_delay
+
+    assert [retry_delay(1.0, n) for n in range(1, 6)] == [1, 2, 4, 8, 16]
+    cfg = CoordinatorConfig(prefill=(InstanceAddr("a", 1),), decode=(InstanceAddr("b", 2),))
+    waited = sum(retry_delay(cfg.retry_delay_s, n) for n in range(1, cfg.max_retry + 1))
+    assert waited > PdConfig().kv_trans_timeout_s  # the default retries outlast P's wait

@@ -63,6 +63,14 @@ PLACE_POLL_S = 0.05
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
+def retry_delay(base_s: float, retry: int) -> float:
+    """Seconds before resending to a P that answered an error while the request was
+    being retried, for the ``retry``-th resubmission (1-based): ``base_s`` doubling each
+    time (§7.3 says 1 s, fixed; [I] doubling, so ``max_retry`` = 5 retries span 31 s and
+    outlast what P may still wait for, ``kv_trans_timeout`` 10 s by default)."""
+    return base_s * 2 ** max(0, retry - 1)
+
+
 class PLost(Exception):
     """The P a submission went to failed before answering (connection reset, read or
     write error): the request may be placed again."""
@@ -368,7 +376,7 @@ class Flow:
                 self._lost.add(self.d.name)
             else:
                 self._prefer_p = self.p
-                self._delay = self._ctx.cfg.retry_delay_s * 2 ** (self._retries - 1)
+                self._delay = retry_delay(self._ctx.cfg.retry_delay_s, self._retries)
             return None
         if self._response.started:  # cannot happen before a resubmission; be safe
             raise Failure(reply.status, reply.body.decode(errors="replace"))
