@@ -39,6 +39,7 @@ from tokenserve.messages import (
     GenerateRequest,
     KvHandoff,
     KvPulled,
+    PromptLogprobs,
     RequestOutput,
     StepPlan,
     TokenLogprob,
@@ -57,6 +58,7 @@ class _Tracked:
         "detok",
         "emitted_first",
         "last_emit",
+        "prompt_lps",
         "queue_time_ms",
         "seed",
         "stop",
@@ -72,6 +74,26 @@ class _Tracked:
         self.seed = seed
         self.emitted_first = False
         self.queue_time_ms: float | None = None
+        #: prompt log-probabilities gathered so far (first entry None), until sent; None
+        #: when the request asked for none or they were sent
+        self.prompt_lps: list[TokenLogprob | None] | None = None
+
+    def add_prompt_logprobs(self, got: PromptLogprobs) -> None:
+        """Append a chunk's prompt log-probabilities; positions already held (a prefill
+        recomputed after preemption) are skipped."""
+        if self.prompt_lps is None:
+            return
+        have = len(self.prompt_lps)
+        assert got.start <= have, f"prompt logprobs from {got.start}, have {have}"
+        self.prompt_lps.extend(got.entries[have - got.start:])
+
+    def take_prompt_logprobs(self, num_prompt_tokens: int
+                             ) -> tuple[TokenLogprob | None, ...] | None:
+        """All of them, once, when complete (``num_prompt_tokens`` entries)."""
+        if self.prompt_lps is None or len(self.prompt_lps) < num_prompt_tokens:
+            return None
+        out, self.prompt_lps = tuple(self.prompt_lps), None
+        return out
 
     def text(self, delta: str, final: bool) -> str:
         """``delta`` (text already through the stop-string matcher) and, on the final
@@ -150,6 +172,10 @@ class SchedulerActor:
                           sum(s.is_decode for s in seqs),
                           [len(s.token_ids) for s in seqs if not s.is_decode],
                           len(self.scheduler.waiting))
+            for rid, got in result.prompt_logprobs.items():
+                t = self._tracked.get(rid)
+                if t is not None:
+                    t.add_prompt_logprobs(got)
             for rid, why in result.failed.items():  # rows that failed alone
                 self._finish(rid, Finish(FinishReason.ERROR, error=why))
             now = time.monotonic()
@@ -217,6 +243,8 @@ class SchedulerActor:
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)
         t = _Tracked(stream, detok, stop, arrival, params.seed)
+        if params.prompt_logprobs is not None and not outputs:
+            t.prompt_lps = [None]
         self._tracked[g.request_id] = t
         if pull:
             self._sources[g.request_id] = adopt.source
@@ -296,7 +324,9 @@ class SchedulerActor:
             logprobs=(logprob,) if logprob is not None else None,
             stop_reason=fin.stop_reason if fin is not None else None,
             queue_time_ms=t.queue_time_ms if first else None,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=(t.take_prompt_logprobs(req.num_prompt_tokens)
+                             if toks or finished else None))
         if toks:
             t.emitted_first = True
             if now is not None:
