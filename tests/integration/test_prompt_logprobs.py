@@ -258,3 +258,35 @@ async def test_stream_echo_and_vllm_prompt_logprobs(bf16):
         best = max(v["logprob"] for v in entry.values())
         assert (mine["rank"] == 1) == (mine["logprob"] == best)
     await s.leak_free()
+
+
+async def test_tgi_decoder_input_details_and_vllm_prompt_logprobs(bf16, hf):
+    """TGI ``decoder_input_details`` (through ``huggingface_hub``) and vLLM ``/generate``
+    ``prompt_logprobs`` give the same prompt logprobs as the OpenAI echo, bit for bit,
+    close to transformers; TGI refuses it when streaming (422), as TGI does."""
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import TextGenerationError
+
+    s = bf16["cache"]
+    prompt = PROMPTS[1]
+    ids = s.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    ref = await echo(s.url, s.engine.model_name, prompt, logprobs=0, max_tokens=0)
+    want = ref.choices[0].logprobs.token_logprobs
+    client = InferenceClient(base_url=s.url)
+    out = await asyncio.to_thread(client.text_generation, prompt, max_new_tokens=2,
+                                  details=True, decoder_input_details=True)
+    prefill = out.details.prefill
+    assert [t.id for t in prefill] == ids
+    assert [t.logprob for t in prefill] == want
+    assert "".join(t.text for t in prefill) == prompt
+    with pytest.raises(TextGenerationError, match="not supported when streaming"):
+        await asyncio.to_thread(lambda: list(client.text_generation(
+            prompt, max_new_tokens=2, stream=True, details=True, decoder_input_details=True)))
+    async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
+        vllm = (await c.post("/generate", json={"prompt": prompt, "max_tokens": 1,
+                                                "prompt_logprobs": 1})).json()
+    plp = vllm["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    assert [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))] == want[1:]
+    assert_bf16_close(want[1:], reference(hf, ids)[0])
+    await s.leak_free()

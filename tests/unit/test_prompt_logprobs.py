@@ -4,6 +4,7 @@ gathering across chunks and recomputes, and the OpenAI / vLLM answer shapes."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 import torch
 
@@ -15,8 +16,8 @@ from tokenserve.api.openai.protocol import (
     join_logprobs,
     parse_chat_body,
     parse_completion_body,
-    vllm_prompt_logprobs,
 )
+from tokenserve.api.vllm.protocol import vllm_prompt_logprobs
 from tokenserve.engine import model_runner
 from tokenserve.engine.block_pool import BlockPool
 from tokenserve.engine.model_runner import ModelRunner
@@ -193,7 +194,7 @@ def test_completion_prompt_logprobs_shape():
 
 def test_vllm_prompt_logprobs_shape():
     entries = (None, TL(2, -1.5, ((3, -0.5), (2, -1.5)), rank=2), TL(3, -0.1, ((3, -0.1),), 1))
-    out = vllm_prompt_logprobs(entries, Texts(), k=2)
+    out = vllm_prompt_logprobs(entries, lambda t: Texts().get(t)[0], k=2)
     assert out[0] is None
     assert out[1] == {"2": {"logprob": -1.5, "rank": 2, "decoded_token": "bc"},
                       "3": {"logprob": -0.5, "rank": 1, "decoded_token": "d"}}
@@ -225,3 +226,59 @@ def test_sampling_params_prompt_only():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=-1)
+
+
+# ----------------------------------------------------------------- the routes (fake engine)
+
+
+@pytest.fixture
+async def fake():
+    from tests.fakes import FakeEngine, serve_fake
+
+    engine = FakeEngine()
+    async with serve_fake(engine) as (_, client):
+        yield engine, client
+
+
+async def test_vllm_generate_prompt_logprobs(fake):
+    """vLLM ``/generate`` ``prompt_logprobs``: one list for the prompt (the fake engine's
+    logprob of position i is -i), in the answer and in the stream's first chunk; only the
+    first of ``n`` sequences computes it; out of range is a 422."""
+    engine, client = fake
+    body = {"prompt": "xyz", "max_tokens": 2, "prompt_logprobs": 0}
+    out = (await client.post("/generate", json=body)).json()
+    assert out["prompt_logprobs"] == [
+        None, {"121": {"logprob": -1.0, "rank": 1, "decoded_token": "y"}},
+        {"122": {"logprob": -2.0, "rank": 2, "decoded_token": "z"}}]
+    r = await client.post("/generate", json={**body, "stream": True})
+    chunks = [orjson.loads(c) for c in r.content.split(b"\0") if c]
+    assert chunks[0]["prompt_logprobs"] == out["prompt_logprobs"]
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    await client.post("/generate", json={**body, "n": 2, "temperature": 1})
+    assert [r.params.prompt_logprobs for r in engine.requests[-2:]] == [0, None]
+    r = await client.post("/generate", json={**body, "prompt_logprobs": 21})
+    assert r.status_code == 422 and "prompt_logprobs" in r.text
+    assert "prompt_logprobs" not in (await client.post(
+        "/generate", json={"prompt": "xy", "max_tokens": 1})).json()
+
+
+async def test_openai_echo_prompt_only_shape(fake):
+    """``echo`` + ``logprobs`` + ``max_tokens: 0``: the prompt, its tokens and logprobs
+    (first null), nothing generated; streamed as one chunk with the prompt then the end."""
+    engine, client = fake
+    body = {"model": engine.model_name, "prompt": "xyz", "echo": True, "logprobs": 0,
+            "max_tokens": 0}
+    out = (await client.post("/v1/completions", json=body)).json()
+    (choice,) = out["choices"]
+    assert choice["text"] == "xyz" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"tokens": ["x", "y", "z"], "token_logprobs": [None, -1.0, -2.0],
+                                  "top_logprobs": [None, {"y": -1.0}, {"z": -2.0}],
+                                  "text_offset": [0, 1, 2]}
+    assert out["usage"]["completion_tokens"] == 0
+    assert engine.requests[-1].params.max_new_tokens == 0
+    r = await client.post("/v1/completions", json={**body, "stream": True})
+    events = [orjson.loads(line[6:]) for line in r.text.split("\n\n")
+              if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"] == "xyz"
+    assert events[0]["choices"][0]["logprobs"] == choice["logprobs"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"

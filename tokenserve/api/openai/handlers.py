@@ -64,8 +64,8 @@ from tokenserve.api.openai.protocol import (
     openai_usage,
     parse_chat_body,
     parse_completion_body,
-    vllm_prompt_logprobs,
 )
+from tokenserve.api.vllm.protocol import vllm_prompt_logprobs
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
@@ -344,7 +344,8 @@ class OpenAIApi(FamilyApi):
         if c.prompt_logprobs is None:
             raise HttpError(500, "the prompt's log-probabilities were not computed")
         assert plan.body.prompt_logprobs is not None
-        return vllm_prompt_logprobs(c.prompt_logprobs, self._texts, plan.body.prompt_logprobs)
+        return vllm_prompt_logprobs(c.prompt_logprobs, lambda t: self._texts.get(t)[0],
+                                    plan.body.prompt_logprobs)
 
     # ------------------------------------------------------------------ stream
 

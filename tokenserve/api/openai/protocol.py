@@ -40,6 +40,7 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
+from tokenserve.api.vllm.protocol import parse_prompt_logprobs
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
 from tokenserve.transport.errors import error_type_for
@@ -341,18 +342,12 @@ def parse_completion_body(obj: dict[str, Any], vocab_size: int) -> OpenAIBody:
         sampling["logprobs"] = logprobs
     # OpenAI: echo + logprobs gives the prompt's tokens their logprobs too; vLLM's
     # extension ``prompt_logprobs`` (k) adds its own per-choice list
-    plp = parse_prompt_logprobs(obj)
+    plp = parse_prompt_logprobs(obj)  # vLLM's own rule
     want = [k for k in ((logprobs if echo else None), plp) if k is not None]
     if want:
         sampling["prompt_logprobs"] = max(want)
     return OpenAIBody(**body, sampling=sampling, prompts=prompts, echo=echo,
                       prompt_logprobs=plp)
-
-
-def parse_prompt_logprobs(obj: dict[str, Any]) -> int | None:
-    """vLLM's ``prompt_logprobs``: an integer in [0, 20] (vLLM caps it at its
-    ``max_logprobs``, 20 by default), or absent / null."""
-    return get_int(obj, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
 
 
 # ---------------------------------------------------------------------- the answer
@@ -483,27 +478,6 @@ def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None
     if head is None or tail is None:
         return head or tail
     return {key: head[key] + tail[key] for key in head}
-
-
-def vllm_prompt_logprobs(
-    entries: tuple[TokenLogprob | None, ...], texts: TokenTexts, k: int
-) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
-    ``{token_id: {logprob, rank, decoded_token}}`` holding the prompt token first, then
-    the ``k`` most likely (rank 1 = most likely, over the whole vocabulary). JSON turns
-    the ids into strings, as vLLM's answer does."""
-    out: list[dict[str, dict[str, Any]] | None] = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        item = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank,
-                                  "decoded_token": texts.get(e.token_id)[0]}}
-        for r, (tid, lp) in enumerate(e.top[:k], 1):
-            item.setdefault(str(tid), {"logprob": _lp(lp), "rank": r,
-                                       "decoded_token": texts.get(tid)[0]})
-        out.append(item)
-    return out
 
 
 def completion_logprobs(
