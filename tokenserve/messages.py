@@ -66,6 +66,12 @@ class KvAdoption:
         source: opaque to the engine: where the K/V are, handed to the engine's KV puller.
         num_cached_tokens: prompt tokens the first instance found in its prefix cache
             (reported in usage as if computed here).
+        prompt_logprobs: the prompt's log-probabilities the first instance computed
+            (``RequestOutput.prompt_logprobs``), put on the replay output; None: none
+            (a recompute, ``num_computed == 0``, computes them again when asked).
+        output_logprobs: the :class:`TokenLogprob` of each of ``output_token_ids`` the
+            first instance computed (``SamplingParams.logprobs``), put on the replay
+            output; None: none.
     """
 
     output_token_ids: tuple[int, ...]
@@ -73,6 +79,8 @@ class KvAdoption:
     num_computed: int = 0
     source: Any = None
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    output_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

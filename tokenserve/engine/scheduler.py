@@ -341,6 +341,7 @@ class Scheduler:
                     out.append((req, []))
                 continue
             new = [sampled[seq.request_id], *accepted.get(seq.request_id, ())]
+            req.prompt_lp_pending = False  # every prompt position is computed by now
             # K/V are valid for the step's own token(s) and the accepted drafts
             req.num_computed += len(seq.token_ids) - len(seq.draft) + len(new) - 1
             self._register_full_blocks(req, pending=new[:-1])
@@ -694,11 +695,11 @@ class Scheduler:
 
 
 def _wants_prompt_logprobs(req: Request) -> bool:
-    """Whether ``req``'s prompt log-probabilities are still to be computed: it asked for
-    them and has generated nothing (a recompute after preemption does not send them
-    again). Such a request skips the prefix-cache lookup: a cached block holds K/V but
-    not the logits of its positions."""
-    return req.params.prompt_logprobs is not None and req.num_output_tokens == 0
+    """Whether ``req``'s prompt log-probabilities are still to be computed
+    (``Request.prompt_lp_pending``: cleared by its first sampled token, so a recompute
+    after preemption does not send them again). Such a request skips the prefix-cache
+    lookup: a cached block holds K/V but not the logits of its positions."""
+    return bool(req.prompt_lp_pending)
 
 
 def _is_prefill(req: Request) -> bool:

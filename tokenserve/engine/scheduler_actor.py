@@ -236,14 +236,17 @@ class SchedulerActor:
             adopted_state=adopt.generator_state if adopt is not None else None,
             prefill_only=g.prefill_only, pull_tokens=pull,
             recompute_elsewhere=pull > 0,
-            num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0)
+            num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0,
+            # computed here unless another instance did (PD: P, for the adopting D)
+            prompt_lp_pending=params.prompt_logprobs is not None and (
+                adopt is None or (pull == 0 and adopt.prompt_logprobs is None)))
         detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids,
                                        params.skip_special_tokens)
         self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)
         t = _Tracked(stream, detok, stop, arrival, params.seed)
-        if params.prompt_logprobs is not None and not outputs:
+        if req.prompt_lp_pending:
             t.prompt_lps = [None]
         self._tracked[g.request_id] = t
         if pull:
@@ -255,7 +258,12 @@ class SchedulerActor:
             t.emitted_first = True
             stream.put(RequestOutput(
                 g.request_id, tuple(outputs), text, False, None, req.num_prompt_tokens,
-                req.num_output_tokens, seed=params.seed, replay=True))
+                req.num_output_tokens, seed=params.seed, replay=True,
+                logprobs=(adopt.output_logprobs
+                          if adopt.output_logprobs is not None
+                          and len(adopt.output_logprobs) == len(outputs) else None),
+                prompt_logprobs=adopt.prompt_logprobs if params.prompt_logprobs is not None
+                else None))
 
     def _pd_events(self) -> None:
         """Start the K/V pulls the scheduler asked for; end the requests it evicted for
