@@ -282,3 +282,28 @@ async def test_openai_echo_prompt_only_shape(fake):
     assert events[0]["choices"][0]["text"] == "xyz"
     assert events[0]["choices"][0]["logprobs"] == choice["logprobs"]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_openai_chat_prompt_logprobs_top_level():
+    """vLLM's chat ``prompt_logprobs``: one top-level list for the rendered prompt; with
+    ``stream`` a 422, as vLLM answers."""
+    from tests.fakes import serve_fake
+    from tests.unit.test_api_openai import OpenAIFakeEngine  # the fake with a chat template
+
+    engine = OpenAIFakeEngine()
+    async with serve_fake(engine) as (_, client):
+        await _chat_prompt_logprobs(engine, client)
+
+
+async def _chat_prompt_logprobs(engine, client):
+    body = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1, "prompt_logprobs": 0}
+    out = (await client.post("/v1/chat/completions", json=body)).json()
+    ids = engine.requests[-1].prompt_token_ids
+    plp = out["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    text = engine.tokenizer.decode([ids[1]], skip_special_tokens=False)
+    assert plp[1] == {str(ids[1]): {"logprob": -1.0, "rank": 1, "decoded_token": text}}
+    assert list(out)[-1] == "prompt_logprobs" and "prompt_logprobs" not in out["choices"][0]
+    r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 422 and "prompt_logprobs" in r.text

@@ -311,6 +311,8 @@ class OpenAIApi(FamilyApi):
         result = self._object_head(plan, "chat.completion" if plan.chat else "text_completion")
         result["choices"] = [self._final_choice(plan, c) for c in plan.choices]
         result["usage"] = plan.usage()
+        if plan.chat and plan.body.prompt_logprobs is not None:  # vLLM: one, top level
+            result["prompt_logprobs"] = self._vllm_prompt_logprobs(plan, plan.choices[0])
         await response.send_json(200, result)
 
     def _final_choice(self, plan: Plan, c: Choice) -> dict[str, Any]:
@@ -328,7 +330,7 @@ class OpenAIApi(FamilyApi):
             lp = join_logprobs(self._echo_logprobs(plan, c), lp)
         item = {"index": c.index, "text": c.prefix + text, "logprobs": lp,
                 "stop_reason": c.final.stop_reason, "finish_reason": reason}
-        if plan.body.prompt_logprobs is not None:  # vLLM's extension
+        if plan.body.prompt_logprobs is not None:  # vLLM's extension, per choice
             item["prompt_logprobs"] = self._vllm_prompt_logprobs(plan, c)
         return item
 

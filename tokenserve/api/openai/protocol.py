@@ -312,7 +312,13 @@ def parse_chat_body(obj: dict[str, Any], native: bool = False) -> OpenAIBody:
         kwargs["tools"] = tools
     if obj.get("chat_template") is not None:  # [I] a path or template text from a client
         raise ValueError("Parameter chat_template is not supported; the model's own is used.")
-    return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs)
+    plp = parse_prompt_logprobs(obj)  # vLLM's extension: a top-level list in the answer
+    if plp is not None:
+        if body["stream"]:  # as vLLM: no place for them in a chat chunk
+            raise ValueError("Parameter prompt_logprobs is not available when stream is true.")
+        sampling["prompt_logprobs"] = plp
+    return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs,
+                      prompt_logprobs=plp)
 
 
 # --------------------------------------------------------------------------- completions
