@@ -258,7 +258,8 @@ def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, row0: int,
         lp = torch.log_softmax(logits, dim=-1)  # [R, V] fp32
         targets = torch.tensor(prompt[first + lo + 1:first + hi + 1], dtype=torch.int64)
         chosen = lp.gather(1, targets.unsqueeze(1))  # [R, 1]
-        ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+        # counted in fp32 (exact below 2^24 tokens): twice as fast as summing the bools
+        ranks = (torch.gt(lp, chosen).to(torch.float32).sum(dim=1) + 1).long().tolist()
         chosen = chosen.squeeze(1).tolist()
         top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
         top_v, top_i = top_v.tolist(), top_i.tolist()
