@@ -290,3 +290,20 @@ async def test_tgi_decoder_input_details_and_vllm_prompt_logprobs(bf16, hf):
     assert [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))] == want[1:]
     assert_bf16_close(want[1:], reference(hf, ids)[0])
     await s.leak_free()
+
+
+async def test_disconnect_mid_echo_stream_frees_blocks(bf16):
+    """A client that hangs up after the echoed prompt's chunk: the request is aborted and
+    its KV blocks are free again."""
+    s = bf16["cache"]
+    aborted = s.engine.stats().finished_by_reason.get("abort", 0)
+    body = {"model": s.engine.model_name, "prompt": PROMPTS[0], "echo": True, "logprobs": 1,
+            "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(base_url=s.url, timeout=300) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for chunk in r.aiter_bytes():
+            if b"token_logprobs" in chunk:
+                break
+    await s.leak_free()
+    assert s.engine.stats().finished_by_reason.get("abort", 0) == aborted + 1
