@@ -66,6 +66,12 @@ class KvAdoption:
         source: opaque to the engine: where the K/V are, handed to the engine's KV puller.
         num_cached_tokens: prompt tokens the first instance found in its prefix cache
             (reported in usage as if computed here).
+        prompt_logprobs: the prompt's log-probabilities the first instance computed
+            (``RequestOutput.prompt_logprobs``), put on the replay output; None: none
+            (a recompute, ``num_computed == 0``, computes them again when asked).
+        output_logprobs: the :class:`TokenLogprob` of each of ``output_token_ids`` the
+            first instance computed (``SamplingParams.logprobs``), put on the replay
+            output; None: none.
     """
 
     output_token_ids: tuple[int, ...]
@@ -73,6 +79,8 @@ class KvAdoption:
     num_computed: int = 0
     source: Any = None
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    output_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,11 +168,32 @@ class TokenLogprob:
         logprob: its log-probability (natural log).
         top: the ``SamplingParams.logprobs`` most likely (token_id, logprob) pairs,
             most likely first.
+        rank: 1 + the number of tokens more likely than ``token_id`` (vLLM's ``rank``);
+            set for prompt tokens (:class:`PromptLogprobs`), 0 where not computed.
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens, computed in one step (one prefill
+    chunk's positions).
+
+    Attributes:
+        start: prompt position (0-based) of ``entries[0]``; >= 1 (the first prompt token
+            has no log-probability).
+        entries: for each prompt position ``start + i``: that prompt token's
+            log-probability given the tokens before it, and the ``prompt_logprobs`` most
+            likely (token_id, logprob) pairs at that position (fp32 log-softmax of the
+            raw logits), as :class:`TokenLogprob` (``token_id`` = the prompt token).
+    """
+
+    start: int
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -197,6 +226,10 @@ class RequestOutput:
         replay: this output re-delivers tokens generated elsewhere (a
             :class:`KvAdoption`'s); never merged with other outputs.
         handoff: on a prefill-only request's first output: its parked KV blocks.
+        prompt_logprobs: when the request asked (``SamplingParams.prompt_logprobs``), on
+            its first output with tokens (or its final output when it generates none):
+            one entry per prompt token, the first None (vLLM's ``prompt_logprobs``
+            shape), else None.
     """
 
     request_id: str
@@ -216,6 +249,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     replay: bool = False
     handoff: KvHandoff | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 # --------------------------------------------------------------------------- scheduler <-> executor
@@ -269,6 +303,10 @@ class ScheduledSeq:
     after this step's draw in :attr:`StepResult.generator_states` (PD prefill: the
     decode instance continues from it).
 
+    ``prompt_logprobs``: compute the log-probabilities of the prompt tokens that follow
+    this step's positions (those before ``SeqStart.num_prompt_tokens``), returned in
+    :attr:`StepResult.prompt_logprobs`; set only while the request has generated nothing.
+
     ``draft`` (speculative decoding, ``tokenserve/engine/ngram.py``): draft tokens appended
     to a decode's one token, so ``token_ids`` is ``(last token, *draft)``; the block table
     covers them too. The model thread verifies them in this one forward pass: it samples
@@ -285,6 +323,7 @@ class ScheduledSeq:
     start: SeqStart | None = None
     export_state: bool = False
     draft: tuple[int, ...] = ()
+    prompt_logprobs: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -322,6 +361,8 @@ class StepResult:
     request_id -> the tokens after the sampled one that a seq with a ``draft`` gained
     (t1..ta where the draft's first a tokens equal t0..t(a-1), the model's own choices:
     each ti is what plain decoding would have produced next; empty when none matched).
+    ``prompt_logprobs`` maps request_id -> the prompt log-probabilities of the seqs with
+    ``prompt_logprobs`` (:class:`PromptLogprobs`; absent when the step had none for it).
     """
 
     step_id: int
@@ -332,3 +373,4 @@ class StepResult:
     failed: Mapping[str, str] = field(default_factory=dict)
     generator_states: Mapping[str, bytes] = field(default_factory=dict)
     accepted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    prompt_logprobs: Mapping[str, PromptLogprobs] = field(default_factory=dict)

@@ -53,6 +53,7 @@ from tokenserve.messages import (
     RequestOutput,
 )
 from tokenserve.pd.node import PdNode, inter_comm_url
+from tokenserve.pd.prefill import decode_prompt_logprobs
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import HEARTBEAT, close_message, encode
@@ -147,6 +148,11 @@ class DecodeObserver:
         self.done = False  # the request's last message (lastData/error/retry) is out
         self.pending_ids: tuple[int, ...] = ()
         self.error_message = "refused"  # why the handler refused it (before admission)
+        #: what P computed of the prompt's logprobs (checked by DecodeServer.decode)
+        self.prompt_logprobs = decode_prompt_logprobs(params.get("promptLogprobs"))
+        self.output_logprobs = decode_prompt_logprobs(params.get("firstTokenLogprobs"))
+        if self.output_logprobs is not None and None in self.output_logprobs:
+            raise ValueError("firstTokenLogprobs holds a null")
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():
@@ -165,7 +171,8 @@ class DecodeObserver:
                            tuple(p["firstToken"]),
                            base64.b64decode(state) if state is not None else None,
                            int(p["numComputed"]), source,
-                           int(p.get("prefixCachedTokenNums") or 0)))
+                           int(p.get("prefixCachedTokenNums") or 0),
+                           self.prompt_logprobs, self.output_logprobs))
 
     async def before_wait(self) -> None:
         return
@@ -343,7 +350,12 @@ class DecodeServer:
             await response.send_json(200, {"isValidDecodeParameters": False,
                                            "errorMessage": exc.message})
             return
-        obs = DecodeObserver(self.node, self.hub, params, body)
+        try:
+            obs = DecodeObserver(self.node, self.hub, params, body)
+        except ValueError as exc:
+            await response.send_json(200, {"isValidDecodeParameters": False,
+                                           "errorMessage": f"bad DecodeParameters: {exc}"})
+            return
         inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
                             query=params.get("query", ""), headers=params.get("headers", {}),
                             body=params["body"].encode(), disconnected=Signal(),

@@ -34,7 +34,13 @@ import orjson
 from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_stream import RequestHandedOff, observed
 from tokenserve.api.routes import path_of
-from tokenserve.messages import GenerateRequest, KvAdoption, KvHandoff, RequestOutput
+from tokenserve.messages import (
+    GenerateRequest,
+    KvAdoption,
+    KvHandoff,
+    RequestOutput,
+    TokenLogprob,
+)
 from tokenserve.pd.node import PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
@@ -107,6 +113,10 @@ class PrefillObserver:
         self.text = ""  # text this P rendered (postsingletext)
         self.handoff: KvHandoff | None = None
         self.num_cached_tokens = 0
+        #: the prompt's logprobs when the request asked (handed to D with the request)
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        #: the logprobs of the tokens this P generated, when the request asked
+        self.output_logprobs: list[TokenLogprob] = []
         self.handed_off = False
         self.error: str | None = None
 
@@ -128,6 +138,10 @@ class PrefillObserver:
         self.output_ids.extend(out.new_token_ids)
         if not out.replay:
             self.text += out.new_text
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if not out.replay:
+            self.output_logprobs.extend(out.logprobs or ())
         if out.handoff is not None:
             self.handoff = out.handoff
             self.num_cached_tokens = out.num_cached_tokens
@@ -171,6 +185,13 @@ class PrefillObserver:
             "prefillTokenNum": len(self.output_ids) - self.delivered,
             "preOutputTokenNum": self.delivered,
             "e2eStartTime": int(time.time() * 1e6),
+            # ours [I]: the prompt's logprobs (echo / prompt_logprobs /
+            # decoder_input_details), so D's answer carries them as a mixed server's
+            "promptLogprobs": encode_prompt_logprobs(self.prompt_logprobs),
+            # ours [I]: the logprobs of firstToken (when asked and none were replayed)
+            "firstTokenLogprobs": encode_prompt_logprobs(
+                tuple(self.output_logprobs)
+                if self.output_logprobs and not self.delivered else None),
         }
 
     async def _send_decode(self) -> None:
@@ -185,6 +206,32 @@ class PrefillObserver:
         ans = r.json()
         if not ans.get("isValidDecodeParameters"):
             raise RuntimeError(ans.get("errorMessage") or "D refused the request")
+
+
+def encode_prompt_logprobs(entries: tuple[TokenLogprob | None, ...] | None
+                           ) -> list[Any] | None:
+    """``DecodeParameters.promptLogprobs`` and ``firstTokenLogprobs`` [I]: per token null
+    (the prompt's first) or ``[token_id, logprob, rank, [[id, logprob], ...]]``; None when
+    there are none. JSON floats round-trip exactly, so D answers the bits P computed."""
+    if entries is None:
+        return None
+    return [None if e is None else [e.token_id, e.logprob, e.rank, [list(t) for t in e.top]]
+            for e in entries]
+
+
+def decode_prompt_logprobs(value: Any) -> tuple[TokenLogprob | None, ...] | None:
+    """The inverse of :func:`encode_prompt_logprobs`.
+
+    Raises:
+        ValueError: a malformed value."""
+    if value is None:
+        return None
+    try:
+        return tuple(None if e is None else TokenLogprob(
+            int(e[0]), float(e[1]), tuple((int(t), float(lp)) for t, lp in e[3]), int(e[2]))
+            for e in value)
+    except (TypeError, IndexError, ValueError) as exc:
+        raise ValueError(f"bad promptLogprobs: {exc}") from None
 
 
 def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
