@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenserve.engine.info import EngineInfo, EngineStats
 from tokenserve.engine.output_stream import RequestHandle
-from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
+from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 VOCAB = 1000
 MAX_MODEL_LEN = 64
@@ -30,8 +30,8 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)  # no special tokens here
 
 
 def token_text(token_id: int) -> str:
@@ -70,6 +70,11 @@ class FakeEngine:
 
     def release(self, request_id: str) -> bool:
         """PD prefill: free a parked request (nothing is parked here)."""
+        return False
+
+    async def evict(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        """PD prefill: end a request still held under ``request_id`` (nothing is parked
+        here)."""
         return False
 
     async def wait_aborted_early(self, timeout: float = 1.0) -> str:
@@ -137,8 +142,17 @@ class FakeEngine:
         if self.finish_after is not None and self.finish_after < n:
             n, reason = self.finish_after, self.finish
         prompt = request.prompt_token_ids
+        # prompt logprobs when asked: position i's is -i (the first None), no alternatives
+        plp = ((None, *(TokenLogprob(t, -float(i), rank=i) for i, t in enumerate(prompt)
+                        if i)) if request.params.prompt_logprobs is not None else None)
         done = False
         try:
+            if n == 0:  # prompt only: one final output
+                done = True
+                self.completed.append(request.request_id)
+                yield RequestOutput(request.request_id, (), "", True, FinishReason.LENGTH,
+                                    len(prompt), 0, seed=request.params.seed,
+                                    prompt_logprobs=plp)
             for i in range(n):
                 await asyncio.sleep(self.delay)
                 tok = prompt[i % len(prompt)]
@@ -161,6 +175,7 @@ class FakeEngine:
                     if failed
                     else None,
                     seed=request.params.seed if last else None,
+                    prompt_logprobs=plp if i == 0 else None,
                 )
             while self.hang_after_final:
                 await asyncio.sleep(3600)

@@ -66,10 +66,12 @@ class KvAdoption:
         source: opaque to the engine: where the K/V are, handed to the engine's KV puller.
         num_cached_tokens: prompt tokens the first instance found in its prefix cache
             (reported in usage as if computed here).
-        output_logprobs: the log-probabilities the first instance reported for
-            ``output_token_ids`` (one per id), put on the replay output so the consumer's
-            logprobs match a mixed instance's (issue 22); None when unknown (a recompute,
-            or the request asked for none).
+        prompt_logprobs: the prompt's log-probabilities the first instance computed
+            (``RequestOutput.prompt_logprobs``), put on the replay output; None: none
+            (a recompute, ``num_computed == 0``, computes them again when asked).
+        output_logprobs: the :class:`TokenLogprob` of each of ``output_token_ids`` the
+            first instance computed (``SamplingParams.logprobs``), put on the replay
+            output; None: none.
     """
 
     output_token_ids: tuple[int, ...]
@@ -77,6 +79,7 @@ class KvAdoption:
     num_computed: int = 0
     source: Any = None
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     output_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
@@ -137,6 +140,10 @@ class AbortRequest:
     error: str | None = None
 
 
+#: how the error of a request whose KV pull failed begins (D recomputes it elsewhere).
+KV_PULL_FAILED = "Pull kv failed irreversibly."
+
+
 @dataclass(frozen=True)
 class KvPulled:
     """The engine's KV puller finished pulling an adopted request's blocks (``error``:
@@ -161,11 +168,32 @@ class TokenLogprob:
         logprob: its log-probability (natural log).
         top: the ``SamplingParams.logprobs`` most likely (token_id, logprob) pairs,
             most likely first.
+        rank: 1 + the number of tokens more likely than ``token_id`` (vLLM's ``rank``);
+            set for prompt tokens (:class:`PromptLogprobs`), 0 where not computed.
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens, computed in one step (one prefill
+    chunk's positions).
+
+    Attributes:
+        start: prompt position (0-based) of ``entries[0]``; >= 1 (the first prompt token
+            has no log-probability).
+        entries: for each prompt position ``start + i``: that prompt token's
+            log-probability given the tokens before it, and the ``prompt_logprobs`` most
+            likely (token_id, logprob) pairs at that position (fp32 log-softmax of the
+            raw logits), as :class:`TokenLogprob` (``token_id`` = the prompt token).
+    """
+
+    start: int
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -198,6 +226,10 @@ class RequestOutput:
         replay: this output re-delivers tokens generated elsewhere (a
             :class:`KvAdoption`'s); never merged with other outputs.
         handoff: on a prefill-only request's first output: its parked KV blocks.
+        prompt_logprobs: when the request asked (``SamplingParams.prompt_logprobs``), on
+            its first output with tokens (or its final output when it generates none):
+            one entry per prompt token, the first None (vLLM's ``prompt_logprobs``
+            shape), else None.
     """
 
     request_id: str
@@ -217,6 +249,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     replay: bool = False
     handoff: KvHandoff | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 # --------------------------------------------------------------------------- scheduler <-> executor
@@ -270,6 +303,10 @@ class ScheduledSeq:
     after this step's draw in :attr:`StepResult.generator_states` (PD prefill: the
     decode instance continues from it).
 
+    ``prompt_logprobs``: compute the log-probabilities of the prompt tokens that follow
+    this step's positions (those before ``SeqStart.num_prompt_tokens``), returned in
+    :attr:`StepResult.prompt_logprobs`; set only while the request has generated nothing.
+
     ``draft`` (speculative decoding, ``tokenserve/engine/ngram.py``): draft tokens appended
     to a decode's one token, so ``token_ids`` is ``(last token, *draft)``; the block table
     covers them too. The model thread verifies them in this one forward pass: it samples
@@ -286,6 +323,7 @@ class ScheduledSeq:
     start: SeqStart | None = None
     export_state: bool = False
     draft: tuple[int, ...] = ()
+    prompt_logprobs: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -323,6 +361,8 @@ class StepResult:
     request_id -> the tokens after the sampled one that a seq with a ``draft`` gained
     (t1..ta where the draft's first a tokens equal t0..t(a-1), the model's own choices:
     each ti is what plain decoding would have produced next; empty when none matched).
+    ``prompt_logprobs`` maps request_id -> the prompt log-probabilities of the seqs with
+    ``prompt_logprobs`` (:class:`PromptLogprobs`; absent when the step had none for it).
     """
 
     step_id: int
@@ -333,3 +373,4 @@ class StepResult:
     failed: Mapping[str, str] = field(default_factory=dict)
     generator_states: Mapping[str, bytes] = field(default_factory=dict)
     accepted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    prompt_logprobs: Mapping[str, PromptLogprobs] = field(default_factory=dict)

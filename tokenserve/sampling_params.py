@@ -53,7 +53,9 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     Attributes:
-        max_new_tokens: upper bound on generated tokens (tokens, > 0).
+        max_new_tokens: upper bound on generated tokens (tokens, >= 0). 0 is a
+            prefill-only request: nothing is generated, it ends with ``LENGTH`` once the
+            prompt is computed (OpenAI completions ``echo`` with ``max_tokens: 0``).
         temperature: softmax temperature (> 0); ignored for greedy rows.
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus mass in (0, 1]; 1.0 disables.
@@ -84,6 +86,11 @@ class SamplingParams:
         speculative: False opts this request out of speculative decoding (drafts are
             verified losslessly, so this only trades its speed against the batch's).
         structured: a constraint on the generated text, or None (unconstrained).
+        prompt_logprobs: None for none; k >= 0 returns the log-probability of every
+            prompt token after the first, given the tokens before it, and the k most
+            likely alternatives there (fp32 log-softmax of the raw logits; vLLM
+            ``prompt_logprobs``, OpenAI completions ``echo`` + ``logprobs``, TGI
+            ``decoder_input_details``). Such a request skips the prefix-cache lookup.
     """
 
     max_new_tokens: int = 20
@@ -104,10 +111,11 @@ class SamplingParams:
     min_p: float = 0.0
     speculative: bool = True
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k < 0:
@@ -124,6 +132,8 @@ class SamplingParams:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
 

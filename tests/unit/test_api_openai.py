@@ -415,7 +415,7 @@ BAD_CHAT = [
 BAD_CMPL = [
     {"prompt": ""}, {"prompt": []}, {"prompt": [1, "a"]}, {"prompt": [[]]},
     {"prompt": [1000]}, {"prompt": None}, {"prompt": {"text": "x"}}, {"logprobs": 6},
-    {"logprobs": True}, {"echo": True, "logprobs": 1}, {"model": "x"},
+    {"logprobs": True}, {"prompt_logprobs": 21}, {"max_tokens": -1}, {"model": "x"},
     {"stream": True, "best_of": 2},
 ]
 

@@ -75,7 +75,10 @@ async def test_decoder_input_details_alone_gives_details(env) -> None:
     _, _, client = env
     body = {"inputs": "xy", "parameters": {"decoder_input_details": True, "max_new_tokens": 1}}
     d = (await client.post("/generate", json=body)).json()["details"]
-    assert d["prefill"] == null_tokens([120, 121]) and d["tokens"] == null_tokens([120])
+    # the fake engine's prompt logprobs: position i -> -i; text: the token's own
+    assert d["prefill"] == [{"id": 120, "logprob": None, "special": None, "text": "x"},
+                            {"id": 121, "logprob": -1.0, "special": None, "text": "y"}]
+    assert d["tokens"] == null_tokens([120])
 
 
 async def test_random_seed_echoed_and_eos(env) -> None:

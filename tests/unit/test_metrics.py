@@ -143,7 +143,9 @@ async def test_failures_timeout_disconnect_stop(env) -> None:
     assert (await task).status_code == 200
     m = await scrape(client)
     assert m["request_received_total"] == 3
-    assert m["request_failed_total"] == 3 and m["request_success_total"] == 0
+    # a timeout fails; a disconnect and a stopInfer are the client going away (issue 22 c)
+    assert m["request_failed_total"] == 1 and m["request_success_total"] == 0
+    assert m["request_disconnected_total"] == 2
     assert m["failed_request_perc"] == 1.0
 
 
@@ -243,3 +245,25 @@ def test_tpot_counts_only_timed_tokens() -> None:
     assert m.generation_tokens.sum == 6 and m.live_prompt_tokens == 2
     t.finished(None)  # idempotent
     assert m.success + m.failed == 1
+
+
+def test_a_client_that_went_away_is_its_own_outcome() -> None:
+    """A disconnect (or stopInfer) is request_disconnected_total, not a failure; an engine
+    error still is a failure (issue 22 c)."""
+    from tokenserve.messages import GenerateRequest, RequestOutput
+    from tokenserve.sampling_params import SamplingParams
+
+    m = ServerMetrics(FakeEngine())
+
+    def run(reason, **kw):
+        t = m.request_started(GenerateRequest("r", (1,), SamplingParams(), arrival_time=1.0))
+        t.finished(RequestOutput("r", (), "", True, reason, 1, 0), **kw)
+
+    run(FinishReason.ABORT, disconnected=True)
+    run(FinishReason.ERROR)
+    run(FinishReason.LENGTH, disconnected=True)  # it had finished: a success
+    assert (m.success, m.failed, m.disconnected) == (1, 1, 1)
+    from prometheus_client import generate_latest
+
+    text = generate_latest(m.registry).decode()
+    assert "request_disconnected_total" in text

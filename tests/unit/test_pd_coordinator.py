@@ -14,6 +14,7 @@ import contextlib
 import functools
 import socket
 import sys
+import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -208,6 +209,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: bytes
+    at: float = field(default_factory=time.monotonic)
 
     @property
     def req_id(self) -> str:
@@ -311,7 +313,11 @@ async def cluster(d_blocks: tuple[int, ...] = (100,), n_p: int = 1, *,
             cl = Cluster(client, ps, ds, conf, extra)
             if ready:
                 await until(lambda: all(d.linked for d in ds))
-                await wait_ready(client)
+                mport = conf.management_port
+                async with httpx.AsyncClient(
+                        base_url=url if mport is None else f"http://127.0.0.1:{mport}",
+                        timeout=10.0) as probe:
+                    await wait_ready(probe)
             yield cl
     finally:
         stop.set()
@@ -449,17 +455,62 @@ async def test_p_answer_with_wrong_req_id_is_a_p_error() -> None:
 
 
 @bounded
-async def test_p_dropping_the_connection_is_a_receive_failure() -> None:
+async def test_p_lost_before_answering_is_retried_on_another_p_under_a_new_id() -> None:
+    """A P that drops the connection before answering (killed): the same body goes to
+    the other P under a fresh req-id; what the lost P may have handed to its D is
+    stopped under the old id, and a late D message for the old id reaches nobody."""
+    ps_seen: list[tuple[int, str]] = []
+
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        rid, d = request.headers["req-id"], cl.d_for(request)
+        ps_seen.append((cl.ps.index(p), rid))
+        if len(ps_seen) == 1:
+            d.say(rid, ("ids", "1,5"), ("data", D_DATA))  # handed off, then P dies
+            assert p.server is not None
+            p.server.force_close()
+            await asyncio.sleep(TEST_TIMEOUT_S)
+        d.say(ps_seen[0][1], ("ids", "1,5"), ("lastData", "stale"))
+        d.say(rid, ("ids", "1,5"), ("lastData", D_LAST_JSON))
+        return 200, p_answer(rid, False)
+
+    async with cluster(n_p=2) as cl:
+        cl.script(script)
+        r = await cl.client.post("/infer", json={"inputs": "hi"})
+        assert r.status_code == 200 and r.text == D_LAST_JSON
+        (first, old), (second, new) = ps_seen
+        assert first != second and old != new
+        await until(lambda: any(b == {"id": old} for _, b in cl.ds[0].stops))
+        assert [s.body for s in cl.seen] == [b'{"inputs":"hi"}'] * 2
+
+
+@bounded
+async def test_p_lost_every_time_ends_with_503_after_max_retry() -> None:
     async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
         assert p.server is not None
         p.server.force_close()
         await asyncio.sleep(TEST_TIMEOUT_S)
         raise AssertionError("not reached")
 
-    async with cluster() as cl:
+    async with cluster(max_retry=2) as cl:
         cl.script(script)
         r = await cl.client.post("/infer", json={"inputs": "hi"})
-        assert_error(r, 500, "Receive messages from p instance failed")
+        assert_error(r, 503, "MindIE-MS Coordinator is not ready")
+        assert len(cl.seen) == 3
+        assert len({s.req_id for s in cl.seen}) == 3
+
+
+@bounded
+async def test_p_lost_and_no_other_p_is_503_within_the_schedule_timeout() -> None:
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        assert p.server is not None
+        await p.close()  # P dies with the request: no P is left to take it
+        await asyncio.sleep(TEST_TIMEOUT_S)
+        raise AssertionError("not reached")
+
+    async with cluster(schedule_timeout_s=0.5) as cl:
+        cl.script(script)
+        r = await cl.client.post("/infer", json={"inputs": "hi"})
+        assert_error(r, 503, "MindIE-MS Coordinator is not ready")
 
 
 @bounded
@@ -950,3 +1001,16 @@ async def test_port_in_use_is_a_value_error() -> None:
                                 port=s.getsockname()[1])
         with pytest.raises(ValueError, match="cannot listen"):
             await serve_coordinator(cfg)
+
+
+@bounded
+async def test_d_request_no_flow_waits_for_is_stopped_once() -> None:
+    """Messages for a req-id this coordinator does not know (an earlier coordinator's
+    request still running on D): stopInfer on that D, once."""
+    async with cluster() as cl:
+        d = cl.ds[0]
+        d.say("1234", ("ids", "1,5"), ("data", D_DATA))
+        d.say("1234", ("ids", "6"), ("data", D_DATA))
+        await until(lambda: d.stops)
+        await asyncio.sleep(0.1)
+        assert [b for _, b in d.stops] == [{"id": "1234"}]

@@ -138,3 +138,36 @@ async def test_v2_role_body():
         assert r.status_code == 200, r.text
         assert node.role == "prefill"
         assert node.links == {"10.0.0.2": "ok"}
+
+
+def test_decode_requests_outlive_a_gone_dresult_consumer_by_the_bound_only() -> None:
+    """D ends its running requests (as a client disconnect would) once no /dresult
+    consumer has been connected for ``dresult_orphan_timeout_s``, not before, and never
+    while one is connected."""
+    from tokenserve.aio import Signal
+    from tokenserve.pd.decode import DecodeServer
+    from tokenserve.transport.router import Router
+
+    cfg = PdConfig(infer_mode="dmi", role="decode", dresult_orphan_timeout_s=2.0)
+    server = DecodeServer(PdNode(cfg, StatsEngine()), Router())
+    try:
+        gone = Signal()
+        server._live["7"] = gone
+        server.hub.orphaned_since = None  # a consumer is connected
+        assert server.abort_orphans(1e9) == 0 and not gone.is_set()
+        server.hub.orphaned_since = 100.0  # it left at t = 100 s
+        assert server.abort_orphans(101.9) == 0 and not gone.is_set()
+        assert server.abort_orphans(102.0) == 1 and gone.is_set()
+    finally:
+        server.close()
+
+
+def test_dresult_orphan_timeout_flag() -> None:
+    from tokenserve.cli import build_parser
+    from tokenserve.config.flags import serve_config
+
+    args = build_parser().parse_args(["serve", "--role", "decode",
+                                      "--dresult-orphan-timeout", "3.5"])
+    assert serve_config(args).pd.dresult_orphan_timeout_s == 3.5
+    with pytest.raises(ValueError, match="orphan"):
+        PdConfig(dresult_orphan_timeout_s=0)

@@ -28,7 +28,8 @@ class RequestMetrics(Protocol):
 
     def output(self, out: RequestOutput) -> None: ...
 
-    def finished(self, last: RequestOutput | None, handed_off: bool = False) -> None: ...
+    def finished(self, last: RequestOutput | None, handed_off: bool = False,
+                 disconnected: bool = False) -> None: ...
 
 
 class Metrics(Protocol):

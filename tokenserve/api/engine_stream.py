@@ -217,8 +217,10 @@ class EngineStream:
             ctx.registry.remove(self, self._ids)
             if self._tracker is not None:
                 try:
-                    self._tracker.finished(self.last if self.finished else None,
-                                           handed_off=isinstance(exc, RequestHandedOff))
+                    self._tracker.finished(
+                        self.last if self.finished else None,
+                        handed_off=isinstance(exc, RequestHandedOff),
+                        disconnected=isinstance(exc, ClientDisconnected) or self.stopped)
                 except Exception:
                     logger.exception("metrics: finished failed")
         return False

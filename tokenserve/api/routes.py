@@ -60,6 +60,7 @@ class Coord(str, enum.Enum):
     PROBE = "probe"  # 200 while a P and a D are usable, else 503
     FORWARD = "forward"  # to the least loaded P, answer unchanged
     STOP = "stop"  # stopInfer: to the instances holding the request (else a P)
+    MANAGE = "manage"  # the coordinator's own (management port, metrics)
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,8 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", "/health/timed-{n}", "server.health_timed_n", _F.SERVER, _MG, "management.timed"),
     _r("GET", "/v1/config", "server.config", _F.SERVER, _MG, "management.config",
        coordinator=Coord.FORWARD),
-    _r("GET", "/metrics", "server.metrics", _F.SERVER, _MT, "metrics.prometheus"),
+    _r("GET", "/metrics", "server.metrics", _F.SERVER, _MT, "metrics.prometheus",
+       coordinator=Coord.MANAGE),
     _r("GET", "/metrics-json", "server.metrics_json", _F.SERVER, _MG, "metrics.json"),
     # --- PD instance side (PD spec §4-§6, §8-§9) ----------------------------------------------
     _r("GET", "/v1/status", "pd.status_v1", _F.SERVER, _MG, "pd.status_v1"),
@@ -231,6 +233,21 @@ ROUTES: tuple[Route, ...] = (
        coordinator=Coord.PROBE),
     _r("GET", "/v1/readiness", "coordinator.readiness", _F.COORDINATOR, _MG, None,
        coordinator=Coord.PROBE),
+    # --- the coordinator's management routes (PD spec §9.4 manage_port; [I] add/remove) ---
+    _r("GET", "/v1/instances", "coordinator.instances", _F.COORDINATOR, _MG, None,
+       coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/refresh", "coordinator.instances_refresh", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/add", "coordinator.instances_add", _F.COORDINATOR, _MG, None,
+       coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/remove", "coordinator.instances_remove", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/offline", "coordinator.instances_offline", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("POST", "/v1/instances/online", "coordinator.instances_online", _F.COORDINATOR, _MG,
+       None, coordinator=Coord.MANAGE),
+    _r("GET", "/v1/coordinator_info", "coordinator.info", _F.COORDINATOR, _MG, None,
+       coordinator=Coord.MANAGE),
 )
 
 BY_NAME: dict[str, Route] = {r.name: r for r in ROUTES}

@@ -153,6 +153,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-port-range", type=_port_range, default=None, metavar="MIN-MAX",
                    help="PD: ports Mooncake's two listeners may bind, for firewalls "
                         "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT; default 15000-17000)")
+    p.add_argument("--dresult-orphan-timeout", type=float, default=None, metavar="S",
+                   help="PD decode: seconds requests outlive the last /dresult consumer "
+                        "(a coordinator gone) before they are aborted and their KV blocks "
+                        f"freed (default {_PD.dresult_orphan_timeout_s:g})")
     p.add_argument("--log-level", default=LOG_LEVEL,
                    help=f"DEBUG, INFO, WARNING or ERROR (default {LOG_LEVEL}; DEBUG logs every "
                         "step)")
@@ -249,6 +253,8 @@ def _pd_flags(args: argparse.Namespace, pd: PdConfig, host: str) -> PdConfig:
         changes["kv_protocol"] = args.kv_protocol
     if args.kv_port_range is not None:
         changes["kv_port_range"] = args.kv_port_range
+    if args.dresult_orphan_timeout is not None:
+        changes["dresult_orphan_timeout_s"] = args.dresult_orphan_timeout
     all_zeros = host in ("0.0.0.0", "::")
     if args.advertise_ip is not None:
         changes["ip_address"] = args.advertise_ip
@@ -287,16 +293,25 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser
     """Add the ``tokenserve coordinator`` flags to ``p``; :func:`coordinator_config` makes
     the CoordinatorConfig of what it parses."""
     c, dflt = p, CoordinatorConfig
-    c.add_argument("--prefill", required=True, metavar="HOST:PORT[@MGMT][,...]",
+    c.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON object of coordinator settings: the CoordinatorConfig "
+                        "field names (prefill and decode as lists of HOST:PORT[@MGMT], "
+                        "times in seconds); flags override it")
+    c.add_argument("--prefill", default=None, metavar="HOST:PORT[@MGMT][,...]",
                    help="prefill instances: business port [@ management port]")
-    c.add_argument("--decode", required=True, metavar="HOST:PORT[@MGMT][,...]",
+    c.add_argument("--decode", default=None, metavar="HOST:PORT[@MGMT][,...]",
                    help="decode instances: business port [@ management port]")
-    c.add_argument("--host", default=dflt.host, help=f"listen address (default {dflt.host})")
-    c.add_argument("--port", type=int, default=dflt.port,
+    c.add_argument("--host", default=None, help=f"listen address (default {dflt.host})")
+    c.add_argument("--port", type=int, default=None,
                    help=f"listen port (default {dflt.port})")
+    c.add_argument("--management-port", type=int, default=None,
+                   help="serve the management plane (instances, offline/online, "
+                        "coordinator_info, status probes) on this port (default: the "
+                        "main port)")
     for flag, dest, what in (
             ("--schedule-timeout", "schedule_timeout_s",
-             "a request waiting this long for a usable P and D gets 408"),
+             "a request waiting this long for a usable P and D gets 408 (503 when its "
+             "P was lost)"),
             ("--first-token-timeout", "first_token_timeout_s",
              "P's first answer must come this long after arrival, else 408"),
             ("--infer-timeout", "infer_timeout_s",
@@ -304,11 +319,15 @@ def add_coordinator_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser
             ("--timeout-graceful-shutdown", "drain_timeout_s",
              "on SIGTERM/SIGINT, what running requests get to finish")):
         default = getattr(dflt, dest)
-        c.add_argument(flag, dest=dest, type=float, default=default, metavar="S",
+        c.add_argument(flag, dest=dest, type=float, default=None, metavar="S",
                        help=f"seconds: {what} (default {default:g})")
-    c.add_argument("--max-requests", type=int, default=dflt.max_requests,
+    c.add_argument("--p-policy", choices=("load", "affinity"), default=None,
+                   help="how a prefill instance is chosen: load (MindIE-MS DIGS load "
+                        "balance) or affinity (same prompt prefix, same P unless it is out "
+                        f"of balance; default {dflt.p_policy})")
+    c.add_argument("--max-requests", type=int, default=None,
                    help=f"in-flight requests before 429 (default {dflt.max_requests})")
-    c.add_argument("--max-retry", type=int, default=dflt.max_retry,
+    c.add_argument("--max-retry", type=int, default=None,
                    help=f"resubmissions per request and /dresult re-links (default "
                         f"{dflt.max_retry})")
     c.add_argument("--log-level", default=LOG_LEVEL,
@@ -335,9 +354,48 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     Raises:
         ValueError: a bad instance address or value.
     """
-    return CoordinatorConfig(
-        prefill=parse_instances(args.prefill), decode=parse_instances(args.decode),
-        host=args.host, port=args.port, schedule_timeout_s=args.schedule_timeout_s,
-        first_token_timeout_s=args.first_token_timeout_s,
-        infer_timeout_s=args.infer_timeout_s, drain_timeout_s=args.drain_timeout_s,
-        max_requests=args.max_requests, max_retry=args.max_retry)
+    values: dict = _coordinator_file(args.config) if args.config else {}
+    for name in _COORD_FLAGS:
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    for kind in ("prefill", "decode"):
+        if args_value := getattr(args, kind):
+            values[kind] = parse_instances(args_value)
+        elif kind not in values:
+            raise ValueError(f"no {kind} instances: give --{kind} or {kind!r} in --config")
+    return CoordinatorConfig(**values)
+
+
+#: coordinator flags that set the CoordinatorConfig field of the same name
+_COORD_FLAGS = ("host", "port", "management_port", "p_policy", "schedule_timeout_s",
+                "first_token_timeout_s", "infer_timeout_s", "drain_timeout_s",
+                "max_requests", "max_retry")
+
+
+def _coordinator_file(path: str) -> dict:
+    """The settings of a ``coordinator --config`` file (a JSON object of CoordinatorConfig
+    field names; ``prefill``/``decode``: lists or comma-separated strings of
+    ``HOST:PORT[@MGMT]``).
+
+    Raises:
+        ValueError: unreadable, not a JSON object, an unknown key or a bad address.
+    """
+    import dataclasses
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read coordinator config {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"coordinator config {path} must hold a JSON object")  # noqa: TRY004
+    known = {f.name for f in dataclasses.fields(CoordinatorConfig)}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ValueError(f"coordinator config {path}: unknown keys {unknown}")
+    for kind in ("prefill", "decode"):
+        if kind in doc:
+            v = doc[kind]
+            doc[kind] = parse_instances(v if isinstance(v, str) else ",".join(map(str, v)))
+    return doc

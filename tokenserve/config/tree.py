@@ -137,6 +137,10 @@ class PdConfig:
         kv_port_range: (lowest, highest) TCP port Mooncake's listeners (handshake RPC
             and TCP data) may bind, for firewalls (Mooncake's ``MC_MIN_RPC_PORT`` /
             ``MC_MAX_RPC_PORT``); None: the environment's, else Mooncake's 15000-17000.
+        dresult_orphan_timeout_s: (D) seconds its requests outlive the last ``/dresult``
+            consumer (a coordinator that died): after this with none connected, every
+            request still running is aborted and its KV blocks freed ([I], issue 22; a
+            re-linking coordinator reconnects within ``relink_backoff_max_s``).
     """
 
     infer_mode: str = "standard"
@@ -147,8 +151,12 @@ class PdConfig:
     kv_device: str = ""
     kv_trans_timeout_s: float = 10.0
     kv_port_range: tuple[int, int] | None = None
+    dresult_orphan_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.dresult_orphan_timeout_s <= 0:
+            raise ValueError("dresult orphan timeout must be > 0, got "
+                             f"{self.dresult_orphan_timeout_s}")
         if self.kv_port_range is not None:
             lo, hi = self.kv_port_range
             if not 1024 <= lo <= hi <= 65535 or hi - lo < 1:
@@ -451,6 +459,8 @@ class CoordinatorConfig:
         prefill: the P instances (flex instances may be listed in both lists).
         decode: the D instances.
         host, port: the coordinator's listener (``port=0``: any free port).
+        management_port: a second listener for the management plane (spec §9.4
+            ``manage_port`` and status routes); None: the main port serves them.
         schedule_timeout_s: a request that cannot be placed on a P and a D for this long
             (on a resubmission, when none is usable) ends with 408.
         first_token_timeout_s: P's answer must arrive this long after arrival, else 408.
@@ -476,12 +486,20 @@ class CoordinatorConfig:
             the instances' default, ``EngineConfig.block_size``).
         max_body_bytes: request body limit (§3.2 ``body_limit``: 1 MB).
         drain_timeout_s: on SIGTERM/SIGINT, how long running requests get to finish.
+        p_policy: how a P is chosen: ``load`` (DIGS load balance, spec §3.4) or
+            ``affinity`` (same prompt prefix, same P while its load stays in bound;
+            :mod:`tokenserve.coordinator.policy`).
+        affinity_prefix_chars: the prompt characters affinity hashes.
+        affinity_load_bound, affinity_slack_tokens: affinity leaves its P only when that
+            P's prefill load (estimated prompt tokens) is above both this many times the
+            least loaded P's and the least plus this many tokens.
     """
 
     prefill: tuple[InstanceAddr, ...]
     decode: tuple[InstanceAddr, ...]
     host: str = LOOPBACK
     port: int = MINDIE_PORT
+    management_port: int | None = None
     schedule_timeout_s: float = 600.0
     first_token_timeout_s: float = 600.0
     infer_timeout_s: float = 600.0
@@ -500,8 +518,18 @@ class CoordinatorConfig:
     block_size_hint: int = EngineConfig.block_size
     max_body_bytes: int = 2**20
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    p_policy: str = "load"
+    affinity_prefix_chars: int = 512
+    affinity_load_bound: float = 2.0
+    affinity_slack_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        if self.p_policy not in ("load", "affinity"):
+            raise ValueError(f"p_policy must be load or affinity, got {self.p_policy!r}")
+        if (self.affinity_prefix_chars < 1 or self.affinity_load_bound < 1
+                or self.affinity_slack_tokens < 0):
+            raise ValueError("affinity_prefix_chars must be >= 1, affinity_load_bound >= 1 "
+                             "and affinity_slack_tokens >= 0")
         if not self.prefill or not self.decode:
             raise ValueError("the coordinator needs at least one prefill and one decode "
                              "instance")

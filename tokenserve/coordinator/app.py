@@ -36,12 +36,14 @@ import httpx
 import orjson
 
 from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json
-from tokenserve.api.routes import ROUTES, Coord, Family, Route, match, path_of
+from tokenserve.api.routes import ROUTES, Coord, Family, Route, match, path_of, plane_of
 from tokenserve.config.flags import coordinator_config
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.dlink import DLink
 from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers
+from tokenserve.coordinator.manage import Management
+from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
 from tokenserve.coordinator.reqids import ReqIdGenerator
@@ -49,7 +51,7 @@ from tokenserve.pd.wire import DMessage
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.drain import drain
 from tokenserve.transport.limits import HttpLimits
-from tokenserve.transport.planes import Plane
+from tokenserve.transport.planes import ALL_PLANES, Plane, plane_handler
 from tokenserve.transport.router import Router
 from tokenserve.transport.runtime import Signals, run
 from tokenserve.transport.server import HttpServer
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds best-effort stops get to finish when the coordinator closes.
 STOP_GRACE_S = 2.0
+#: orphan req-ids remembered as stopped, so each is stopped once.
+STOPPED_MEMORY = 4096
 
 
 class Coordinator:
@@ -71,8 +75,11 @@ class Coordinator:
         self._pool: InstancePool | None = None
         self._flows: dict[str, Flow] = {}
         self._ids = ReqIdGenerator()
-        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics = CoordinatorMetrics(lambda: self.pool, lambda: self.in_flight)
+        self._tasks: dict[int, list[asyncio.Task[None]]] = {}  # id(instance) -> its tasks
         self._background: set[asyncio.Task[None]] = set()
+        #: req-ids of orphan D requests already stopped (insertion order, bounded)
+        self._stopped: dict[str, None] = {}
 
     @property
     def pool(self) -> InstancePool:
@@ -89,19 +96,31 @@ class Coordinator:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self._client = httpx.AsyncClient(limits=limits, trust_env=False)
         self._pool = InstancePool(self.cfg, self._client)
-        loop = asyncio.get_running_loop()
         for inst in self._pool.prefill + self._pool.decode:
-            self._tasks.append(loop.create_task(self._pool.poll_forever(inst)))
-        for d in self._pool.decode:
-            link = DLink(d, self._client, self.cfg, self._on_message, self._on_drop)
-            self._tasks.append(loop.create_task(link.run()))
+            self.watch(inst)
+
+    def watch(self, inst: Instance) -> None:
+        """Start polling ``inst`` (and, for a D, its /dresult link)."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self.pool.poll_forever(inst))]
+        if inst.is_decode:
+            link = DLink(inst, self._client_or_fail(), self.cfg, self._on_message,
+                         self._on_drop)
+            tasks.append(loop.create_task(link.run()))
+        self._tasks[id(inst)] = tasks
+
+    def unwatch(self, inst: Instance) -> None:
+        """Stop polling and linking ``inst`` (a D's requests are recomputed elsewhere)."""
+        for task in self._tasks.pop(id(inst), []):
+            task.cancel()
 
     async def close(self) -> None:
         """Stop polling and linking, give pending stops ``STOP_GRACE_S``, close the
         client."""
-        for task in self._tasks:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         if self._background:
             await asyncio.wait(self._background, timeout=STOP_GRACE_S)
@@ -119,11 +138,21 @@ class Coordinator:
     # ------------------------------------------------------------------ /dresult
 
     def _on_message(self, d: Instance, message: DMessage) -> None:
-        flow = self._flows.get(message.req_id or "")
+        rid = message.req_id or ""
+        flow = self._flows.get(rid)
         if flow is not None:
             flow.on_d_message(d.name, message)
+        elif message.kind in ("ids", "data") and rid not in self._stopped:
+            # [I] a request no flow waits for (an earlier coordinator's, or a lost P's
+            # copy) still runs on D: stop it so its blocks are freed now
+            self._stopped[rid] = None
+            while len(self._stopped) > STOPPED_MEMORY:
+                self._stopped.pop(next(iter(self._stopped)))
+            logger.info("%s: request %s has no client here, stopping it", d.name, rid)
+            self.spawn(self.pool.stop_infer([d], rid))
 
     def _on_drop(self, d: Instance) -> None:
+        self.pool.note(d)
         for flow in list(self._flows.values()):
             flow.on_d_dropped(d.name)
 
@@ -134,8 +163,13 @@ class Coordinator:
         router = Router()
         handlers = {Coord.RELAY: self.infer, Coord.PROBE: self.probe,
                     Coord.FORWARD: self.forward, Coord.STOP: self.stop_infer}
+        manage = Management(self.pool, self.watch, self.unwatch,
+                            lambda: [f.cost for f in self._flows.values()])
+        own = {**manage.handlers(), "server.metrics": self.serve_metrics}
         for route in ROUTES:
-            if route.coordinator is not Coord.NONE:
+            if route.coordinator is Coord.MANAGE:
+                router.add(route.method, route.path, own[route.name])
+            elif route.coordinator is not Coord.NONE:
                 router.add(route.method, route.path, handlers[route.coordinator])
         return router
 
@@ -156,13 +190,30 @@ class Coordinator:
         req_id = self._ids.next()
         while req_id in self._flows:  # pragma: no cover - 2**64 ids
             req_id = self._ids.next()
-        ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn)
+        ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn,
+                          self._rekey, self.metrics)
         flow = Flow(ctx, req_id, request, response, ingress)
         self._flows[req_id] = flow  # before P sees it: D may answer first (§11)
         try:
             await flow.run()
         finally:
-            del self._flows[req_id]
+            del self._flows[flow.req_id]
+
+    def _rekey(self, old: str) -> str:
+        """A fresh req-id for the flow registered under ``old`` (its P was lost: what
+        that P handed to a D keeps the old id, whose messages then match nothing)."""
+        flow = self._flows.pop(old)
+        new = self._ids.next()
+        while new in self._flows:  # pragma: no cover - 2**64 ids
+            new = self._ids.next()
+        self._flows[new] = flow
+        return new
+
+    async def serve_metrics(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``GET /metrics``: the coordinator's own series and its instances'
+        (:mod:`tokenserve.coordinator.metrics`)."""
+        body = await self.metrics.render(self._client_or_fail(), self.cfg.status_timeout_s)
+        await response.send(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
     async def probe(self, request: HttpRequest, response: HttpResponse) -> None:
         """§9.4 status probes: 200 (empty, ``application/json`` as a mixed server's Triton
@@ -283,24 +334,38 @@ async def serve_coordinator(
     """
     coord = Coordinator(cfg)
     await coord.start()
-    server = HttpServer(coord.router(), limits=HttpLimits(max_body_bytes=cfg.max_body_bytes))
-    listening = False
+    router = coord.router()
+    limits = HttpLimits(max_body_bytes=cfg.max_body_bytes)
+    # [I] with --management-port, the management plane (§9.4 manage and status routes,
+    # /health, /info, /v1/config) has its own listener; else one port serves everything
+    main_planes = (ALL_PLANES if cfg.management_port is None
+                   else ALL_PLANES - {Plane.MANAGEMENT})
+    server = HttpServer(plane_handler(router, main_planes, plane_of), limits=limits)
+    servers = [server]
     try:
         try:
             await server.start(cfg.host, cfg.port)
+            if cfg.management_port is not None:
+                mgmt = HttpServer(plane_handler(router, frozenset({Plane.MANAGEMENT}),
+                                                plane_of), limits=limits)
+                await mgmt.start(cfg.host, cfg.management_port)
+                servers.append(mgmt)
         except OSError as exc:
-            raise ValueError(f"cannot listen on {cfg.host}:{cfg.port}: "
-                             f"{exc.strerror or exc}") from None
-        listening = True
-        logger.info("coordinator on http://%s:%s: prefill %s, decode %s", cfg.host,
-                    server.ports[0], ",".join(a.name for a in cfg.prefill),
+            raise ValueError(f"cannot listen on {cfg.host}:{cfg.port}"
+                             f"{'' if cfg.management_port is None else '/'}"
+                             f"{cfg.management_port or ''}: {exc.strerror or exc}") from None
+        logger.info("coordinator on http://%s:%s%s: prefill %s, decode %s", cfg.host,
+                    server.ports[0],
+                    f" (management :{servers[1].ports[0]})" if len(servers) > 1 else "",
+                    ",".join(a.name for a in cfg.prefill),
                     ",".join(a.name for a in cfg.decode))
         if started is not None and not started.done():
             started.set_result(server)
         await (stop or asyncio.Event()).wait()
     finally:
+        listening = [s for s in servers if s.ports]
         if listening:
-            await drain([server], None, cfg.drain_timeout_s, now)
+            await drain(listening, None, cfg.drain_timeout_s, now)
         await coord.close()
 
 

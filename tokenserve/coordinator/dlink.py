@@ -52,12 +52,14 @@ class DLink:
         self._cfg = cfg
         self._on_message = on_message
         self._on_drop = on_drop
+        self._quiet = False  # a failed link is logged at DEBUG (not the first in a row)
 
     async def run(self) -> None:
         """Link, relink with back-off, forever (until cancelled)."""
         cfg, inst = self._cfg, self._inst
         failures, pause = 0, cfg.relink_backoff_s
         while True:
+            self._quiet = failures > 0  # one line per streak of failed links
             if await self._once():
                 failures, pause = 0, cfg.relink_backoff_s
             else:
@@ -79,15 +81,16 @@ class DLink:
                                            timeout=timeout) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread())[:200]
-                    logger.warning("%s: /dresult answered %d %r", inst.name,
-                                   resp.status_code, body)
+                    logger.log(logging.DEBUG if self._quiet else logging.WARNING,
+                               "%s: /dresult answered %d %r", inst.name,
+                               resp.status_code, body)
                     return False
                 opened = True
                 inst.link_up, inst.down = True, False
                 logger.info("%s: /dresult linked", inst.name)
                 await self._pump(resp)
         except (httpx.HTTPError, ValueError) as exc:
-            if opened or not isinstance(exc, httpx.ConnectError):
+            if opened or not (isinstance(exc, httpx.ConnectError) or self._quiet):
                 logger.warning("%s: /dresult failed: %r", inst.name, exc)
         finally:
             if opened:

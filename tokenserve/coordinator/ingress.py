@@ -63,12 +63,15 @@ class Ingress:
         stream: whether the client gets ``text/event-stream`` (§3.1).
         body: the parsed JSON body (the recompute body is built from it).
         cost: estimated prompt tokens (text: characters / ``chars_per_token``).
+        prompt: the prompt as text (chat: the messages' JSON; ids: comma-separated),
+            what prefix affinity hashes the start of.
     """
 
     family: str
     stream: bool
     body: dict[str, Any]
     cost: int
+    prompt: str = ""
 
 
 def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
@@ -106,7 +109,9 @@ def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
         inputs = body.get("inputs")
         first = inputs[0] if isinstance(inputs, list) and inputs else None
         prompt = first.get("data") if isinstance(first, dict) else None
-    return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token))
+    text = "" if prompt is None else (
+        prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode())
+    return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token), text)
 
 
 def _cost(prompt: Any, chars_per_token: float) -> int:

@@ -7,15 +7,18 @@ Each instance's ``GET /v1/status`` (management plane) is polled every
 and its ``roleStatus`` is ``RoleReady`` (or absent); a D also needs its ``/dresult``
 stream open (:mod:`tokenserve.coordinator.dlink`), or its messages would be lost.
 
-Selection ([I] a simplification of MindIE's DIGS scheduler, §3.4)::
-
-    P: least outstanding prefill work = estimated prompt tokens of the requests sent to
-       it and not yet answered (ties: the order given on the command line)
-    D: most free KV blocks = resource.availBlockNum of the last poll minus the blocks the
-       coordinator assigned to it since that poll (ties: command-line order)
+Selection: :mod:`tokenserve.coordinator.policy` (pure): MindIE-MS's DIGS load balance
+(§3.4) by default, prefix-cache affinity for P with ``p_policy="affinity"``.
 
 A P whose connection fails is unusable until its next successful poll (§10: repeated
-failures take an instance out of scheduling).
+failures take an instance out of scheduling); the poll is the health probe that brings a
+restarted instance back. An instance taken offline (``POST /v1/instances/offline``, §9.4)
+gets no new requests; the ones it has run to their end.
+
+Each instance's state (:meth:`Instance.state`, pure) is logged once per change::
+
+    joining --poll ok--> ready <--> unreachable        (any state --offline--> offline)
+                         ready <--> not-ready (role, roleStatus) / unlinked (D)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import httpx
 
 from tokenserve.api.routes import path_of
 from tokenserve.config.tree import CoordinatorConfig, InstanceAddr
+from tokenserve.coordinator.policy import DView, PView, affinity_p, digs_d, digs_p, prefix_key
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,10 @@ class Instance:
         prefill_load: (P) estimated prompt tokens in flight on it.
         assigned_blocks: (D) KV blocks assigned to it since its last status poll.
         polled: a poll has finished (ok or not).
+        offline: taken out of scheduling by the management port (drain).
+        logged: the state last logged (:meth:`InstancePool.note`).
+        outstanding: requests sent to it (P: submitted, D: placed) and not finished.
+        chosen: (P) submissions sent to it so far (the tie-break).
     """
 
     addr: InstanceAddr
@@ -60,6 +68,10 @@ class Instance:
     prefill_load: int = 0
     assigned_blocks: int = 0
     polled: bool = False
+    offline: bool = False
+    logged: str = "joining"
+    outstanding: int = 0
+    chosen: int = 0
 
     @property
     def name(self) -> str:
@@ -69,13 +81,46 @@ class Instance:
     def is_decode(self) -> bool:
         return self.roles == D_ROLES
 
-    def usable(self) -> bool:
-        """Reachable, in a fitting role and ready (and, for a D, linked)."""
-        if self.status is None or (self.is_decode and not self.link_up):
-            return False
+    @property
+    def kind(self) -> str:
+        """``prefill`` or ``decode``: the list it is in."""
+        return "decode" if self.is_decode else "prefill"
+
+    def state(self) -> str:
+        """``joining`` (never answered), ``unreachable``, ``not-ready`` (wrong role or
+        role status), ``unlinked`` (a D without its /dresult stream), ``offline`` or
+        ``ready`` (the one state that takes new requests)."""
+        if self.offline:
+            return "offline"
+        if self.status is None:
+            return "unreachable" if self.polled else "joining"
         service = self.status.get("service") or {}
-        return (service.get("currentRole") in self.roles
-                and service.get("roleStatus", "RoleReady") == "RoleReady")
+        if (service.get("currentRole") not in self.roles
+                or service.get("roleStatus", "RoleReady") != "RoleReady"):
+            return "not-ready"
+        if self.is_decode and not self.link_up:
+            return "unlinked"
+        return "ready"
+
+    def usable(self) -> bool:
+        """Reachable, in a fitting role and ready (and, for a D, linked), not offline."""
+        return self.state() == "ready"
+
+    def describe(self) -> dict[str, Any]:
+        """Its row of ``GET /v1/instances`` ([I] our shape)."""
+        service = (self.status or {}).get("service") or {}
+        resource = (self.status or {}).get("resource") or {}
+        return {"name": self.name, "kind": self.kind, "address": self.addr.base_url,
+                "management": self.addr.mgmt_url, "role": service.get("currentRole"),
+                "state": self.state(), "outstanding": self.outstanding,
+                "prefill_load": self.prefill_load,
+                "free_blocks": resource.get("availBlockNum"),
+                "total_blocks": resource.get("totalNpuBlockNums")}
+
+    def total_blocks(self) -> int:
+        """(D) ``totalNpuBlockNums`` of the last poll (0 when unknown)."""
+        total = ((self.status or {}).get("resource") or {}).get("totalNpuBlockNums")
+        return total if isinstance(total, int) else 0
 
     def free_blocks(self) -> int:
         """(D) ``availBlockNum`` of the last poll minus the blocks assigned since."""
@@ -103,6 +148,48 @@ class InstancePool:
         self.decode = [Instance(a, D_ROLES) for a in cfg.decode]
         self._model: str | None = None
 
+    # ------------------------------------------------------------------ membership
+
+    def find(self, name: str, kind: str | None = None) -> list[Instance]:
+        """The instances called ``name`` (``host:port``), of ``kind`` when given."""
+        return [i for i in self.prefill + self.decode
+                if i.name == name and (kind is None or i.kind == kind)]
+
+    def add(self, addr: InstanceAddr, kind: str) -> Instance | None:
+        """Add an instance to the ``prefill`` or ``decode`` list; None when it is there.
+
+        Raises:
+            ValueError: an unknown kind.
+        """
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"kind must be prefill or decode, got {kind!r}")
+        if self.find(addr.name, kind):
+            return None
+        inst = Instance(addr, D_ROLES if kind == "decode" else P_ROLES)
+        (self.decode if kind == "decode" else self.prefill).append(inst)
+        logger.info("%s (%s): added", inst.name, kind)
+        return inst
+
+    def remove(self, inst: Instance) -> None:
+        """Take ``inst`` out of its list (requests on it run to their end)."""
+        lst = self.decode if inst.is_decode else self.prefill
+        if inst in lst:
+            lst.remove(inst)
+            logger.info("%s (%s): removed", inst.name, inst.kind)
+
+    def set_offline(self, inst: Instance, offline: bool) -> None:
+        """Stop (``offline``) or resume scheduling new requests to ``inst``."""
+        inst.offline = offline
+        self.note(inst)
+
+    def note(self, inst: Instance) -> None:
+        """Log ``inst``'s state once each time it changes."""
+        state = inst.state()
+        if state != inst.logged:
+            level = logging.INFO if state in ("ready", "offline") else logging.WARNING
+            logger.log(level, "%s (%s): %s -> %s", inst.name, inst.kind, inst.logged, state)
+            inst.logged = state
+
     # ------------------------------------------------------------------ status
 
     async def poll(self, inst: Instance) -> None:
@@ -113,17 +200,13 @@ class InstancePool:
             doc = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             doc = None
-        first, inst.polled = not inst.polled, True
+        inst.polled = True
         if not isinstance(doc, dict):
-            if inst.status is not None or first:
-                logger.warning("%s: status unreachable, out of scheduling", inst.name)
             inst.status = None
-            return
-        if inst.status is None:
-            logger.info("%s: status ok (%s)", inst.name,
-                        (doc.get("service") or {}).get("currentRole"))
-        inst.status = doc
-        inst.assigned_blocks = 0
+        else:
+            inst.status = doc
+            inst.assigned_blocks = 0
+        self.note(inst)
 
     async def poll_forever(self, inst: Instance) -> None:
         """Poll ``inst`` every ``status_interval_s`` until cancelled."""
@@ -137,22 +220,33 @@ class InstancePool:
 
     # ------------------------------------------------------------------ selection
 
-    def choose_p(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
-        """The usable P (not in ``exclude``, by name) with the least prefill load."""
+    def choose_p(self, exclude: frozenset[str] = frozenset(), *, prompt: str = "",
+                 cost: int = 0) -> Instance | None:
+        """The usable P (not in ``exclude``, by name) the policy picks for a request
+        whose prompt text is ``prompt`` and cost ``cost`` tokens
+        (:mod:`tokenserve.coordinator.policy`)."""
         cands = [p for p in self.prefill if p.usable() and p.name not in exclude]
-        return min(cands, key=lambda p: p.prefill_load, default=None)
+        views = [PView(p.name, p.prefill_load, p.chosen) for p in cands]
+        if self._cfg.p_policy == "affinity" and prompt:
+            i = affinity_p(views, prefix_key(prompt, self._cfg.affinity_prefix_chars),
+                           self._cfg.affinity_load_bound, self._cfg.affinity_slack_tokens)
+        else:
+            i = digs_p(views)
+        return None if i is None else cands[i]
 
     def choose_d(self, exclude: frozenset[str] = frozenset(), *, assign: int = 1,
                  avoid: str | None = None) -> Instance | None:
         """The usable D (not in ``exclude``; not the P named ``avoid``: [I] a flex
-        instance is never paired with itself) with the most free blocks, charged
-        ``assign`` blocks."""
+        instance is never paired with itself) of least DIGS load, charged ``assign``
+        blocks."""
         cands = [d for d in self.decode
                  if d.usable() and d.name not in exclude and d.name != avoid]
-        best = max(cands, key=lambda d: d.free_blocks(), default=None)
-        if best is not None:
-            best.assigned_blocks += assign
-        return best
+        i = digs_d([DView(d.outstanding, d.free_blocks() + d.assigned_blocks,
+                          d.assigned_blocks, d.total_blocks()) for d in cands], assign)
+        if i is None:
+            return None
+        cands[i].assigned_blocks += assign
+        return cands[i]
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a prompt of ``tokens`` tokens will hold on D (at least 1)."""
@@ -160,9 +254,8 @@ class InstancePool:
 
     def mark_unreachable(self, inst: Instance) -> None:
         """A connection to ``inst`` failed: out of scheduling until its next good poll."""
-        if inst.status is not None:
-            logger.warning("%s: connection failed, out of scheduling", inst.name)
         inst.status = None
+        self.note(inst)
 
     # ------------------------------------------------------------------ stop
 

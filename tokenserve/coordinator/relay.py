@@ -4,12 +4,17 @@
 
 ::
 
-    place: choose P (least prefill load) and D (most free blocks)      [408 schedule]
+    place: choose P and D (coordinator/policy.py: DIGS, or prefix affinity)  [408]
     submit: POST <path> to P, headers req-type/req-id/d-target/d-port
             (+ is-recompute), body unchanged or the recompute body
             connect failed -> another P, p_connect_tries in all          [500 connect]
+            P lost before answering (reset, read/write error) -> the same body on
+                another P under a fresh req-id (what the lost P handed to D is
+                stopped, and its late messages match no request), max_retry  [503]
     P answer (D's messages wait in the inbox meanwhile, §11 ordering)  [408 first token]
-        non-200 -> forwarded unchanged (while retrying: resubmit, §7.3)
+        non-200 -> forwarded unchanged (while retrying: resubmit, §7.3, after
+                   retry_delay_s doubling each time: [I] the retries outlast P's
+                   kv_trans_timeout)
         stream: head + output; isLastResp -> end
         non-stream: isLastResp -> output is the body
     D messages, from the request's current D only                       [408 inference]
@@ -41,10 +46,12 @@ import orjson
 
 from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json, fail_stream
 from tokenserve.api.ids import derived_id
+from tokenserve.api.routes import match
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.history import TokenHistory
 from tokenserve.coordinator.ingress import Ingress, forward_headers
+from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.pd.wire import DMessage, vllm_body
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
@@ -54,6 +61,19 @@ logger = logging.getLogger(__name__)
 #: how often a request waiting for a usable P and D looks again (seconds).
 PLACE_POLL_S = 0.05
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def retry_delay(base_s: float, retry: int) -> float:
+    """Seconds before resending to a P that answered an error while the request was
+    being retried, for the ``retry``-th resubmission (1-based): ``base_s`` doubling each
+    time (§7.3 says 1 s, fixed; [I] doubling, so ``max_retry`` = 5 retries span 31 s and
+    outlast what P may still wait for, ``kv_trans_timeout`` 10 s by default)."""
+    return base_s * 2 ** max(0, retry - 1)
+
+
+class PLost(Exception):
+    """The P a submission went to failed before answering (connection reset, read or
+    write error): the request may be placed again."""
 
 
 class Failure(Exception):
@@ -95,6 +115,9 @@ class FlowContext:
     pool: InstancePool
     client: httpx.AsyncClient
     spawn: Callable[[Awaitable[None]], None]
+    #: gives the flow registered under an id a fresh id (and registers it under it)
+    rekey: Callable[[str], str] | None = None
+    metrics: CoordinatorMetrics | None = None
 
 
 class Flow:
@@ -124,6 +147,14 @@ class Flow:
         self._prefer_p: Instance | None = None
         self._delay = 0.0
         self._history = TokenHistory()
+        self._p_lost = False  # the last submission's P failed before answering
+        self._arrival = now
+        self._ttft_seen = False
+
+    @property
+    def cost(self) -> int:
+        """The request's estimated prompt tokens."""
+        return self._in.cost
 
     def known_as(self, rid: str) -> bool:
         """Whether a client may name this request ``rid`` in ``stopInfer`` (interfaces
@@ -166,13 +197,21 @@ class Flow:
                 await self._fail(f)
         finally:
             self._request.disconnected.unsubscribe(self._on_gone)
+            if self.d is not None:
+                self.d.outstanding -= 1
+            self._record_end()
             if not self._completed and self.p is not None:
                 stop = [i for i in (self.p, self.d) if i is not None]
                 self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
 
     async def _attempt(self) -> bool:
         """One submission to P and its relay; True when the request is done."""
-        reply = await self._submit()
+        try:
+            reply = await self._submit()
+        except PLost:
+            self._after_p_lost()
+            return False
+        self._p_lost = False
         done = await self._on_p(reply)
         if done is None:  # resubmit (P error while retrying)
             return False
@@ -244,7 +283,7 @@ class Flow:
         while True:
             p = self._prefer_p
             if p is None or not p.usable():
-                p = pool.choose_p()
+                p = pool.choose_p(prompt=self._in.prompt, cost=self._in.cost)
             if p is not None:
                 d = (pool.choose_d(frozenset(self._lost), assign=blocks, avoid=p.name)
                      or pool.choose_d(assign=blocks, avoid=p.name))
@@ -253,6 +292,8 @@ class Flow:
             if not wait:
                 return None
             if loop.time() >= deadline:
+                if self._p_lost:  # [I] no P took over from a lost one: unavailable
+                    raise Failure(503, msg.NOT_READY)
                 raise Failure(408, msg.SCHEDULE_TIMEOUT)
             await asyncio.sleep(PLACE_POLL_S)
 
@@ -267,6 +308,9 @@ class Flow:
         url = p.addr.base_url + self._request.path
         if self._request.query:
             url += "?" + self._request.query
+        if self.d is not None:
+            self.d.outstanding -= 1
+        d.outstanding += 1
         self.p, self.d, self._d_lost = p, d, False
         self._history.reset()
         self._epoch += 1
@@ -275,18 +319,24 @@ class Flow:
                      " (recompute)" if self._recompute else "")
         cost = self._in.cost
         p.prefill_load += cost
+        p.outstanding += 1
+        p.chosen += 1
         try:
             resp = await self._ctx.client.post(
                 url, content=self._body, headers=headers,
                 timeout=httpx.Timeout(None, connect=self._ctx.cfg.connect_timeout_s))
         except _CONNECT_ERRORS:
             raise
-        except (httpx.WriteError, httpx.WriteTimeout):
+        except (httpx.WriteError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            logger.warning("request %s: P %s lost: %r", self.req_id, p.name, exc)
+            raise PLost() from None
+        except httpx.WriteTimeout:
             raise Failure(500, msg.SEND_P_FAILED) from None
         except httpx.HTTPError:
             raise Failure(500, msg.RECV_P_FAILED) from None
         finally:
             p.prefill_load -= cost
+            p.outstanding -= 1
         return PReply(resp.status_code, resp.headers.get("content-type", "application/json"),
                       resp.content)
 
@@ -316,6 +366,7 @@ class Flow:
             if not isinstance(output, str):
                 raise Failure(500, msg.P_ERROR)
             await resp.send(200, output.encode(), "application/json")
+        self._first_byte()
         self._answered = True
         self._completed = last
         return last
@@ -330,7 +381,8 @@ class Flow:
                 assert self.d is not None
                 self._lost.add(self.d.name)
             else:
-                self._prefer_p, self._delay = self.p, self._ctx.cfg.retry_delay_s
+                self._prefer_p = self.p
+                self._delay = retry_delay(self._ctx.cfg.retry_delay_s, self._retries)
             return None
         if self._response.started:  # cannot happen before a resubmission; be safe
             raise Failure(reply.status, reply.body.decode(errors="replace"))
@@ -338,10 +390,53 @@ class Flow:
         self._completed = True  # P refused it: nothing runs
         return True
 
-    def _count_retry(self) -> None:
+    def _count_retry(self, status: int = 500, text: str = msg.RETRY_FAILED) -> None:
         if self._retries >= self._ctx.cfg.max_retry:
-            raise Failure(500, msg.RETRY_FAILED)
+            raise Failure(status, text)
         self._retries += 1
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.retries.inc()
+
+    def _count(self, what: str, kind: str = "") -> None:
+        """Metrics: a recompute, or a failover of an instance of ``kind``."""
+        m = self._ctx.metrics
+        if m is None:
+            return
+        if what == "recompute":
+            m.recomputes.inc()
+        else:
+            m.failovers.labels(kind).inc()
+
+    def _first_byte(self) -> None:
+        """Metrics: the client got its first byte now (once)."""
+        if not self._ttft_seen and self._response.started and self._ctx.metrics is not None:
+            self._ttft_seen = True
+            self._ctx.metrics.ttft.observe(asyncio.get_running_loop().time() - self._arrival)
+
+    def _record_end(self) -> None:
+        m = self._ctx.metrics
+        if m is None:
+            return
+        route = match(self._request.method, self._request.path)
+        status = self._response.status if self._response.started else 499
+        m.requests.labels(route.name if route else "other", str(status)).inc()
+        m.e2e.observe(asyncio.get_running_loop().time() - self._arrival)
+
+    def _after_p_lost(self) -> None:
+        """The P of the last submission failed before answering: whatever it handed to
+        its D is stopped, and the same body goes to another P (out of scheduling until
+        its next good status poll) under a fresh req-id, so the lost submission's late
+        D messages match nothing; 503 once ``max_retry`` is spent."""
+        assert self.p is not None
+        self._ctx.pool.mark_unreachable(self.p)
+        self._prefer_p, self._p_lost = None, True
+        self._count("failover", "prefill")
+        stop = [self.d] if self.d is not None else []
+        self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
+        self._count_retry(503, msg.NOT_READY)
+        if self._ctx.rekey is not None:
+            self.req_id = self._ctx.rekey(self.req_id)
+        self.p = None
 
     # ------------------------------------------------------------------ D
 
@@ -379,6 +474,7 @@ class Flow:
         elif m.kind == "data":
             if stream:
                 await resp.write(self._stream_body(m.body))
+                self._first_byte()
         elif m.kind == "lastData":
             self._completed = True
             if stream:
@@ -389,6 +485,7 @@ class Flow:
                 await resp.end()
             else:
                 await resp.send(200, m.body.encode(), "application/json")
+            self._first_byte()
             return True
         elif m.kind == "error":
             self._completed = True
@@ -397,6 +494,7 @@ class Flow:
             self._count_retry()
             logger.info("request %s: D %s asks for a recompute", self.req_id, self.d.name)
             self._body, self._recompute = m.body.encode(), True
+            self._count("recompute")
             return False
         return None
 
@@ -412,9 +510,11 @@ class Flow:
         self._lost.add(lost.name)
         self._ctx.spawn(self._ctx.pool.stop_infer([lost], self.req_id))
         self._count_retry()
+        self._count("failover", "decode")
         body = self._history.recompute_body(self._request.path, self._in.body)
         if body is not None:
             self._body, self._recompute = body, True
+            self._count("recompute")
         elif not self._response.started:
             self._body, self._recompute = self._request.body, False
         else:

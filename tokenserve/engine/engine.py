@@ -265,6 +265,28 @@ class AsyncEngine:
         self._abort(request_id, None)
         return True
 
+    async def evict(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        """PD prefill: end ``request_id`` if the engine still holds it (a copy parked for
+        a decode instance that died before pulling it) and wait until it has left the
+        engine, its KV blocks freed, so a recompute under the same id can take its place
+        (spec pd_disaggregation.md §7.3-§7.4; [I] replace, not reuse). False when the
+        engine does not hold it.
+
+        Raises:
+            TimeoutError: it is still there after ``timeout_s`` seconds.
+        """
+        handle = self._streams.get(request_id)
+        if handle is None:
+            return False
+        self._abort(request_id, None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._streams.get(request_id) is handle:
+            if loop.time() > deadline:
+                raise TimeoutError(f"request {request_id!r} did not leave the engine")
+            await asyncio.sleep(0.005)
+        return True
+
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its KV blocks are freed before the next step."""
         handle = self._streams.get(request_id)

@@ -31,7 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenserve.engine.sampler import SamplingState, generator_state, sample
-from tokenserve.messages import ScheduledSeq, StepPlan, StepResult, TokenLogprob
+from tokenserve.messages import (
+    PromptLogprobs,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
 
@@ -107,13 +113,13 @@ class ModelRunner:
                 if (g := self.states[s.request_id].generator) is not None}
         rewind = {rid: g.get_state() for rid, g in gens.items()}
         try:
-            sampled, logprobs, bad, accepted = self._step(plan.step_id, seqs)
+            sampled, logprobs, bad, accepted, prompt_lps = self._step(plan.step_id, seqs)
         except Exception as exc:
             if len(seqs) == 1:
                 raise
             log.warning("step %d failed (%s: %s); re-running its %d requests one by one",
                         plan.step_id, type(exc).__name__, exc, len(seqs))
-            sampled, logprobs, bad, accepted = {}, {}, {}, {}
+            sampled, logprobs, bad, accepted, prompt_lps = {}, {}, {}, {}, {}
             for s in seqs:
                 if s.request_id in gens:
                     gens[s.request_id].set_state(rewind[s.request_id])
@@ -128,6 +134,7 @@ class ModelRunner:
                 logprobs.update(r[1])
                 bad.update(r[2])
                 accepted.update(r[3])
+                prompt_lps.update(r[4])
         for rid, tok in sampled.items():
             self.states[rid].history.append(tok)
             self.states[rid].history.extend(accepted.get(rid, ()))
@@ -135,13 +142,15 @@ class ModelRunner:
                     if s.export_state and s.request_id in sampled and s.request_id in gens}
         return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
                           logprobs=logprobs, failed={**failed, **bad},
-                          generator_states=exported, accepted=accepted)
+                          generator_states=exported, accepted=accepted,
+                          prompt_logprobs={k: v for k, v in prompt_lps.items() if k not in bad})
 
     def _step(self, step_id: int, seqs: list[ScheduledSeq]
               ) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str],
-                         dict[str, tuple[int, ...]]]:
+                         dict[str, tuple[int, ...]], dict[str, PromptLogprobs]]:
         """One forward + sample over ``seqs`` (their states exist); histories untouched.
-        Returns (sampled, logprobs, failed rows, accepted draft continuations).
+        Returns (sampled, logprobs, failed rows, accepted draft continuations, prompt
+        log-probabilities of the seqs with ``prompt_logprobs``).
 
         A seq with a draft has its last ``1 + len(draft)`` positions sampled, position j
         with the history extended by the draft's first j tokens, exactly as plain decoding
@@ -155,6 +164,16 @@ class ModelRunner:
         failed: dict[str, str] = {}
         logprobs: dict[str, TokenLogprob] = {}
         accepted: dict[str, tuple[int, ...]] = {}
+        prompt_lps: dict[str, PromptLogprobs] = {}
+        if any(s.prompt_logprobs for s in seqs):
+            starts = meta.query_start_loc[:-1].tolist()
+            for s, row0 in zip(seqs, starts):
+                if s.prompt_logprobs:
+                    st = self.states[s.request_id]
+                    got = prompt_logprobs(self.model, hidden, row0, s,
+                                          st.history[:st.num_prompt_tokens])
+                    if got is not None:
+                        prompt_lps[s.request_id] = got
         to_sample = [s for s in seqs if s.sample]
         if to_sample:
             ends = meta.query_start_loc[1:].tolist()
@@ -193,7 +212,61 @@ class ModelRunner:
                 sel = torch.tensor([first_rows[k] for k in want])
                 logprobs = token_logprobs(logits[sel], torch.tensor(toks)[sel],
                                           list(range(len(want))), [to_sample[k] for k in want])
-        return sampled, logprobs, failed, accepted
+        return sampled, logprobs, failed, accepted, prompt_lps
+
+
+#: prompt rows projected to logits at once (bounds the [rows, vocab] fp32 temporaries:
+#: 256 x 49152 x 4 B = 48 MiB for SmolLM2)
+PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, row0: int,
+                    seq: ScheduledSeq, prompt: list[int]) -> PromptLogprobs | None:
+    """Log-probabilities of the prompt tokens that ``seq``'s positions predict.
+
+    The row at position ``p`` predicts prompt token ``p + 1``, so the positions
+    ``[num_computed, num_computed + n)`` of this step give the entries of prompt positions
+    ``num_computed + 1 ..`` up to the prompt's last token (the last prompt position
+    predicts the first generated token: that one is a sampled token's logprob). Each
+    entry is the fp32 log-softmax of the raw logits (no penalties or temperature, as
+    vLLM reports ``prompt_logprobs``), at the target token (with its rank) and the ``k``
+    most likely.
+    The lm_head rows are computed in slices of :data:`PROMPT_LOGPROB_ROWS`; every row's
+    GEMM has the same reduction order whatever the slice holds (batch invariance).
+
+    Args:
+        model: the decoder (its ``compute_logits``).
+        hidden: [T, hidden_size] the step's final hidden states, model dtype.
+        row0: ``seq``'s first row in ``hidden``.
+        seq: a scheduled seq with ``prompt_logprobs`` and ``params.prompt_logprobs = k``.
+        prompt: the request's prompt token ids.
+
+    Returns:
+        The entries (:class:`PromptLogprobs`, ``start = num_computed + 1``), or None
+        when this step's positions predict no prompt token.
+    """
+    k = seq.params.prompt_logprobs
+    assert k is not None
+    first = seq.num_computed
+    count = min(len(seq.token_ids) - len(seq.draft), len(prompt) - 1 - first)
+    if count <= 0:
+        return None
+    entries: list[TokenLogprob] = []
+    for lo in range(0, count, PROMPT_LOGPROB_ROWS):
+        hi = min(count, lo + PROMPT_LOGPROB_ROWS)
+        logits = model.compute_logits(hidden[row0 + lo:row0 + hi]).float().cpu()
+        lp = torch.log_softmax(logits, dim=-1)  # [R, V] fp32
+        targets = torch.tensor(prompt[first + lo + 1:first + hi + 1], dtype=torch.int64)
+        chosen = lp.gather(1, targets.unsqueeze(1))  # [R, 1]
+        # counted in fp32 (exact below 2^24 tokens): twice as fast as summing the bools
+        ranks = (torch.gt(lp, chosen).to(torch.float32).sum(dim=1) + 1).long().tolist()
+        chosen = chosen.squeeze(1).tolist()
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, tok in enumerate(targets.tolist()):
+            entries.append(TokenLogprob(tok, chosen[j], tuple(zip(top_i[j], top_v[j])),
+                                        ranks[j]))
+    return PromptLogprobs(first + 1, tuple(entries))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],

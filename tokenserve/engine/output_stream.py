@@ -53,6 +53,8 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=last.num_cached_tokens,
         replay=first.replay,
         handoff=next((o.handoff for o in outs if o.handoff is not None), None),
+        prompt_logprobs=next((o.prompt_logprobs for o in outs
+                              if o.prompt_logprobs is not None), None),
     )
 
 

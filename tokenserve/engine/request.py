@@ -50,6 +50,9 @@ class Request:
             instance instead of computed (PD decode); 0 once pulled or when none.
         recompute_elsewhere: on preemption, end with ``RECOMPUTE`` instead of being
             recomputed here (PD decode: it cannot prefill).
+        prompt_lp_pending: the prompt's log-probabilities are still to be computed (it
+            asked for them and has sampled nothing here yet); None at construction:
+            asked and nothing generated. Such a request skips the prefix-cache lookup.
 
     Sampling state (the generator, the penalties' history) is not here: the model thread
     owns it, keyed by request id (``messages.SeqStart``).
@@ -96,6 +99,12 @@ class Request:
     #: average) and decode steps left without drafts after it fell too low
     spec_acceptance: float = 1.0
     spec_backoff: int = 0
+    prompt_lp_pending: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_lp_pending is None:
+            self.prompt_lp_pending = (self.params.prompt_logprobs is not None
+                                      and self.num_output_tokens == 0)
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,11 @@ another request owns).
 
 Admission looks the prompt up in the prefix cache first (see ``block_pool.py``): the
 cached blocks are shared, and only the rest is computed. The hit is capped so at least
-one token is computed, since the last position's logits are needed to sample.
+one token is computed, since the last position's logits are needed to sample. A request
+that asks for prompt log-probabilities skips the lookup (every prompt position's logits
+are needed; its computed blocks still enter the cache for others), as vLLM v1 does.
+A request with ``max_new_tokens == 0`` is prefilled and ends with ``LENGTH`` without
+sampling (prompt log-probabilities only).
 
 Speculative decoding (``SchedulerConfig.spec``, ``ngram.py``): once the step is planned, a
 greedy decode may carry up to k draft tokens from prompt lookup, in the budget left over
@@ -331,8 +335,13 @@ class Scheduler:
             if not seq.sample:
                 req.num_computed += len(seq.token_ids)
                 self._register_full_blocks(req)
+                if req.params.max_new_tokens == 0 and req.num_computed == req.num_tokens:
+                    # prefill only: the prompt is computed (its logprobs with it); done
+                    self.finish(req.request_id, FinishReason.LENGTH)
+                    out.append((req, []))
                 continue
             new = [sampled[seq.request_id], *accepted.get(seq.request_id, ())]
+            req.prompt_lp_pending = False  # every prompt position is computed by now
             # K/V are valid for the step's own token(s) and the accepted drafts
             req.num_computed += len(seq.token_ids) - len(seq.draft) + len(new) - 1
             self._register_full_blocks(req, pending=new[:-1])
@@ -435,8 +444,8 @@ class Scheduler:
         prefix cache holds (as :meth:`_admit` will find it)."""
         if req.status is RequestStatus.RUNNING:
             return req.num_tokens - req.num_computed
-        if self._long_threshold == sys.maxsize:
-            return req.num_tokens  # nothing is long: no need to look
+        if self._long_threshold == sys.maxsize or _wants_prompt_logprobs(req):
+            return req.num_tokens  # nothing is long, or no lookup: no need to look
         return req.num_tokens - len(self.pool.lookup(self._prefix_keys(req))) * self.pool.block_size
 
     def _is_long(self, req: Request) -> bool:
@@ -536,7 +545,8 @@ class Scheduler:
             req.on_runner = True
             first = SeqStart(tuple(req.token_ids), req.num_prompt_tokens, req.adopted_state,
                              draws=req.num_output_tokens)
-        sample = start + n == req.num_tokens
+        # a prefill-only request (max_new_tokens 0) samples nothing
+        sample = start + n == req.num_tokens and req.params.max_new_tokens > 0
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=tuple(req.token_ids[start:start + n]) + draft,
@@ -547,6 +557,8 @@ class Scheduler:
             start=first,
             export_state=sample and req.prefill_only,
             draft=draft,
+            prompt_logprobs=(_wants_prompt_logprobs(req)
+                             and start < req.num_prompt_tokens - 1),
         )
 
     def _start_pull(self, req: Request) -> bool:
@@ -569,7 +581,7 @@ class Scheduler:
         """
         bs = self.pool.block_size
         keys = self._prefix_keys(req)
-        hits = self.pool.lookup(keys)
+        hits = self.pool.lookup(keys) if not _wants_prompt_logprobs(req) else []
         self.pool.acquire(hits)
         n = min(req.num_tokens - len(hits) * bs, budget)
         need = self.pool.blocks_for(len(hits) * bs + n) - len(hits)
@@ -680,6 +692,14 @@ class Scheduler:
         while i > 0 and self.waiting[i - 1].sort_key() > key:
             i -= 1
         self.waiting.insert(i, req)
+
+
+def _wants_prompt_logprobs(req: Request) -> bool:
+    """Whether ``req``'s prompt log-probabilities are still to be computed
+    (``Request.prompt_lp_pending``: cleared by its first sampled token, so a recompute
+    after preemption does not send them again). Such a request skips the prefix-cache
+    lookup: a cached block holds K/V but not the logits of its positions."""
+    return bool(req.prompt_lp_pending)
 
 
 def _is_prefill(req: Request) -> bool:

@@ -34,11 +34,13 @@ from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.engine.scheduler import Scheduler
 from tokenserve.messages import (
+    KV_PULL_FAILED,
     AbortRequest,
     FinishReason,
     GenerateRequest,
     KvHandoff,
     KvPulled,
+    PromptLogprobs,
     RequestOutput,
     StepPlan,
     TokenLogprob,
@@ -57,6 +59,7 @@ class _Tracked:
         "detok",
         "emitted_first",
         "last_emit",
+        "prompt_lps",
         "queue_time_ms",
         "seed",
         "stop",
@@ -72,6 +75,26 @@ class _Tracked:
         self.seed = seed
         self.emitted_first = False
         self.queue_time_ms: float | None = None
+        #: prompt log-probabilities gathered so far (first entry None), until sent; None
+        #: when the request asked for none or they were sent
+        self.prompt_lps: list[TokenLogprob | None] | None = None
+
+    def add_prompt_logprobs(self, got: PromptLogprobs) -> None:
+        """Append a chunk's prompt log-probabilities; positions already held (a prefill
+        recomputed after preemption) are skipped."""
+        if self.prompt_lps is None:
+            return
+        have = len(self.prompt_lps)
+        assert got.start <= have, f"prompt logprobs from {got.start}, have {have}"
+        self.prompt_lps.extend(got.entries[have - got.start:])
+
+    def take_prompt_logprobs(self, num_prompt_tokens: int
+                             ) -> tuple[TokenLogprob | None, ...] | None:
+        """All of them, once, when complete (``num_prompt_tokens`` entries)."""
+        if self.prompt_lps is None or len(self.prompt_lps) < num_prompt_tokens:
+            return None
+        out, self.prompt_lps = tuple(self.prompt_lps), None
+        return out
 
     def text(self, delta: str, final: bool) -> str:
         """``delta`` (text already through the stop-string matcher) and, on the final
@@ -150,6 +173,10 @@ class SchedulerActor:
                           sum(s.is_decode for s in seqs),
                           [len(s.token_ids) for s in seqs if not s.is_decode],
                           len(self.scheduler.waiting))
+            for rid, got in result.prompt_logprobs.items():
+                t = self._tracked.get(rid)
+                if t is not None:
+                    t.add_prompt_logprobs(got)
             for rid, why in result.failed.items():  # rows that failed alone
                 self._finish(rid, Finish(FinishReason.ERROR, error=why))
             now = time.monotonic()
@@ -210,13 +237,18 @@ class SchedulerActor:
             adopted_state=adopt.generator_state if adopt is not None else None,
             prefill_only=g.prefill_only, pull_tokens=pull,
             recompute_elsewhere=pull > 0,
-            num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0)
+            num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0,
+            # computed here unless another instance did (PD: P, for the adopting D)
+            prompt_lp_pending=params.prompt_logprobs is not None and (
+                adopt is None or (pull == 0 and adopt.prompt_logprobs is None)))
         detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids,
                                        params.skip_special_tokens)
         self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)
         t = _Tracked(stream, detok, stop, arrival, params.seed)
+        if req.prompt_lp_pending:
+            t.prompt_lps = [None]
         self._tracked[g.request_id] = t
         if pull:
             self._sources[g.request_id] = adopt.source
@@ -225,11 +257,14 @@ class SchedulerActor:
             if stop is not None:
                 text = stop.feed(text)
             t.emitted_first = True
-            lps = adopt.output_logprobs if adopt is not None else None
             stream.put(RequestOutput(
                 g.request_id, tuple(outputs), text, False, None, req.num_prompt_tokens,
                 req.num_output_tokens, seed=params.seed, replay=True,
-                logprobs=lps if lps is not None and len(lps) == len(outputs) else None))
+                logprobs=(adopt.output_logprobs
+                          if adopt.output_logprobs is not None
+                          and len(adopt.output_logprobs) == len(outputs) else None),
+                prompt_logprobs=adopt.prompt_logprobs if params.prompt_logprobs is not None
+                else None))
 
     def _pd_events(self) -> None:
         """Start the K/V pulls the scheduler asked for; end the requests it evicted for
@@ -253,7 +288,7 @@ class SchedulerActor:
                                     req.pull_tokens)
         except Exception as exc:  # noqa: BLE001 - any failure fails this request alone
             log.warning("KV pull for %s failed: %s", req.request_id, exc)
-            error = f"Pull kv failed irreversibly. {exc}"
+            error = f"{KV_PULL_FAILED} {exc}"
             quarantine = bool(getattr(exc, "timed_out", False))  # KvTransferError's flag
         self.inbox.put_nowait(KvPulled(req.request_id, error, quarantine))
 
@@ -298,7 +333,9 @@ class SchedulerActor:
             logprobs=(logprob,) if logprob is not None else None,
             stop_reason=fin.stop_reason if fin is not None else None,
             queue_time_ms=t.queue_time_ms if first else None,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=(t.take_prompt_logprobs(req.num_prompt_tokens)
+                             if toks or finished else None))
         if toks:
             t.emitted_first = True
             if now is not None:

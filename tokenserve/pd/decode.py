@@ -13,7 +13,8 @@ the client's body, so every byte it sends is what a mixed instance would send::
     engine: replay output (P's tokens)  -> handler renders it; muted (P sent it already)
     engine: each decode step            -> handler renders -> ``data:`` on /dresult
     final output                        -> everything rendered after it -> one ``lastData:``
-    evicted (KV ran out)                -> ``retry:`` with the recompute body (§7.2)
+    evicted (KV ran out), or the pull   -> ``retry:`` with the recompute body (§7.2)
+    failed (P died)
     failure (pull, engine, timeout)     -> ``error:``
 
 Every request message is preceded, in the same chunk, by an ``ids:`` message with the
@@ -22,7 +23,9 @@ coordinator can recompute the request elsewhere if this D dies (plan, [I]).
 
 ``GET /dresult`` (business plane) is served by :class:`DresultHub`: one consumer, a new
 one closes the old (§6.2), ``ka:heartbeat`` after 5 s idle, messages kept while no
-consumer is connected (bounded) instead of dropped [I].
+consumer is connected (bounded) instead of dropped [I]. With no consumer for
+``dresult_orphan_timeout_s`` (the coordinator died), every running request is ended as a
+client disconnect ends it: its KV blocks are freed [I].
 """
 
 from __future__ import annotations
@@ -43,9 +46,15 @@ from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
 from tokenserve.api.engine_stream import observed
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
-from tokenserve.messages import FinishReason, GenerateRequest, KvAdoption, RequestOutput
+from tokenserve.messages import (
+    KV_PULL_FAILED,
+    FinishReason,
+    GenerateRequest,
+    KvAdoption,
+    RequestOutput,
+)
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
-from tokenserve.pd.prefill import decode_logprobs
+from tokenserve.pd.prefill import decode_prompt_logprobs
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import HEARTBEAT, close_message, encode
@@ -69,6 +78,8 @@ class DresultHub:
         self.heartbeat_s = heartbeat_s
         self._queue: asyncio.Queue | None = None  # the connected consumer's
         self._backlog: collections.deque[bytes] = collections.deque(maxlen=backlog)
+        #: time.monotonic() when the last consumer left; None while one is connected
+        self.orphaned_since: float | None = time.monotonic()
 
     def publish(self, msg: bytes) -> None:
         """Queue one chunk (whole messages) for the consumer; never blocks."""
@@ -89,6 +100,7 @@ class DresultHub:
         while self._backlog:
             queue.put_nowait(self._backlog.popleft())
         self._queue = queue
+        self.orphaned_since = None
         gone = asyncio.Event()
         request.disconnected.subscribe(gone.set)
         request.disconnected.subscribe(lambda: queue.put_nowait(_CLOSE))
@@ -112,6 +124,7 @@ class DresultHub:
         finally:
             if self._queue is queue:
                 self._queue = None
+                self.orphaned_since = time.monotonic()
                 while not queue.empty():  # keep what this consumer did not get
                     m = queue.get_nowait()
                     if m is not _CLOSE:
@@ -137,6 +150,11 @@ class DecodeObserver:
         self.pending_ids: tuple[int, ...] = ()
         self.error_message = "refused"  # why the handler refused it (before admission)
         self.ids_given = 0  # response ids handed to the handler (derived_id, as on P)
+        #: what P computed of the prompt's logprobs (checked by DecodeServer.decode)
+        self.prompt_logprobs = decode_prompt_logprobs(params.get("promptLogprobs"))
+        self.output_logprobs = decode_prompt_logprobs(params.get("firstTokenLogprobs"))
+        if self.output_logprobs is not None and None in self.output_logprobs:
+            raise ValueError("firstTokenLogprobs holds a null")
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():
@@ -156,7 +174,7 @@ class DecodeObserver:
                            base64.b64decode(state) if state is not None else None,
                            int(p["numComputed"]), source,
                            int(p.get("prefixCachedTokenNums") or 0),
-                           decode_logprobs(p.get("firstTokenLogprobs"))))
+                           self.prompt_logprobs, self.output_logprobs))
 
     async def before_wait(self) -> None:
         return
@@ -175,7 +193,11 @@ class DecodeObserver:
             self.delivered.extend(out.new_token_ids)
             return
         self.final = True
-        if out.finish_reason is FinishReason.RECOMPUTE:
+        pull_failed = (out.finish_reason is FinishReason.ERROR
+                       and (out.error or "").startswith(KV_PULL_FAILED))
+        if out.finish_reason is FinishReason.RECOMPUTE or pull_failed:
+            # [I] a failed pull (P died before D read its blocks) is recomputed on a P
+            # as an eviction is, not failed
             rb = build_recompute_body(self.params["path"], self.body,
                                       [*self.prompt, *self.delivered], len(self.prompt))
             self.send_last("retry", orjson.dumps(rb).decode())
@@ -250,10 +272,34 @@ class DecodeServer:
         self.hub = DresultHub()
         self._tasks: set[asyncio.Task] = set()
         self._release = httpx.Client(timeout=node.cfg.kv_trans_timeout_s)
-
+        #: req-id -> the disconnect signal of the request running its handler
+        self._live: dict[str, Signal] = {}
+        self._watchdog: asyncio.Task | None = None
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self._release.close()
+
+    def abort_orphans(self, now: float) -> int:
+        """End every running request when no ``/dresult`` consumer has been connected
+        for ``dresult_orphan_timeout_s`` at ``now`` (monotonic s); returns how many."""
+        since = self.hub.orphaned_since
+        if since is None or now - since < self.node.cfg.dresult_orphan_timeout_s:
+            return 0
+        live = list(self._live.values())
+        for gone in live:
+            gone.set()
+        if live:
+            logger.warning("no /dresult consumer for %.0f s: %d requests aborted",
+                           now - since, len(live))
+        return len(live)
+
+    async def _watch_orphans(self) -> None:
+        period = min(1.0, self.node.cfg.dresult_orphan_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.abort_orphans(time.monotonic())
 
     # ------------------------------------------------------------------ KV pull (thread)
 
@@ -312,16 +358,27 @@ class DecodeServer:
             await response.send_json(200, {"isValidDecodeParameters": False,
                                            "errorMessage": exc.message})
             return
-        obs = DecodeObserver(self.node, self.hub, params, body)
+        try:
+            obs = DecodeObserver(self.node, self.hub, params, body)
+        except ValueError as exc:
+            await response.send_json(200, {"isValidDecodeParameters": False,
+                                           "errorMessage": f"bad DecodeParameters: {exc}"})
+            return
         inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
                             query=params.get("query", ""), headers=params.get("headers", {}),
                             body=params["body"].encode(), disconnected=Signal(),
                             arrival_time=time.monotonic(), path_params=path_params)
         # the coordinator learns the request's history first (plan: ids)
         self.hub.publish(encode(obs.req_id, "ids", encode_history(obs.prompt, obs.delivered)))
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch_orphans())
         task = asyncio.create_task(self._run(handler, inner, obs), name=f"pd-decode-{obs.req_id}")
         self._tasks.add(task)
+        self._live[obs.req_id] = inner.disconnected
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _t, rid=obs.req_id, sig=inner.disconnected:
+                               self._live.pop(rid, None) if self._live.get(rid) is sig
+                               else None)
         admitted = asyncio.create_task(obs.admitted.wait())
         await asyncio.wait({task, admitted}, return_when=asyncio.FIRST_COMPLETED)
         admitted.cancel()

@@ -110,11 +110,14 @@ class PrefillObserver:
         self.history = history
         self.greq: GenerateRequest | None = None
         self.output_ids: list[int] = []  # every output token so far (replayed included)
-        self.logprobs: list[TokenLogprob] | None = []  # one per output_ids (None: unknown)
         self.delivered = 0  # of which already shown to the client before this P
         self.text = ""  # text this P rendered (postsingletext)
         self.handoff: KvHandoff | None = None
         self.num_cached_tokens = 0
+        #: the prompt's logprobs when the request asked (handed to D with the request)
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        #: the logprobs of the tokens this P generated, when the request asked
+        self.output_logprobs: list[TokenLogprob] = []
         self.handed_off = False
         self.error: str | None = None
         self.ids_given = 0  # response ids handed to the handler (derived_id)
@@ -139,12 +142,12 @@ class PrefillObserver:
     def on_output(self, out: RequestOutput) -> None:
         self.sink.muted = out.replay  # recompute: the client has these tokens' text
         self.output_ids.extend(out.new_token_ids)
-        if self.logprobs is not None and out.logprobs is not None:
-            self.logprobs.extend(out.logprobs)
-        elif out.new_token_ids:
-            self.logprobs = None
         if not out.replay:
             self.text += out.new_text
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if not out.replay:
+            self.output_logprobs.extend(out.logprobs or ())
         if out.handoff is not None:
             self.handoff = out.handoff
             self.num_cached_tokens = out.num_cached_tokens
@@ -171,7 +174,6 @@ class PrefillObserver:
             "reqId": self.req_id,
             "tokens": list(g.prompt_token_ids),
             "firstToken": self.output_ids,
-            "firstTokenLogprobs": encode_logprobs(self.logprobs, len(self.output_ids)),
             "method": self.request.method,
             "path": self.request.path,
             "query": self.request.query,
@@ -189,6 +191,13 @@ class PrefillObserver:
             "prefillTokenNum": len(self.output_ids) - self.delivered,
             "preOutputTokenNum": self.delivered,
             "e2eStartTime": int(time.time() * 1e6),
+            # ours [I]: the prompt's logprobs (echo / prompt_logprobs /
+            # decoder_input_details), so D's answer carries them as a mixed server's
+            "promptLogprobs": encode_prompt_logprobs(self.prompt_logprobs),
+            # ours [I]: the logprobs of firstToken (when asked and none were replayed)
+            "firstTokenLogprobs": encode_prompt_logprobs(
+                tuple(self.output_logprobs)
+                if self.output_logprobs and not self.delivered else None),
         }
 
     async def _send_decode(self) -> None:
@@ -205,25 +214,30 @@ class PrefillObserver:
             raise RuntimeError(ans.get("errorMessage") or "D refused the request")
 
 
-def encode_logprobs(entries: list[TokenLogprob] | None, n: int) -> list[list[Any]] | None:
-    """``DecodeParameters.firstTokenLogprobs`` [I]: P's logprob entries of its ``n`` output
-    tokens as ``[token_id, logprob, [[id, logprob], ...]]`` rows (JSON floats round-trip
-    exactly), None when the request asked for none or a count does not match."""
-    if entries is None or len(entries) != n or n == 0:
+def encode_prompt_logprobs(entries: tuple[TokenLogprob | None, ...] | None
+                           ) -> list[Any] | None:
+    """``DecodeParameters.promptLogprobs`` and ``firstTokenLogprobs`` [I]: per token null
+    (the prompt's first) or ``[token_id, logprob, rank, [[id, logprob], ...]]``; None when
+    there are none. JSON floats round-trip exactly, so D answers the bits P computed."""
+    if entries is None:
         return None
-    return [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in entries]
+    return [None if e is None else [e.token_id, e.logprob, e.rank, [list(t) for t in e.top]]
+            for e in entries]
 
 
-def decode_logprobs(rows: Any) -> tuple[TokenLogprob, ...] | None:
-    """:func:`encode_logprobs`' rows back (None for None or a malformed value)."""
-    if not isinstance(rows, list):
+def decode_prompt_logprobs(value: Any) -> tuple[TokenLogprob | None, ...] | None:
+    """The inverse of :func:`encode_prompt_logprobs`.
+
+    Raises:
+        ValueError: a malformed value."""
+    if value is None:
         return None
     try:
-        return tuple(TokenLogprob(int(r[0]), float(r[1]),
-                                  tuple((int(t[0]), float(t[1])) for t in r[2]))
-                     for r in rows)
-    except (TypeError, ValueError, IndexError):
-        return None
+        return tuple(None if e is None else TokenLogprob(
+            int(e[0]), float(e[1]), tuple((int(t), float(lp)) for t, lp in e[3]), int(e[2]))
+            for e in value)
+    except (TypeError, IndexError, ValueError) as exc:
+        raise ValueError(f"bad promptLogprobs: {exc}") from None
 
 
 def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
@@ -239,6 +253,10 @@ async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
                         response: HttpResponse) -> None:
     """Run one coordinator request on this prefill instance (module docstring)."""
     req_id, target, recompute = prefill_gate(node, request.headers)
+    # a resubmission of a request this P still parks for a D that died before pulling
+    # it: the new submission replaces the parked copy (its blocks freed first)
+    if await node.engine.evict(req_id):
+        logger.info("request %s: resubmitted, the copy parked here was freed", req_id)
     if node.is_self(target):  # spec §4.3: flex-local, an ordinary mixed request
         await handler(request, response)
         return

@@ -21,9 +21,12 @@ Every series carries ``model_name="<engine.info.model_name>"`` (spec §7.7).
 [I] decisions:
 - MindIE serves ``/metrics`` only when env ``MIES_SERVICE_MONITOR_MODE=1`` (else 500);
   we always serve it (vLLM/TGI users expect ``/metrics``); the variable is not read.
-- success = the engine's final output ended with EOS/stop or length; anything else
-  (timeout, engine error, client disconnect, stopInfer abort) counts as failed, so
-  ``received == success + failed`` whenever no request is in flight. Requests rejected
+- success = the engine's final output ended with EOS/stop or length; a client that went
+  away (disconnect, or stopInfer: how a disconnect reaches a PD decode instance) is
+  ``request_disconnected_total`` (issue 22 c), neither success nor failure; anything
+  else (timeout, engine error) counts as failed, so
+  ``received == success + failed + disconnected`` whenever no request is in flight.
+  Requests rejected
   by validation (4xx) never reach the engine and are not counted.
 - TPOT is observed once per request: the summed ``decode_time_ms`` of its outputs after
   the first, divided by the tokens those outputs carried (tokens merged into the first
@@ -141,17 +144,20 @@ class RequestTracker:
         self._tokens += n
         self._metrics.live_generation_tokens += n
 
-    def finished(self, last: RequestOutput | None, handed_off: bool = False) -> None:
+    def finished(self, last: RequestOutput | None, handed_off: bool = False,
+                 disconnected: bool = False) -> None:
         """The request is over (``last`` is its final output, or None when it never
         got one: disconnect, engine failure). ``handed_off``: it went on on a decode
-        instance (PD), a success here. Idempotent."""
+        instance (PD), a success here; ``disconnected``: its client went away (or
+        stopped it), neither success nor failure. Idempotent."""
         if self._done:
             return
         self._done = True
         ok = handed_off or (last is not None and last.finished and last.finish_reason in _OK)
         tokens = max(self._tokens, last.num_output_tokens if last is not None else 0)
         self._metrics.record_end(
-            ok=ok, prompt_tokens=self._prompt_tokens, generation_tokens=tokens,
+            ok=ok, disconnected=disconnected and not ok,
+            prompt_tokens=self._prompt_tokens, generation_tokens=tokens,
             ttft_s=self._ttft_s,
             tpot_s=self._decode_ms / self._decode_tokens / 1e3 if self._decode_tokens else None,
             e2e_s=time.monotonic() - self._start)
@@ -176,6 +182,7 @@ class ServerMetrics:
         self.received = 0
         self.success = 0
         self.failed = 0
+        self.disconnected = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -199,10 +206,13 @@ class ServerMetrics:
         return RequestTracker(self, request)
 
     def record_end(self, *, ok: bool, prompt_tokens: int, generation_tokens: int,
-                   ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
+                   ttft_s: float | None, tpot_s: float | None, e2e_s: float,
+                   disconnected: bool = False) -> None:
         """Account one ended request (see the module docstring for what counts)."""
         if ok:
             self.success += 1
+        elif disconnected:
+            self.disconnected += 1
         else:
             self.failed += 1
         self.prompt_tokens.observe(prompt_tokens)
@@ -298,6 +308,9 @@ class _Collector(Collector):
         yield counter("request_received", "Requests received by the engine", m.received)
         yield counter("request_success", "Requests completed", m.success)
         yield counter("request_failed", "Requests failed", m.failed)
+        yield counter("request_disconnected",
+                      "Requests whose client went away (disconnect or stopInfer)",
+                      m.disconnected)
         yield gauge("failed_request_perc", "Failed / finished requests (1 = 100%)",
                     m.failed / (m.success + m.failed) if m.success + m.failed else 0.0)
         yield hist("time_to_first_token_seconds", "Time to first token", m.ttft)

@@ -58,12 +58,15 @@ from tokenserve.api.openai.protocol import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
+    completion_prompt_logprobs,
+    join_logprobs,
     openai_error,
     openai_finish_reason,
     openai_usage,
     parse_chat_body,
     parse_completion_body,
 )
+from tokenserve.api.vllm.protocol import vllm_prompt_logprobs
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
@@ -85,6 +88,10 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offset: int = 0  # completions text_offset of the next token
     final: RequestOutput | None = None
+    #: the engine's prompt log-probabilities (first entry None), once they came
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    #: streaming: the echoed prompt was written
+    echoed: bool = False
 
 
 @dataclass
@@ -262,7 +269,8 @@ class OpenAIApi(FamilyApi):
         for p, ids in enumerate(prompts):
             self._check_fits(len(ids))
             room = self._info.max_model_len - len(ids)
-            want = body.max_tokens or self._info.max_iter_times or room
+            want = (body.max_tokens if body.max_tokens is not None
+                    else self._info.max_iter_times or room)
             try:
                 params = SamplingParams(max_new_tokens=min(want, room), **body.sampling)
             except ValueError as exc:
@@ -294,6 +302,8 @@ class OpenAIApi(FamilyApi):
                 choice = plan.choices[index]
                 choice.texts.append(out.new_text)
                 choice.logprobs.extend(out.logprobs or ())
+                if out.prompt_logprobs is not None:
+                    choice.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     choice.final = out
         for c in plan.choices:
@@ -302,6 +312,8 @@ class OpenAIApi(FamilyApi):
         result = self._object_head(plan, "chat.completion" if plan.chat else "text_completion")
         result["choices"] = [self._final_choice(plan, c) for c in plan.choices]
         result["usage"] = plan.usage()
+        if plan.chat and plan.body.prompt_logprobs is not None:  # vLLM: one, top level
+            result["prompt_logprobs"] = self._vllm_prompt_logprobs(plan, plan.choices[0])
         await response.send_json(200, result)
 
     def _final_choice(self, plan: Plan, c: Choice) -> dict[str, Any]:
@@ -315,8 +327,28 @@ class OpenAIApi(FamilyApi):
             return {"index": c.index, "message": message, "logprobs": lp,
                     "finish_reason": reason}
         lp = completion_logprobs(c.logprobs, self._texts, c.offset)[0] if wants_lp else None
-        return {"index": c.index, "text": c.prefix + text, "logprobs": lp,
+        if wants_lp and plan.body.echo:
+            lp = join_logprobs(self._echo_logprobs(plan, c), lp)
+        item = {"index": c.index, "text": c.prefix + text, "logprobs": lp,
                 "stop_reason": c.final.stop_reason, "finish_reason": reason}
+        if plan.body.prompt_logprobs is not None:  # vLLM's extension, per choice
+            item["prompt_logprobs"] = self._vllm_prompt_logprobs(plan, c)
+        return item
+
+    def _echo_logprobs(self, plan: Plan, c: Choice) -> dict[str, Any]:
+        """The prompt's entries of an ``echo`` + ``logprobs`` choice."""
+        k = plan.body.sampling["logprobs"]
+        if c.prompt_logprobs is None:  # the engine ended it before the prompt was done
+            raise HttpError(500, "the prompt's log-probabilities were not computed")
+        return completion_prompt_logprobs(c.request.prompt_token_ids, c.prompt_logprobs,
+                                          self._texts, k)
+
+    def _vllm_prompt_logprobs(self, plan: Plan, c: Choice) -> list[Any]:
+        if c.prompt_logprobs is None:
+            raise HttpError(500, "the prompt's log-probabilities were not computed")
+        assert plan.body.prompt_logprobs is not None
+        return vllm_prompt_logprobs(c.prompt_logprobs, lambda t: self._texts.get(t)[0],
+                                    plan.body.prompt_logprobs)
 
     # ------------------------------------------------------------------ stream
 
@@ -333,8 +365,10 @@ class OpenAIApi(FamilyApi):
         requests = [c.request for c in plan.choices]
         async with FanOut(self._engine, requests, request.disconnected, context=self._context) as fan:
             await response.start_stream(200, EVENT_STREAM)
+            # echo + logprobs: the prompt's chunk waits for its log-probabilities
+            late_echo = self._late_echo(plan)
             for c in plan.choices:  # role chunks (chat) / echoed prompts (completions)
-                if plan.chat or c.prefix:
+                if plan.chat or (c.prefix and not late_echo):
                     await response.write(sse(self._chunk(plan, kind, c, None, c.prefix)))
             async for index, out in fan:
                 choice = plan.choices[index]
@@ -343,6 +377,11 @@ class OpenAIApi(FamilyApi):
                     # other choices are aborted)
                     await fail_stream(response, "openai", failure_text(out))
                     return False
+                if out.prompt_logprobs is not None:
+                    choice.prompt_logprobs = out.prompt_logprobs
+                if late_echo and not choice.echoed and choice.prompt_logprobs is not None:
+                    choice.echoed = True
+                    await response.write(sse(self._echo_chunk(plan, kind, choice)))
                 if not (out.finished or out.new_text or out.logprobs):
                     continue  # nothing to show (spec §5.1 item 2)
                 chunk = self._chunk(plan, kind, choice, out, out.new_text)
@@ -359,6 +398,28 @@ class OpenAIApi(FamilyApi):
                 await response.write(sse(chunk))
             await response.write(SSE_DONE)
         return True
+
+    @staticmethod
+    def _late_echo(plan: Plan) -> bool:
+        """Whether the echoed prompt is streamed with its log-probabilities (sent when
+        the engine has them: with the first token) instead of before the first token."""
+        body = plan.body
+        return not plan.chat and (body.prompt_logprobs is not None or (
+            body.echo and body.sampling.get("logprobs") is not None))
+
+    def _echo_chunk(self, plan: Plan, kind: str, c: Choice) -> dict[str, Any]:
+        """The first chunk of a streamed completions choice that asked for prompt
+        log-probabilities: the echoed prompt (``""`` without ``echo``), its ``logprobs``
+        (OpenAI's object, with ``echo``) and ``prompt_logprobs`` (vLLM's list, when asked)."""
+        lp = (self._echo_logprobs(plan, c)
+              if plan.body.echo and plan.body.sampling.get("logprobs") is not None else None)
+        item: dict[str, Any] = {"index": c.index, "text": c.prefix, "logprobs": lp,
+                                "finish_reason": None, "stop_reason": None}
+        if plan.body.prompt_logprobs is not None:
+            item["prompt_logprobs"] = self._vllm_prompt_logprobs(plan, c)
+        chunk = self._object_head(plan, kind)
+        chunk["choices"] = [item]
+        return chunk
 
     def _chunk(
         self, plan: Plan, kind: str, c: Choice, out: RequestOutput | None, text: str

@@ -41,6 +41,7 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
+from tokenserve.api.vllm.protocol import parse_prompt_logprobs
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
 
@@ -86,6 +87,8 @@ class OpenAIBody:
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     prompts: list[Prompt] | None = None
+    #: vLLM's ``prompt_logprobs`` (k) as the client gave it, or None
+    prompt_logprobs: int | None = None
 
 
 def parse_openai_stop(obj: dict[str, Any], native: bool = False) -> tuple[str, ...]:
@@ -157,9 +160,10 @@ def _parse_common(
     stream = bool(get_bool(obj, "stream", False))
     include_usage = bool(get_bool(get_object(obj, "stream_options"), "include_usage", False,
                                   name="stream_options.include_usage"))
-    # spec §5.1 [I]: max_completion_tokens is an alias of max_tokens
-    max_tokens = get_int(obj, "max_tokens", 0, INT32_MAX, lo_open=True)
-    alias = get_int(obj, "max_completion_tokens", 0, INT32_MAX, lo_open=True)
+    # spec §5.1 [I]: max_completion_tokens is an alias of max_tokens; [I] completions
+    # accept 0 (prompt only: ``echo`` with ``logprobs``, as lm-evaluation-harness asks)
+    max_tokens = get_int(obj, "max_tokens", 0, INT32_MAX, lo_open=not completions)
+    alias = get_int(obj, "max_completion_tokens", 0, INT32_MAX, lo_open=not completions)
     if max_tokens is not None and alias is not None and alias != max_tokens:
         raise ValueError("Parameters max_tokens and max_completion_tokens differ.")
     sampling, greedy = _parse_sampling(obj, native)
@@ -308,7 +312,13 @@ def parse_chat_body(obj: dict[str, Any], native: bool = False) -> OpenAIBody:
         kwargs["tools"] = tools
     if obj.get("chat_template") is not None:  # [I] a path or template text from a client
         raise ValueError("Parameter chat_template is not supported; the model's own is used.")
-    return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs)
+    plp = parse_prompt_logprobs(obj)  # vLLM's extension: a top-level list in the answer
+    if plp is not None:
+        if body["stream"]:  # as vLLM: no place for them in a chat chunk
+            raise ValueError("Parameter prompt_logprobs is not available when stream is true.")
+        sampling["prompt_logprobs"] = plp
+    return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs,
+                      prompt_logprobs=plp)
 
 
 # --------------------------------------------------------------------------- completions
@@ -334,11 +344,16 @@ def parse_completion_body(obj: dict[str, Any], vocab_size: int) -> OpenAIBody:
     prompts = parse_prompts(obj.get("prompt"), vocab_size)
     logprobs = get_int(obj, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = bool(get_bool(obj, "echo", False))
-    if echo and logprobs is not None:  # [I] prompt logprobs are not computed
-        raise ValueError("Parameter echo together with logprobs is not supported.")
     if logprobs is not None:
         sampling["logprobs"] = logprobs
-    return OpenAIBody(**body, sampling=sampling, prompts=prompts, echo=echo)
+    # OpenAI: echo + logprobs gives the prompt's tokens their logprobs too; vLLM's
+    # extension ``prompt_logprobs`` (k) adds its own per-choice list
+    plp = parse_prompt_logprobs(obj)  # vLLM's own rule
+    want = [k for k in ((logprobs if echo else None), plp) if k is not None]
+    if want:
+        sampling["prompt_logprobs"] = max(want)
+    return OpenAIBody(**body, sampling=sampling, prompts=prompts, echo=echo,
+                      prompt_logprobs=plp)
 
 
 # ---------------------------------------------------------------------- the answer
@@ -421,6 +436,41 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict[str, A
         content.append({"token": text, "logprob": _lp(e.logprob), "bytes": raw,
                         "top_logprobs": top})
     return {"content": content}
+
+
+def completion_prompt_logprobs(
+    ids: tuple[int, ...] | list[int], entries: tuple[TokenLogprob | None, ...],
+    texts: TokenTexts, k: int,
+) -> dict[str, Any]:
+    """The prompt's part of completions ``logprobs`` with ``echo`` (OpenAI legacy
+    Completions: the prompt's tokens come first; the first has ``null`` logprob and
+    ``null`` top_logprobs): the same keys as :func:`completion_logprobs`, offsets from 0.
+    ``k``: alternatives per position (the request's ``logprobs``)."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
+    offset = 0
+    for tid, e in zip(ids, entries, strict=True):
+        text = texts.get(tid)[0]
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        top = {texts.get(t)[0]: _lp(lp) for t, lp in e.top[:k]}
+        top.setdefault(text, _lp(e.logprob))
+        out["token_logprobs"].append(_lp(e.logprob))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None
+                  ) -> dict[str, Any] | None:
+    """Two completions ``logprobs`` objects, one after the other (prompt, then output)."""
+    if head is None or tail is None:
+        return head or tail
+    return {key: head[key] + tail[key] for key in head}
 
 
 def completion_logprobs(

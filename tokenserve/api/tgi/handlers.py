@@ -26,6 +26,7 @@ from tokenserve.api.tgi.protocol import (
     parse_tgi_body,
     tgi_answer,
     tgi_info,
+    tgi_prefill,
     tgi_stream_details,
     tgi_token_event,
 )
@@ -107,9 +108,27 @@ class TgiApi(FamilyApi):
         self, request: HttpRequest, response: HttpResponse, body: TgiBody,
         greq: GenerateRequest, wrap: bool,
     ) -> None:
-        async with collect(self._engine, greq, request, context=self._context) as got:
-            result = tgi_answer(got, greq, body)
+        entries: list[Any] = []  # the prompt's logprobs, when they come
+
+        def keep(out: RequestOutput) -> None:
+            if out.prompt_logprobs is not None:
+                entries.append(out.prompt_logprobs)
+
+        async with collect(self._engine, greq, request, context=self._context,
+                           on_output=keep) as got:
+            prefill = None
+            if body.decoder_input_details:
+                try:
+                    prefill = tgi_prefill(greq.prompt_token_ids, entries[0] if entries else None,
+                                          self._token_text)
+                except ValueError as exc:
+                    raise HttpError(500, str(exc)) from None
+            result = tgi_answer(got, greq, body, prefill)
             await response.send_json(200, [result] if wrap else result)
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, special tokens kept (``details.prefill``)."""
+        return self._engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _stream(
         self, request: HttpRequest, response: HttpResponse, body: TgiBody, greq: GenerateRequest

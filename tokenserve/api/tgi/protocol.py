@@ -6,6 +6,8 @@ Response shapes (spec §3.3, §3.4)::
     /generate      {"generated_text": ".."}  or, with details / decoder_input_details,
                    {"details": {"prompt_tokens", "finish_reason", "generated_tokens",
                                 "prefill": [..], "seed", "tokens": [..]}, "generated_text": ".."}
+                   (prefill, with decoder_input_details: {id, logprob, special, text} per
+                   prompt token, the first logprob null; TGI refuses it when streaming)
     POST /         the same object inside a one-element array
     stream         data: {"token": {"id": [..], "text": "..", "logprob": null, "special": null},
                           "generated_text": null, "details": null}
@@ -16,6 +18,7 @@ Response shapes (spec §3.3, §3.4)::
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +39,7 @@ from tokenserve.api.fields import (
     parse_text_input,
     required,
 )
-from tokenserve.messages import GenerateRequest, RequestOutput
+from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import SamplingParams
 
 #: spec §3.2 ``adapter_id``.
@@ -89,21 +92,39 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
             raise ValueError(f"Adapter {adapter} not found.")
     if stream and decoder_input_details:
         raise ValueError("decoder_input_details == true is not supported when streaming tokens.")
+    if decoder_input_details:  # the prefill tokens' logprobs (no alternatives)
+        kwargs["prompt_logprobs"] = 0
     return TgiBody(text, SamplingParams(**kwargs), details, decoder_input_details,
                    return_full_text, truncate)
 
 
-def tgi_answer(got: Collected, greq: GenerateRequest, body: TgiBody) -> dict[str, Any]:
-    """The non-stream answer (spec §3.3), before ``POST /`` wraps it in an array."""
+def tgi_prefill(ids: tuple[int, ...], entries: tuple[TokenLogprob | None, ...] | None,
+                text_of: Callable[[int], str]) -> list[dict[str, Any]]:
+    """``details.prefill`` with ``decoder_input_details`` (TGI ``PrefillToken``): one
+    ``{id, logprob, special, text}`` per prompt token, ``logprob`` null for the first.
+    [I] MindIE leaves ``logprob`` and ``text`` null (spec §3.3 [V]); we compute them as
+    TGI does (``special`` stays null, as MindIE's).
+
+    Raises:
+        ValueError: ``entries`` is None (the engine did not compute them)."""
+    if entries is None:
+        raise ValueError("the prompt's log-probabilities were not computed")
+    return [{"id": i, "logprob": None if e is None else max(e.logprob, -9999.0),
+             "special": None, "text": text_of(i)} for i, e in zip(ids, entries, strict=True)]
+
+
+def tgi_answer(got: Collected, greq: GenerateRequest, body: TgiBody,
+               prefill: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The non-stream answer (spec §3.3), before ``POST /`` wraps it in an array;
+    ``prefill``: :func:`tgi_prefill` with ``decoder_input_details``."""
     last = got.last
     result: dict[str, Any] = {}
     if body.details or body.decoder_input_details:
-        prefill = greq.prompt_token_ids if body.decoder_input_details else ()
         result["details"] = {
             "prompt_tokens": len(greq.prompt_token_ids),
             "finish_reason": mindie_finish_reason(last.finish_reason),
             "generated_tokens": last.num_output_tokens,
-            "prefill": [{"id": i, **_NULL_TOKEN} for i in prefill],
+            "prefill": prefill or [],
             "seed": reported_seed(last, greq),
             "tokens": [{"id": i, **_NULL_TOKEN} for i in got.ids],
         }

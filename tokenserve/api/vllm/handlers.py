@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from tokenserve.api.common import (
@@ -30,7 +31,13 @@ from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, FanOut
 from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import MAX_N
 from tokenserve.api.framing import EVENT_STREAM, nul_chunk
-from tokenserve.api.vllm.protocol import VllmBody, parse_vllm_body, sequence_params, vllm_answer
+from tokenserve.api.vllm.protocol import (
+    VllmBody,
+    parse_vllm_body,
+    sequence_params,
+    vllm_answer,
+    vllm_prompt_logprobs,
+)
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
@@ -56,7 +63,7 @@ class VllmApi(FamilyApi):
         vb, reqs = await self._build(request, body)
         async with FanOut(self._engine, reqs, request.disconnected, context=self._context) as fan:
             if vb.stream:
-                await self._stream(response, vb, fan)
+                await self._stream(response, vb, fan, self._token_text)
             else:
                 await self._complete(response, vb, fan)
 
@@ -93,24 +100,37 @@ class VllmApi(FamilyApi):
                     if item.finish_reason in FAILED_FINISH:
                         raise HttpError(500, failure_text(item))
                     done[i] = True
-        await response.send_json(200, vllm_answer(vb, outs))
+        try:
+            answer = vllm_answer(vb, outs, self._token_text)
+        except ValueError as exc:  # prompt logprobs missing: the engine's failure
+            raise HttpError(500, str(exc)) from None
+        await response.send_json(200, answer)
 
-    async def _stream(self, response: HttpResponse, vb: VllmBody, fan: FanOut) -> None:
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, special tokens kept (``prompt_logprobs``' ``decoded_token``)."""
+        return self._engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _stream(self, response: HttpResponse, vb: VllmBody, fan: FanOut,
+                      text_of: Callable[[int], str]) -> None:
         await response.start_stream(200, EVENT_STREAM)
-        if await guard_stream(response, self._pump(response, vb, fan), logger,
+        if await guard_stream(response, self._pump(response, vb, fan, text_of), logger,
                               "a vLLM request", "vllm"):
             await response.end()
 
     @staticmethod
-    async def _pump(response: HttpResponse, vb: VllmBody, fan: FanOut) -> bool:
+    async def _pump(response: HttpResponse, vb: VllmBody, fan: FanOut,
+                    text_of: Callable[[int], str]) -> bool:
         """Write each step's new texts; False when it closed the stream on a failed or
-        incomplete sequence (spec §0.4 step 9: the error text is the last chunk, an error event)."""
+        incomplete sequence (spec §0.4 step 9: the error text is the last chunk, an error
+        event). [I] With ``prompt_logprobs``, the chunk where they came carries
+        ``"prompt_logprobs"`` too."""
         done = [False] * vb.count
         sent = False
         while not all(done):
             deltas = [""] * vb.count
             failed: RequestOutput | None = None
             incomplete = False
+            extra: dict[str, Any] = {}
             for i, item in await fan.batch():
                 if isinstance(item, BaseException):
                     raise item
@@ -118,12 +138,15 @@ class VllmApi(FamilyApi):
                     incomplete = incomplete or not done[i]
                     continue
                 deltas[i] += item.new_text
+                if item.prompt_logprobs is not None and vb.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                        item.prompt_logprobs, text_of, vb.prompt_logprobs)
                 if item.finished:
                     done[i] = True
                     if item.finish_reason in FAILED_FINISH:
                         failed = failed or item
-            if any(deltas) or (all(done) and not sent):
-                await response.write(nul_chunk({"text": deltas}))
+            if any(deltas) or extra or (all(done) and not sent):
+                await response.write(nul_chunk({"text": deltas, **extra}))
                 sent = True
             if failed is not None or incomplete:
                 await fail_stream(response, "vllm",

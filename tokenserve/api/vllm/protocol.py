@@ -7,6 +7,9 @@ Response shapes (spec §4.1, §9.5)::
     stream      text/event-stream, but NUL-delimited JSON, not SSE:
                 {"text": ["<new text of seq 0>", ...]}\\0{"text": [...]}\\0 ...
                 (per step, the new text of each sequence; "" for one with nothing new)
+    [I] with ``prompt_logprobs: k``: the non-stream answer and the stream's chunk of the
+    first token also carry ``"prompt_logprobs": [null, {"<id>": {logprob, rank,
+    decoded_token}, ...}, ...]`` (vLLM's ``RequestOutput.prompt_logprobs``)
 """
 
 from __future__ import annotations
@@ -32,8 +35,13 @@ from tokenserve.api.fields import (
     parse_text_input,
     required,
 )
-from tokenserve.messages import RequestOutput
+from tokenserve.messages import RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
+
+#: vLLM's default ``max_logprobs``: the largest ``prompt_logprobs`` it accepts.
+MAX_PROMPT_LOGPROBS = 20
+#: vLLM's floor for reported log-probabilities (keeps ``-inf`` out of JSON).
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class VllmBody:
     stream: bool
     params: SamplingParams
     count: int
+    #: ``prompt_logprobs`` (k) as asked, or None
+    prompt_logprobs: int | None = None
 
 
 def parse_vllm_body(
@@ -113,13 +123,42 @@ def parse_vllm_body(
         "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
         # ours [I]: false opts the request out of speculative decoding
         "speculative": bool(get_bool(obj, "speculative", True)),
+        "prompt_logprobs": parse_prompt_logprobs(obj),
     }
     if temperature:
         kwargs["temperature"] = temperature
     if top_k is not None and top_k != -1:
         kwargs["top_k"] = top_k
     kwargs.update(given(top_p=top_p, repetition_penalty=repetition_penalty, seed=seed))
-    return VllmBody(text, stream, SamplingParams(**kwargs), count)
+    return VllmBody(text, stream, SamplingParams(**kwargs), count, kwargs["prompt_logprobs"])
+
+
+def parse_prompt_logprobs(obj: dict[str, Any]) -> int | None:
+    """vLLM's ``prompt_logprobs`` (SamplingParams): an integer in [0, 20] (vLLM refuses
+    more than its ``max_logprobs``, 20 by default), or absent / null."""
+    return get_int(obj, "prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+
+
+def vllm_prompt_logprobs(
+    entries: tuple[TokenLogprob | None, ...], text_of: Any, k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` (its ``RequestOutput.prompt_logprobs`` as the OpenAI
+    server renders it): per prompt token, None for the first, else ``{token_id: {logprob,
+    rank, decoded_token}}`` holding the prompt token first, then the ``k`` most likely
+    (rank 1 = most likely, over the whole vocabulary). JSON turns the ids into strings.
+    ``text_of(token_id)`` is the token's text."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        item = {str(e.token_id): {"logprob": max(e.logprob, LOGPROB_FLOOR), "rank": e.rank,
+                                  "decoded_token": text_of(e.token_id)}}
+        for r, (tid, lp) in enumerate(e.top[:k], 1):
+            item.setdefault(str(tid), {"logprob": max(lp, LOGPROB_FLOOR), "rank": r,
+                                       "decoded_token": text_of(tid)})
+        out.append(item)
+    return out
 
 
 def cum_logprob(outs: list[RequestOutput]) -> float | None:
@@ -136,17 +175,29 @@ def sequence_params(vb: VllmBody) -> list[SamplingParams]:
     rank them by (spec §4.1)."""
     if vb.count <= 1:
         return [vb.params]
+    # the prompt is the same for all: its logprobs come from the first sequence alone
     return [dataclasses.replace(vb.params, seed=choice_seed(vb.params.seed, i),
-                                logprobs=vb.params.logprobs or 0)
+                                logprobs=vb.params.logprobs or 0,
+                                prompt_logprobs=vb.params.prompt_logprobs if i == 0 else None)
             for i in range(vb.count)]
 
 
-def vllm_answer(vb: VllmBody, outs: list[list[RequestOutput]]) -> dict[str, Any]:
+def vllm_answer(vb: VllmBody, outs: list[list[RequestOutput]],
+                text_of: Any = None) -> dict[str, Any]:
     """The non-stream answer (spec §4.1): each sequence's text after the prompt and a
     space, best first by cumulative log-probability (submission order when the engine
-    reports no logprobs)."""
+    reports no logprobs). [I] With ``prompt_logprobs``, also ``"prompt_logprobs"``: the
+    prompt's list (:func:`vllm_prompt_logprobs`; ``text_of`` gives token texts)."""
     order = list(range(vb.count))
     scores = [cum_logprob(o) for o in outs]
     if vb.count > 1 and all(s is not None for s in scores):
         order.sort(key=lambda i: -scores[i])  # type: ignore[operator]
-    return {"text": [vb.text + " " + "".join(o.new_text for o in outs[i]) for i in order]}
+    answer: dict[str, Any] = {
+        "text": [vb.text + " " + "".join(o.new_text for o in outs[i]) for i in order]}
+    if vb.prompt_logprobs is not None:
+        entries = next((o.prompt_logprobs for o in outs[0] if o.prompt_logprobs is not None),
+                       None)
+        if entries is None:
+            raise ValueError("the prompt's log-probabilities were not computed")
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(entries, text_of, vb.prompt_logprobs)
+    return answer
