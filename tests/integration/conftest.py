@@ -103,14 +103,15 @@ class PdPair:
         self.p.assert_leak_free()
         self.d.assert_leak_free()
 
-    def failed(self) -> float:
-        """``request_failed_total`` of P and D together (an abort counts there; a
-        hand-off is a success on P)."""
+    def aborted(self) -> float:
+        """Requests P and D ended because their client went away:
+        ``request_disconnected_total`` (a disconnect, or the coordinator's stopInfer when
+        its client left; a hand-off is a success on P)."""
         total = 0.0
         for inst in (self.p, self.d):
             text = httpx.get(inst.url + "/metrics", timeout=10).text
             total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                         if line.startswith("request_failed_total"))
+                         if line.startswith("request_disconnected_total"))
         return total
 
 
@@ -172,10 +173,10 @@ class Target:
             await asyncio.to_thread(self.pair.assert_leak_free)
 
     async def aborted(self) -> float:
-        """Requests ended by an abort so far (PD: P's and D's failed requests)."""
+        """Requests ended by an abort so far (PD: P's and D's disconnected requests)."""
         if self.pair is None:
             return self.engine.stats().finished_by_reason.get("abort", 0)
-        return await asyncio.to_thread(self.pair.failed)
+        return await asyncio.to_thread(self.pair.aborted)
 
     async def aborted_at_least(self, n: float, timeout: float = 30.0) -> float:
         """:meth:`aborted`, once it reaches ``n`` (PD: the instances count a stopped
