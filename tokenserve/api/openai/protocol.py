@@ -40,6 +40,7 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
+from tokenserve.api.openai.tools import ToolChoice, parse_tool_choice, tool_constraint
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
 from tokenserve.transport.errors import error_type_for
@@ -86,6 +87,7 @@ class OpenAIBody:
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     prompts: list[Prompt] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 def parse_openai_stop(obj: dict[str, Any], native: bool = False) -> tuple[str, ...]:
@@ -265,8 +267,8 @@ def parse_messages(value: Any, strict_roles: bool) -> list[dict[str, Any]]:
 
 
 def parse_tools(obj: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """``tools`` and ``tool_choice`` (spec §5.1); the tools are handed to the chat template
-    (as transformers does). [I] Tool calls in the output are not parsed."""
+    """The shapes of ``tools`` and ``tool_choice`` (spec §5.1); the rest of their checks,
+    the prompt and the constraint are :mod:`tokenserve.api.openai.tools`."""
     tools = obj.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -304,11 +306,16 @@ def parse_chat_body(obj: dict[str, Any], native: bool = False) -> OpenAIBody:
     get_int(kwargs, "thinking_budget", 1, INT32_MAX, name="chat_template_kwargs.thinking_budget")
     for key in _RESERVED_TEMPLATE_VARS:
         kwargs.pop(key, None)
-    if tools is not None:
-        kwargs["tools"] = tools
+    choice = parse_tool_choice(obj) if tools is not None or "tool_choice" in obj else None
+    constraint = tool_constraint(choice) if choice is not None else None
+    if constraint is not None:
+        if sampling.get("structured") is not None:  # [I] one constraint per answer
+            raise ValueError("Parameters tools and response_format cannot be used together.")
+        sampling["structured"] = constraint
     if obj.get("chat_template") is not None:  # [I] a path or template text from a client
         raise ValueError("Parameter chat_template is not supported; the model's own is used.")
-    return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs)
+    return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs,
+                      tool_choice=choice)
 
 
 # --------------------------------------------------------------------------- completions
