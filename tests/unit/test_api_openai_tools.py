@@ -34,7 +34,7 @@ from tokenserve.api.openai.tools import (
     tool_messages,
 )
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
-from tokenserve.sampling_params import ConstraintKind
+from tokenserve.sampling_params import ConstraintKind, StructuredOutput
 
 MODEL = "fake-model"
 WEATHER = {"type": "function", "function": {
@@ -307,6 +307,16 @@ class ScriptEngine(FakeEngine):
     def __post_init__(self) -> None:
         self.tokenizer = ChatTokenizer()
         self.cfg = Cfg(max_iter_times=4000)
+
+    async def compile_grammar(self, structured: StructuredOutput) -> str:
+        """llguidance's own check of the constraint (the engine's compile needs a real
+        tokenizer); ValueError as the engine raises it."""
+        assert structured.kind is ConstraintKind.GRAMMAR
+        grammar = llguidance.LLMatcher.grammar_from_lark(structured.value)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(error)
+        return grammar
 
     async def outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         pieces = [self.script[i:i + 3] for i in range(0, len(self.script), 3)] or [""]
