@@ -69,26 +69,37 @@ def check_calls(message, allowed: set[str]) -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize("named", [None, "add", "get_weather"])
 async def test_required_and_named_calls_always_parse_and_validate(sdk, live, named):
+    """One call (named: always; required: parallel_tool_calls false), sampled at
+    temperature 0.8 over 4 questions x 2 seeds: 100% parse and validate."""
     choice = "required" if named is None else {"type": "function", "function": {"name": named}}
-    runs = [ask(sdk, live, user(q), tools=TOOLS, tool_choice=choice, temperature=0.8, seed=s)
+    runs = [ask(sdk, live, user(q), tools=TOOLS, tool_choice=choice, temperature=0.8, seed=s,
+                parallel_tool_calls=named is not None)
             for q in QUESTIONS for s in (1, 2)]
     answers = await asyncio.gather(*runs)
     for out in answers:
         c = out.choices[0]
         assert c.finish_reason == "tool_calls", c
         calls = check_calls(c.message, set(SCHEMAS) if named is None else {named})
-        assert c.message.content is None and calls
+        assert c.message.content is None and len(calls) == 1
     await live.assert_idle_and_leak_free()
 
 
-async def test_single_call_when_parallel_off(sdk, live):
-    out = await ask(sdk, live, user("Weather in Paris, then in Rome?"), tools=TOOLS,
-                    tool_choice="required", parallel_tool_calls=False, temperature=0)
-    assert len(check_calls(out.choices[0].message, set(SCHEMAS))) == 1
+async def test_parallel_calls_valid_up_to_a_cut(sdk, live):
+    """required with parallel_tool_calls (the default): one or more calls; every call
+    the answer finished validates; a 135M model tends to repeat calls until max_tokens,
+    and then the answer says length (spec §5.5)."""
+    out = (await ask(sdk, live, user("Weather in Paris, then in Rome?"), tools=TOOLS,
+                     tool_choice="required", temperature=0, max_tokens=100)).choices[0]
+    calls = out.message.tool_calls
+    assert calls and out.finish_reason in ("tool_calls", "length")
+    done = calls if out.finish_reason == "tool_calls" else calls[:-1]
+    for call in done:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    await live.assert_idle_and_leak_free()
 
 
 async def test_stream_deltas_reassemble_to_non_stream(sdk, live):
-    kw = {"tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    kw = {"tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_tokens": 100}
     msgs = user("What is the weather in Paris and in Rome?")
     full = (await ask(sdk, live, msgs, **kw)).choices[0]
     chunks = [c async for c in await ask(sdk, live, msgs, stream=True, **kw)]
@@ -105,8 +116,9 @@ async def test_stream_deltas_reassemble_to_non_stream(sdk, live):
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments}
         for c in full.message.tool_calls]
-    assert chunks[-1].choices[0].finish_reason == full.finish_reason == "tool_calls"
-    check_calls(full.message, set(SCHEMAS))
+    assert len(calls) >= 1
+    assert chunks[-1].choices[0].finish_reason == full.finish_reason
+    assert full.finish_reason in ("tool_calls", "length")
     await live.assert_idle_and_leak_free()
 
 

@@ -28,6 +28,7 @@ from tests.unit.test_api_openai import Cfg, ChatTokenizer, assert_error
 from tokenserve.api.openai.toolparse import ToolStream, split_tools
 from tokenserve.api.openai.tools import (
     MAX_TOOLS,
+    closed_objects,
     parse_tool_choice,
     template_takes_tools,
     tool_constraint,
@@ -143,11 +144,29 @@ def test_required_grammar(byte_tokenizer) -> None:
     assert not accepts(byte_tokenizer, single, TWO_CALLS)
 
 
+def test_objects_closed_unless_the_schema_opens_them(byte_tokenizer) -> None:
+    open_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "object", "properties": {
+            "y": {"type": "integer"}}}, "z": {"type": "array", "items": {
+                "type": "object", "properties": {"k": {"type": "string"}}}}},
+        "$defs": {"d": {"type": "object", "additionalProperties": True}}}}}
+    g = constraint_of({"tools": [open_tool], "tool_choice": "required"})
+    assert accepts(byte_tokenizer, g, block("f", '{"x": {"y": 1}, "z": [{"k": "v"}]}'))
+    assert not accepts(byte_tokenizer, g, block("f", '{"extra": 1}'))
+    assert not accepts(byte_tokenizer, g, block("f", '{"x": {"extra": 1}}'))
+    assert not accepts(byte_tokenizer, g, block("f", '{"z": [{"extra": 1}]}'))
+    params = open_tool["function"]["parameters"]
+    assert closed_objects(params)["$defs"]["d"]["additionalProperties"] is True
+    assert "additionalProperties" not in params  # the request is not changed
+
+
 def test_named_grammar(byte_tokenizer) -> None:
     g = constraint_of({"tools": TOOLS,
                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    assert accepts(byte_tokenizer, g, block("get_weather", '{"city": "Oslo"}'))
+    one = block("get_weather", '{"city": "Oslo"}')
+    assert accepts(byte_tokenizer, g, one)
     assert not accepts(byte_tokenizer, g, block("add", '{"a": 1, "b": 2}'))
+    assert not accepts(byte_tokenizer, g, one + "\n" + one)  # one call, as vLLM
 
 
 def test_auto_grammar_text_or_calls(byte_tokenizer) -> None:

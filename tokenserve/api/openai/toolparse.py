@@ -15,7 +15,9 @@ Rules (the same whether the text is final or not):
   free); its ``arguments`` is then the JSON value's own text as generated when the block
   is one valid JSON object, else the block's text after that prefix less a trailing
   ``}`` (a call cut by ``max_tokens``, or a model writing outside the grammar);
-- a block that never starts so stays content, as text;
+- a block that never starts so stays content, as text, once closed; unclosed at the end
+  (a cut by ``max_tokens`` before the name) it is dropped: content never ends in a
+  half-written call;
 - whitespace between content and a block is neither (no stray ``"\\n"`` content); text
   on both sides of a block is joined by one newline;
 - while the text may grow, a tail that could begin ``<tool_call>`` / ``</tool_call>``, or
@@ -127,10 +129,10 @@ def split_tools(text: str, final: bool) -> Split:
                 calls.append(ParsedCall(name, _settled_args(body[head.end():])))
             return Split("".join(content), tuple(calls))
         call = _final_call(body)
-        if call is None:
-            content.append(text[start:end + len(CALL_CLOSE)] if closed else text[start:])
-        else:
+        if call is not None:
             calls.append(call)
+        elif closed:
+            content.append(text[start:end + len(CALL_CLOSE)])
         if not closed:
             break
         pos = end + len(CALL_CLOSE)

@@ -19,7 +19,8 @@ Constraints ([I], built here, enforced by the engine through
 ``parameters``):
 
 - ``required``: one call (or, with ``parallel_tool_calls``, one or more) of any tool;
-- a named tool: the same, only that tool;
+- a named tool: exactly one call of that tool (as vLLM: ``parallel_tool_calls`` does
+  not apply);
 - ``auto``: either free text that does not start with ``<tool_call>``, or tool calls only
   (so an answer is text or calls, never both);
 - ``none``: no constraint; the tools are left out of the prompt and the output is not
@@ -142,13 +143,46 @@ def _check_parameters(schema: Any, where: str) -> None:
 # --------------------------------------------------------------------------- constraint
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that says
+    nothing about extra keys [I] (OpenAI's strict function schemas require it).
+
+    The grammar then generates only the declared properties: a 135M model left free to
+    add keys writes made-up ones until ``max_tokens``. Every such answer still validates
+    against the tool's own schema (it allows a superset). ``allOf`` branches are left
+    open (closing each would reject the other branches' keys).
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    if isinstance(out.get("items"), dict):
+        out["items"] = closed_objects(out["items"])
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and not {"additionalProperties", "patternProperties",
+                          "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON Schema of one call's JSON: ``{"name": <const>, "arguments": <the tool's
-    parameters>}``, one alternative per tool, name first, compact layout."""
+    parameters>}`` (objects closed: :func:`closed_objects`), one alternative per tool,
+    name first, compact layout."""
     alternatives = [
         {"type": "object",
          "properties": {"name": {"const": t["function"]["name"]},
-                        "arguments": t["function"].get("parameters") or _NO_PARAMETERS},
+                        "arguments": closed_objects(t["function"].get("parameters")
+                                                    or _NO_PARAMETERS)},
          "required": ["name", "arguments"], "additionalProperties": False}
         for t in tools
     ]
@@ -163,7 +197,7 @@ def tool_constraint(choice: ToolChoice) -> StructuredOutput | None:
         return None
     call = (f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n'
             f"body: %json {json.dumps(call_schema(choice.offered()), ensure_ascii=False)}\n")
-    calls = 'call ("\\n" call)*' if choice.parallel else "call"
+    calls = 'call ("\\n" call)*' if choice.parallel and choice.mode != "named" else "call"
     if choice.mode == "auto":
         start = (f"start: TEXT | {calls}\n"
                  f"TEXT: /(?s:.*)/ & ~/{CALL_OPEN}(?s:.*)/\n")
@@ -196,8 +230,8 @@ def default_tool_prompt(choice: ToolChoice) -> str:
         "required": "You must call at least one function.",
         "named": f"You must call the function {choice.name}.",
     }[choice.mode]
-    many = ("You may call several functions, one block each." if choice.parallel
-            else "Call one function at most.")
+    many = ("You may call several functions, one block each."
+            if choice.parallel and choice.mode != "named" else "Call one function at most.")
     return (
         "# Tools\n\nYou can call functions to answer the user. They are described as JSON, "
         f"one per line, between <tools> and </tools>:\n<tools>\n{listed}\n</tools>\n\n"
