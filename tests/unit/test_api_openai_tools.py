@@ -489,3 +489,30 @@ async def test_openai_sdk_reads_tool_calls(script_env) -> None:
             args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
     assert [args[0], args[1]] == [c.function.arguments for c in calls]
     await sdk.close()
+
+
+async def test_bench_tools_backend_reads_our_stream(script_env) -> None:
+    """``tokenserve bench --backend openai-tools``: its body is accepted and its parser
+    times the tool-call deltas and counts tokens from usage."""
+    from tokenserve.bench.clients import StreamReader, get_backend
+    from tokenserve.bench.workload import BenchRequest
+
+    engine, client = script_env
+    engine.script = TWO_CALLS
+    backend = get_backend("openai-tools")
+    req = BenchRequest(0, (1, 2, 3), "weather?", 80)
+    path, body = backend.build(req, MODEL)
+    assert body["tool_choice"] == "required" and "ignore_eos" not in body
+    reader = StreamReader(backend, req)
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        t = 0.0
+        async for chunk in r.aiter_bytes():
+            t += 0.01
+            reader.feed(t, chunk)
+    rec = reader.finish(t + 0.01)
+    assert rec.ok, rec.error
+    assert rec.output_tokens == -(-len(TWO_CALLS) // 3) and rec.token_source == "usage"
+    assert rec.ttft is not None
+    assert "get_weather" in reader.text and '{"city": "Paris}", "days": 2}' in reader.text
+    assert engine.requests[-1].params.structured is not None

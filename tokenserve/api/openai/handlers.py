@@ -18,7 +18,8 @@ included) and unexpected exception. Once a stream has started, a timeout or engi
 is written as plain text and the connection closed (§0.4 step 9). Streams (SSE, spec §5.1/§5.2)::
 
     chat         one role chunk per choice {"delta": {"role": "assistant", "content": ""}}
-                 content chunks (each delta repeats the role, as MindIE does)
+                 content chunks (each delta repeats the role, as MindIE does); with tools,
+                 delta.tool_calls items too (api/openai/toolparse.py)
                  one finishing chunk per choice (finish_reason)
     completions  text chunks (no role chunk), one finishing chunk per choice
     both         usage on the last finishing chunk, or with stream_options.include_usage
