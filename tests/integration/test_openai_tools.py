@@ -192,7 +192,7 @@ async def test_bad_tools_are_422(sdk, live):
     await live.assert_idle_and_leak_free()
 
 
-def test_bench_tool_workload(tmp_path):
+async def test_bench_tool_workload(tmp_path):
     """``tokenserve bench --backend openai-tools`` against a server it starts: the same
     summary as any backend, tokens counted from usage."""
     import subprocess
@@ -203,8 +203,8 @@ def test_bench_tool_workload(tmp_path):
     out = tmp_path / "tools.json"
     cmd = [sys.executable, "-m", "tokenserve.cli", "bench", "--backend", "openai-tools",
            "--num-prompts", "2", "--concurrency", "2", "--out", str(out), *TINY]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          check=False)
+    proc = await asyncio.to_thread(subprocess.run, cmd, cwd=tmp_path, capture_output=True,
+                                   text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (lv,) = json.loads(out.read_text())["levels"]
     check_summary(lv["ours"], 2, "usage", 4)
