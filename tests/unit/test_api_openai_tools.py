@@ -516,3 +516,27 @@ async def test_bench_tools_backend_reads_our_stream(script_env) -> None:
     assert rec.ttft is not None
     assert "get_weather" in reader.text and '{"city": "Paris}", "days": 2}' in reader.text
     assert engine.requests[-1].params.structured is not None
+
+
+def test_local_refs_resolve_under_the_wrapper(byte_tokenizer) -> None:
+    """Pydantic-made parameters use ``$defs`` and ``$ref``; two tools may both name a
+    definition ``Item``, and ``$ref: "#"`` is the tool's own schema."""
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"v": {"type": "integer"},
+                                         "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v"]}}}
+    cart = {"type": "function", "function": {"name": "cart", "parameters": {
+        "type": "object", "$defs": {"Item": {"type": "object", "properties": {
+            "sku": {"type": "string"}}, "required": ["sku"]}},
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+        "required": ["items"]}}}
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "definitions": {"Item": {"type": "integer"}},
+        "properties": {"n": {"$ref": "#/definitions/Item"}}, "required": ["n"]}}}
+    g = constraint_of({"tools": [tree, cart, other], "tool_choice": "required"})
+    assert accepts(byte_tokenizer, g, block("cart", '{"items": [{"sku": "a1"}]}'))
+    assert not accepts(byte_tokenizer, g, block("cart", '{"items": [{"sku": 1}]}'))
+    assert accepts(byte_tokenizer, g, block("other", '{"n": 3}'))
+    assert not accepts(byte_tokenizer, g, block("other", '{"n": "x"}'))
+    assert accepts(byte_tokenizer, g, block("tree", '{"v": 1, "kids": [{"v": 2, "kids": []}]}'))
+    assert not accepts(byte_tokenizer, g, block("tree", '{"v": 1, "kids": [{"x": 2}]}'))

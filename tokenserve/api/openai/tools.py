@@ -174,21 +174,59 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _rebased(node: Any, prefix: str) -> Any:
+    r"""``node`` with its local ``$ref``\ s pointing into the root ``$defs`` under
+    ``prefix`` (``#`` itself -> ``#/$defs/<prefix>``)."""
+    if isinstance(node, list):
+        return [_rebased(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebased(v, prefix) for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        for key in _DEF_KEYS:
+            if ref.startswith(f"#/{key}/"):
+                out["$ref"] = f"#/$defs/{prefix}.{ref[len(key) + 3:]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/{prefix}{ref[1:]}"
+    return out
+
+
+def _hoisted(params: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    r"""A tool's parameters schema moved under the wrapper: its ``$defs`` /
+    ``definitions`` go to the root ``defs`` as ``<prefix>.<name>``, its local ``$ref``\ s
+    follow (Pydantic-made schemas use them); the schema itself is also ``<prefix>``,
+    for ``$ref: "#"``."""
+    params = dict(params)
+    for key in _DEF_KEYS:
+        for name, sub in (params.pop(key, None) or {}).items():
+            defs[f"{prefix}.{name}"] = closed_objects(_rebased(sub, prefix))
+    body = closed_objects(_rebased(params, prefix))
+    defs[prefix] = body
+    return body
+
+
 def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON Schema of one call's JSON: ``{"name": <const>, "arguments": <the tool's
-    parameters>}`` (objects closed: :func:`closed_objects`), one alternative per tool,
-    name first, compact layout."""
+    r"""The JSON Schema of one call's JSON: ``{"name": <const>, "arguments": <the tool's
+    parameters>}`` (objects closed: :func:`closed_objects`; local ``$ref``\ s rebased to
+    the wrapper's root), one alternative per tool, name first, compact layout."""
+    defs: dict[str, Any] = {}
     alternatives = [
         {"type": "object",
          "properties": {"name": {"const": t["function"]["name"]},
-                        "arguments": closed_objects(t["function"].get("parameters")
-                                                    or _NO_PARAMETERS)},
+                        "arguments": _hoisted(t["function"].get("parameters")
+                                              or _NO_PARAMETERS, f"tool{i}", defs)},
          "required": ["name", "arguments"], "additionalProperties": False}
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = (alternatives[0] if len(alternatives) == 1
                               else {"anyOf": alternatives})
-    return {**schema, "x-guidance": _JSON_LAYOUT}
+    has_refs = '"$ref"' in json.dumps(alternatives)
+    return {**schema, **({"$defs": defs} if has_refs else {}), "x-guidance": _JSON_LAYOUT}
 
 
 def tool_constraint(choice: ToolChoice) -> StructuredOutput | None:
