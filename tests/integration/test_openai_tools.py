@@ -209,3 +209,19 @@ async def test_bench_tool_workload(tmp_path):
     (lv,) = json.loads(out.read_text())["levels"]
     check_summary(lv["ours"], 2, "usage", 4)
     check_records(lv["records"]["ours"], "usage", 4)
+
+
+async def test_tgi_client_chat_completion_with_tools(live):
+    """TGI's chat is this same route: ``huggingface_hub.InferenceClient.chat_completion``
+    with ``tools`` reads the call (it also sends TGI's ``tool_prompt``, ignored)."""
+    from huggingface_hub import InferenceClient
+
+    hf = InferenceClient(base_url=live.url)
+    out = await asyncio.to_thread(
+        hf.chat_completion, user("What is the weather in Paris?"), model=live.engine.model_name,
+        tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0,
+        extra_body={"parallel_tool_calls": False})
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name in SCHEMAS
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    await live.assert_idle_and_leak_free()
