@@ -34,7 +34,6 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from tokenserve.sampling_params import ConstraintKind, StructuredOutput
 
-
 #: JSON under a schema or ``json_object`` has bounded whitespace: at most one space
 #: between the structure's tokens (spec interfaces.md §5.5: a grammar that lets a small
 #: model emit newline after newline ends answers unfinished at ``max_tokens``). Overrides
