@@ -153,8 +153,8 @@ async def test_openai_strict_json_schema_stream_and_not_validate(live):
     msgs = [{"role": "user", "content": "Invent a user of a web shop; answer in JSON."}]
 
     async def one(seed: int, stream: bool) -> str:
-        kw = dict(model=live.engine.model_name, messages=msgs, response_format=fmt,
-                  temperature=1.0, seed=seed, max_tokens=120)
+        kw = {"model": live.engine.model_name, "messages": msgs, "response_format": fmt,
+                  "temperature": 1.0, "seed": seed, "max_tokens": 120}
         if not stream:
             r = await client.chat.completions.create(**kw)
             assert r.choices[0].finish_reason == "stop"
