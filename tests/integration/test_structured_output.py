@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import re
+import threading
 from typing import Annotated
 
 import jsonschema
@@ -15,6 +16,7 @@ import pytest
 from huggingface_hub import InferenceClient
 from pydantic import BaseModel, Field
 
+from tokenserve.grammar.compiler import GrammarLimits
 from tokenserve.messages import FinishReason, GenerateRequest
 from tokenserve.sampling_params import ConstraintKind, SamplingParams, StructuredOutput
 
@@ -235,4 +237,73 @@ async def test_invalid_constraint_400_in_each_family_shape(live, client):
         assert 400 <= ref.status_code < 500, (path, ref.text)
         assert set(r.json()) == set(ref.json()), (path, r.json(), ref.json())
     assert live.engine.stats().finished_by_reason == before  # nothing reached the engine
+    await live.assert_idle_and_leak_free()
+
+
+async def test_stuck_compile_never_stalls_other_requests(live, client, monkeypatch):
+    """A constraint whose compile does not end (held here on an event) leaves the event
+    loop, the engine and other compiles free: unconstrained and constrained requests sent
+    after it are answered while it is still compiling."""
+    compiler = live.engine.grammars.compiler()
+    release = threading.Event()
+    real = compiler.compile
+
+    def compile_(s):
+        if s.value == "stuck[0-9]":
+            release.wait(300)
+        return real(s)
+
+    monkeypatch.setattr(compiler, "compile", compile_)
+    monkeypatch.setattr(compiler, "limits", GrammarLimits(compile_timeout_s=600))
+    m = live.engine.model_name
+
+    def body(**kw):
+        return {"model": m, "messages": [{"role": "user", "content": "Count to five."}],
+                "max_tokens": 8, **kw}
+
+    stuck = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                              json=body(guided_regex="stuck[0-9]")))
+    try:
+        others = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=body(seed=i)) for i in range(4)),
+            client.post("/v1/chat/completions", json=body(guided_regex="[0-9]{3}")))
+        assert [r.status_code for r in others] == [200] * 5
+        assert not stuck.done()
+    finally:
+        release.set()
+    r = await stuck
+    assert r.status_code == 200 and re.fullmatch(
+        "stuck[0-9]", r.json()["choices"][0]["message"]["content"])
+    await live.assert_idle_and_leak_free()
+
+
+async def test_pathological_schemas_over_http(live, client):
+    """Too deep a schema is refused (422 when the body nests too deep, 400 when the
+    schema comes as JSON text); a long maxLength string and many maxItems generate
+    with every step's mask inside llguidance's fuel (the request is cut by max_tokens,
+    and its text is a valid prefix)."""
+    deep = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    m = live.engine.model_name
+    msgs = [{"role": "user", "content": "Write a long list of words as JSON."}]
+
+    def body(schema):
+        return {"model": m, "messages": msgs, "max_tokens": 24, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+    r = await client.post("/v1/chat/completions", json=body(deep))
+    assert r.status_code == 422  # the body itself is nested deeper than the server allows
+    r = await client.post("/v1/chat/completions", json={  # as JSON text: the compiler's call
+        "model": m, "messages": msgs, "max_tokens": 24, "guided_json": json.dumps(deep)})
+    assert r.status_code == 400 and "recursion" in r.json()["error"]["message"]
+    for schema in ({"type": "object", "required": ["s"], "properties": {
+            "s": {"type": "string", "minLength": 2000, "maxLength": 100_000}}},
+                   {"type": "array", "minItems": 500, "maxItems": 10_000,
+                    "items": {"type": "string", "maxLength": 1000}}):
+        r = await client.post("/v1/chat/completions", json=body(schema))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert choice["message"]["content"].lstrip()[:1] in ("{", "[")
     await live.assert_idle_and_leak_free()
