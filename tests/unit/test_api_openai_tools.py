@@ -463,6 +463,7 @@ async def test_tool_result_round_trip_prompt(script_env) -> None:
         "type": "object", "properties": {"x": {"type": 5}}}}}]},
     {"tools": None},  # required without tools
     {"parallel_tool_calls": 1},
+    {"response_format": {"type": "json_object"}},  # one constraint per answer
 ])
 async def test_bad_tools_are_422_in_openai_shape(script_env, bad) -> None:
     engine, client = script_env

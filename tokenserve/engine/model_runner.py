@@ -31,7 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenserve.engine.sampler import SamplingState, generator_state, sample
-from tokenserve.grammar.matcher import GrammarMatcher, apply_masks, fill_masks, mask_words
+from tokenserve.grammar.matcher import (
+    GrammarMatcher,
+    apply_masks,
+    blocked_tokens,
+    fill_masks,
+    mask_words,
+)
 from tokenserve.messages import ScheduledSeq, StepPlan, StepResult, TokenLogprob
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.llama import LlamaForCausalLM
@@ -242,27 +248,29 @@ class ModelRunner:
             from llguidance import LLExecutor
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenserve-masks")
             self._mask_executor = LLExecutor()
-        bitmask = torch.empty(len(matchers), mask_words(self.model.cfg.vocab_size),
-                              dtype=torch.int32)
-        fut = self._mask_thread.submit(_timed_fill, self._mask_executor, matchers, bitmask)
-        return fut, bitmask, where
+        fut = self._mask_thread.submit(_timed_fill, self._mask_executor, matchers,
+                                       self.model.cfg.vocab_size)
+        return fut, where
 
     def _apply_masks(self, logits: torch.Tensor, to_sample: list[ScheduledSeq], masks) -> None:
         """Wait for the masks and set the disallowed logits of the constrained rows to
         ``-inf`` (fp32, before penalties/temperature/top-k/top-p)."""
-        fut, bitmask, where = masks
-        fill_ms = fut.result()
+        fut, where = masks
+        blocked, fill_ms = fut.result()
         t0 = time.perf_counter()
-        apply_masks(logits, where, bitmask)
+        apply_masks(logits, where, blocked)
         # the work, not the wait: the fill overlapped the forward pass
         self.mask_ms += fill_ms + (time.perf_counter() - t0) * 1e3
 
 
-def _timed_fill(executor, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> float:
-    """:func:`fill_masks` on the helper thread; its wall time in ms."""
+def _timed_fill(executor, matchers: list[GrammarMatcher], vocab_size: int):
+    """On the mask helper thread (no torch op runs here, so it opens no OpenMP region):
+    fill the matchers' bitmask and unpack it; (blocked bool ``[n, V]``, wall ms)."""
     t0 = time.perf_counter()
+    bitmask = torch.empty(len(matchers), mask_words(vocab_size), dtype=torch.int32)
     fill_masks(executor, matchers, bitmask)
-    return (time.perf_counter() - t0) * 1e3
+    blocked = blocked_tokens(bitmask, vocab_size)
+    return blocked, (time.perf_counter() - t0) * 1e3
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],

@@ -7,7 +7,7 @@ with a lazily built lexer, its Lark dialect (``docs/syntax.md``), JSON Schema
 grammar:
 
 =============  ==============================================================
-JSON_SCHEMA    ``LLMatcher.grammar_from_json_schema(value)``
+JSON_SCHEMA    ``LLMatcher.grammar_from_json_schema(value)`` (whitespace: JSON_OPTIONS)
 JSON_OBJECT    the schema ``{"type": "object"}`` (OpenAI ``json_object``)
 REGEX          ``LLMatcher.grammar_from_regex(value)`` (the whole output matches)
 CHOICE         ``start: "a" | "b"`` in Lark (``value``: a JSON array of strings)
@@ -33,6 +33,12 @@ from dataclasses import dataclass
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from tokenserve.sampling_params import ConstraintKind, StructuredOutput
+
+#: JSON under a schema or ``json_object`` has bounded whitespace: at most one space
+#: between the structure's tokens (spec interfaces.md §5.5: a grammar that lets a small
+#: model emit newline after newline ends answers unfinished at ``max_tokens``). Overrides
+#: win over a schema's own ``x-guidance`` options.
+JSON_OPTIONS = {"whitespace_pattern": " ?"}
 
 
 @dataclass(frozen=True)
@@ -103,9 +109,9 @@ def llguidance_grammar(s: StructuredOutput) -> str:
             raise ValueError("a JSON schema must be an object or a boolean")
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
-        return LLMatcher.grammar_from_json_schema(schema)
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     if kind is ConstraintKind.JSON_OBJECT:
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if kind is ConstraintKind.REGEX:
         return LLMatcher.grammar_from_regex(value)
     if kind is ConstraintKind.CHOICE:

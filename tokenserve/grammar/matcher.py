@@ -4,7 +4,7 @@ A :class:`GrammarMatcher` follows one request's generated tokens through its com
 grammar; the model thread owns it (next to the request's generator and history). Per
 step, :func:`fill_masks` writes the allowed-token bitmask of the constrained rows only
 (llguidance, which releases the GIL: it may run on a helper thread while the forward pass
-computes), and :func:`apply_masks` sets the disallowed logits of those rows to ``-inf``
+computes) and unpacks it (:func:`blocked_tokens`, numpy), and :func:`apply_masks` sets the disallowed logits of those rows to ``-inf``
 before the sampler's penalties, temperature, top-k and top-p. EOS is in the mask only
 where the grammar accepts the text so far.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
@@ -77,20 +78,34 @@ def fill_masks(executor: LLExecutor, matchers: Sequence[GrammarMatcher],
                                      bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
 
-def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
-    """Set ``logits[rows[i], t] = -inf`` for every token ``t`` not allowed by
-    ``bitmask[i]``, in place; other rows are not read or written.
+def blocked_tokens(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """The tokens each row of ``bitmask`` does NOT allow, as a bool array.
+
+    Pure numpy (no torch op, so no OpenMP region): runs on the mask helper thread.
 
     Args:
-        logits: float32 ``[B, V]``.
-        rows: indices into ``logits``, one per bitmask row.
-        bitmask: int32 ``[len(rows), mask_words(V)]`` (:func:`fill_masks`).
+        bitmask: int32 ``[n, mask_words(V)]`` (:func:`fill_masks`).
+        vocab_size: ``V``.
+
+    Returns:
+        bool ``[n, V]``: True where the token is disallowed.
     """
-    if not rows:
-        return
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab]
-    idx = torch.tensor(list(rows), dtype=torch.int64)
-    with torch.inference_mode():  # the model's logits are inference tensors
-        logits[idx] = logits.index_select(0, idx).masked_fill_(allowed == 0, float("-inf"))
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size,
+                         bitorder="little")
+    return bits == 0
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], blocked: np.ndarray) -> None:
+    """Set ``logits[rows[i], t] = -inf`` wherever ``blocked[i, t]``, in place; other
+    rows are not read or written.
+
+    Args:
+        logits: float32 ``[B, V]``, contiguous, CPU.
+        rows: indices into ``logits``, one per row of ``blocked``.
+        blocked: bool ``[len(rows), V]`` (:func:`blocked_tokens`).
+    """
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
+    assert blocked.shape == (len(rows), logits.shape[1])
+    view = logits.numpy()  # shares memory (numpy writes bypass inference-mode checks)
+    for i, r in enumerate(rows):
+        np.copyto(view[r], -np.inf, where=blocked[i])

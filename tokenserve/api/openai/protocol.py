@@ -41,6 +41,7 @@ from tokenserve.api.fields import (
     utf16_len,
 )
 from tokenserve.api.openai.tools import ToolChoice, parse_tool_choice, tool_constraint
+from tokenserve.api.structured import parse_openai_structured
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
 from tokenserve.transport.errors import error_type_for
@@ -181,12 +182,8 @@ def _parse_common(
     if count > 1 and greedy:
         raise ValueError("Parameters n and best_of must be 1 when temperature is 0.")
 
-    fmt = get_object(obj, "response_format")
-    kind = fmt.get("type", "text")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError("Parameter response_format.type must be text, json_object or json_schema.")
-    if kind != "text":  # [I] no structured-output engine: refuse rather than ignore
-        raise ValueError(f"response_format {kind} is not supported.")
+    # structured output (spec §5.5): response_format, or vLLM's guided_* on these routes
+    sampling["structured"] = parse_openai_structured(obj)
 
     body = {"model": model, "stream": stream, "include_usage": include_usage, "n": count,
             "max_tokens": max_tokens if max_tokens is not None else alias,

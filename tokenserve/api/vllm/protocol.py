@@ -32,6 +32,7 @@ from tokenserve.api.fields import (
     parse_text_input,
     required,
 )
+from tokenserve.api.structured import parse_guided
 from tokenserve.messages import RequestOutput
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -113,6 +114,8 @@ def parse_vllm_body(
         "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
         # ours [I]: false opts the request out of speculative decoding
         "speculative": bool(get_bool(obj, "speculative", True)),
+        # structured output (spec §5.5): vLLM's guided_json|regex|choice|grammar
+        "structured": parse_guided(obj),
     }
     if temperature:
         kwargs["temperature"] = temperature
