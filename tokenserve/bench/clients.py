@@ -10,14 +10,18 @@ tgi            POST /generate_stream  SSE                 ``inputs`` text ``toke
 vllm           POST /generate ``stream`` NUL-framed JSON  ``prompt`` text re-tokenised
 openai         POST /v1/completions  SSE + ``[DONE]``     token-id list   ``usage``
 openai-chat    POST /v1/chat/completions  SSE + [DONE]    user message    ``usage``
+openai-tools   the same with ``tools`` (BENCH_TOOLS),     user message    ``usage``
+               ``tool_choice: required``: tool calls
+               generated under their grammar
 triton         POST /v2/models/{m}/generate_stream        ``text_input``  ``details``
                ``data:{..}`` (no space)
 llamacpp       POST /completion (llama.cpp llama-server)  token-id list   ``tokens_predicted``
                SSE, last event ``"stop": true``
 =============  =========================================  ==============  =============
 
-Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai*,
-llamacpp), so those produce exactly ``output_len`` tokens; the others stop at ``max_new_tokens`` or
+Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai,
+openai-chat, llamacpp), so those produce exactly ``output_len`` tokens (openai-tools ends
+where its calls end: the grammar allows only EOS after them); the others stop at ``max_new_tokens`` or
 EOS, and the record holds what actually came back. A chunk is what one socket read
 returns: its arrival time is a token time when any event in it carries a token.
 """
@@ -35,8 +39,22 @@ from tokenserve.api.routes import path_of
 from tokenserve.bench.metrics import RequestRecord
 from tokenserve.bench.workload import BenchRequest
 
-BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "triton",
-            "llamacpp")
+BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "openai-tools",
+            "triton", "llamacpp")
+#: the tool-call workload's tools (``--backend openai-tools``): four small functions, as
+#: an agent's tool set; the user message is the workload's prompt text.
+BENCH_TOOLS = tuple(
+    {"type": "function", "function": {"name": name, "description": doc, "parameters": {
+        "type": "object", "properties": props, "required": list(props)}}}
+    for name, doc, props in (
+        ("get_weather", "Current weather of a city", {"city": {"type": "string"}}),
+        ("search", "Search the web", {"query": {"type": "string"},
+                                      "max_results": {"type": "integer"}}),
+        ("add", "Add two numbers", {"a": {"type": "number"}, "b": {"type": "number"}}),
+        ("send_email", "Send an email", {"to": {"type": "string"},
+                                         "subject": {"type": "string"},
+                                         "body": {"type": "string"}}),
+    ))
 
 
 @dataclass
@@ -140,9 +158,13 @@ def parse_openai(obj: dict[str, Any]) -> Event:
 
 
 def parse_openai_chat(obj: dict[str, Any]) -> Event:
-    """§5.1: ``choices[0].delta.content``; the role chunk carries ``content: ""``."""
+    """§5.1: ``choices[0].delta.content``, and the name and arguments text of
+    ``delta.tool_calls``; the role chunk carries ``content: ""``."""
     delta = _choice(obj).get("delta") or {}
     text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    for call in delta.get("tool_calls") or ():
+        fn = call.get("function") or {} if isinstance(call, dict) else {}
+        text += (fn.get("name") or "") + (fn.get("arguments") or "")
     return _usage(obj, Event(tokens=None, text=text))
 
 
@@ -258,6 +280,15 @@ def build_openai_chat(req: BenchRequest, model: str) -> tuple[str, dict[str, Any
                                     "messages": [{"role": "user", "content": req.prompt_text}]}
 
 
+def build_openai_tools(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    """The tool-call workload: chat with :data:`BENCH_TOOLS` and ``tool_choice``
+    ``required``; no ``ignore_eos`` (the grammar ends the answer after its calls)."""
+    _, body = build_openai_chat(req, model)
+    del body["ignore_eos"]
+    return path_of("openai.chat"), {**body, "tools": list(BENCH_TOOLS),
+                                    "tool_choice": "required"}
+
+
 def build_triton(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
     return (path_of("triton.generate_stream", model=model),
             {"id": f"bench-{req.index & 0xFFFFFFFF}-{time.monotonic_ns()}",
@@ -292,6 +323,8 @@ BACKEND_TABLE: dict[str, Backend] = {
                       True, True),
     "openai-chat": Backend("openai-chat", build_openai_chat, _stateless(parse_openai_chat),
                            _SSE, None, "usage", True, True),
+    "openai-tools": Backend("openai-tools", build_openai_tools, _stateless(parse_openai_chat),
+                            _SSE, None, "usage", False, True),
     "triton": Backend("triton", build_triton, TritonParser, _SSE, "details", "details", False,
                       True),
     "llamacpp": Backend("llamacpp", build_llamacpp, LlamaCppParser, _SSE, None,
