@@ -40,9 +40,9 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
-from tokenserve.api.vllm.protocol import parse_prompt_logprobs
 from tokenserve.api.openai.tools import ToolChoice, parse_tool_choice, tool_constraint
 from tokenserve.api.structured import parse_openai_structured
+from tokenserve.api.vllm.protocol import parse_prompt_logprobs
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
 from tokenserve.transport.errors import error_type_for
