@@ -278,7 +278,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
     """Log-probabilities of the sampled tokens and their top alternatives.
 
     Taken from the raw logits (before penalties, temperature, top-k/top-p), which is
-    what vLLM v1 reports by default.
+    what vLLM v1 reports by default; for a constrained row, after its grammar mask
+    (disallowed tokens are ``-inf``), as vLLM applies the bitmask before its sampler.
 
     Args:
         logits: [S, V] float32 logits of the sampled rows.
