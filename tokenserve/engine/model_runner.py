@@ -334,3 +334,6 @@ class ExecutorActor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        mask_thread = getattr(self.runner, "_mask_thread", None)
+        if mask_thread is not None:
+            mask_thread.shutdown(wait=True)
