@@ -228,8 +228,8 @@ class ModelRunner:
     def _start_masks(self, seqs: list[ScheduledSeq]):
         """Start filling the token masks of this step's constrained sampled rows on the
         helper thread (overlapping the forward pass); None when no row is constrained, so
-        an unconstrained batch pays nothing. Returns (future, bitmask, row positions in
-        the sampled rows)."""
+        an unconstrained batch pays nothing. Returns (the fill's future, each constrained
+        row's position among the step's sampled rows)."""
         matchers: list[GrammarMatcher] = []
         where: list[int] = []
         k = 0
