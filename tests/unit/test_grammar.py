@@ -158,3 +158,16 @@ def test_blocked_tokens_bit_order() -> None:
     bm[0, 1] = 1 << 1  # token 33
     blocked = blocked_tokens(bm, 40)
     assert np.flatnonzero(~blocked[0]).tolist() == [3, 33]
+
+
+def test_json_whitespace_is_bounded(tok, lltok) -> None:
+    """spec interfaces.md §5.5: at most one space between JSON tokens (a newline run, the
+    way a small model fills max_tokens, is refused), even if the schema asks otherwise."""
+    c = GrammarCompiler(lltok)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "x-guidance": {"whitespace_flexible": True}}
+    for s in (S(K.JSON_SCHEMA, json.dumps(schema)), S(K.JSON_OBJECT)):
+        cg = c.compile(s)
+        assert GrammarMatcher(cg, tok.encode('{"a": 1}', add_special_tokens=False))
+        with pytest.raises(ValueError):
+            GrammarMatcher(cg, tok.encode('{\n\n  "a": 1}', add_special_tokens=False))

@@ -37,6 +37,7 @@ import orjson
 
 from tokenserve.api.routes import path_of
 from tokenserve.bench.metrics import RequestRecord
+from tokenserve.bench.structured import add_response_format, structured_output
 from tokenserve.bench.workload import BenchRequest
 
 BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "openai-tools",
@@ -415,14 +416,18 @@ class StreamReader:
 
 async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
                     count_text: Callable[[str], int] | None = None,
-                    ignore_eos: bool | None = None) -> RequestRecord:
+                    ignore_eos: bool | None = None,
+                    response_format: str = "text") -> RequestRecord:
     """Send ``req`` over ``http`` (an ``httpx.AsyncClient`` with ``base_url``) and time it.
-    ``ignore_eos`` overrides the family's default where its body has the field."""
+    ``ignore_eos`` overrides the family's default where its body has the field;
+    ``response_format`` ``json-schema`` constrains the output (:mod:`.structured`)."""
     import httpx
 
     path, body = backend.build(req, model)
     if ignore_eos is not None and "ignore_eos" in body:
         body["ignore_eos"] = ignore_eos
+    if response_format != "text":
+        add_response_format(backend.name, body)
     reader = StreamReader(backend, req)
     t0 = time.perf_counter()
     reader.rec.start = t0
@@ -451,23 +456,28 @@ async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
     return reader.finish(time.perf_counter() - t0, count_text)
 
 
-async def send_engine(engine: Any, req: BenchRequest, ignore_eos: bool) -> RequestRecord:
+async def send_engine(engine: Any, req: BenchRequest, ignore_eos: bool,
+                      response_format: str = "text") -> RequestRecord:
     """Send ``req`` straight to an :class:`~tokenserve.engine.engine.AsyncEngine` (no
-    HTTP), greedy, and time each :class:`RequestOutput` that carries tokens."""
+    HTTP), greedy, and time each :class:`RequestOutput` that carries tokens (the compile
+    of a ``json-schema`` constraint included, as a family handler would do it)."""
     import uuid
 
     from tokenserve.messages import FinishReason, GenerateRequest
     from tokenserve.sampling_params import SamplingParams
 
     rec = RequestRecord(req.index, req.input_len, req.output_len, token_source="engine")
-    greq = GenerateRequest(uuid.uuid4().hex, req.prompt_ids,
-                           SamplingParams(max_new_tokens=req.output_len, do_sample=False,
-                                          ignore_eos=ignore_eos),
-                           arrival_time=time.monotonic())
+    structured = structured_output(response_format)
     t0 = rec.start = time.perf_counter()
     last: float | None = None
     out = None
     try:
+        grammar = (await engine.compile_grammar(structured)
+                   if structured is not None else None)
+        greq = GenerateRequest(uuid.uuid4().hex, req.prompt_ids,
+                               SamplingParams(max_new_tokens=req.output_len, do_sample=False,
+                                              ignore_eos=ignore_eos, structured=structured),
+                               arrival_time=time.monotonic(), grammar=grammar)
         async for out in engine.generate(greq):
             t = time.perf_counter() - t0
             if out.new_token_ids:

@@ -29,7 +29,12 @@ from tokenserve.engine.model_runner import ExecutorActor, ModelRunner
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import SchedulerActor
-from tokenserve.grammar.compiler import CompiledGrammar, GrammarCompiler, make_tokenizer
+from tokenserve.grammar.compiler import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarLimits,
+    make_tokenizer,
+)
 from tokenserve.grammar.service import GrammarService
 from tokenserve.messages import (
     AbortRequest,
@@ -102,8 +107,12 @@ class AsyncEngine:
         self._failure: str | None = None
         #: structured output: compiles for this tokenizer (llguidance's view of it is
         #: built by the first compile, in the compile thread: ~0.25 s)
+        limits = GrammarLimits(max_text_bytes=cfg.grammar_max_bytes,
+                               compile_timeout_s=cfg.grammar_compile_timeout_s,
+                               cache_size=cfg.grammar_cache_size)
         self.grammars = GrammarService(lambda: GrammarCompiler(make_tokenizer(
-            tokenizer.to_json_str(), model_cfg.vocab_size, tuple(sorted(eos)))))
+            tokenizer.to_json_str(), model_cfg.vocab_size, tuple(sorted(eos))), limits),
+            limits)
 
     # ------------------------------------------------------------------ construction
 

@@ -247,8 +247,8 @@ class ModelRunner:
     def _start_masks(self, seqs: list[ScheduledSeq]):
         """Start filling the token masks of this step's constrained sampled rows on the
         helper thread (overlapping the forward pass); None when no row is constrained, so
-        an unconstrained batch pays nothing. Returns (future, bitmask, row positions in
-        the sampled rows)."""
+        an unconstrained batch pays nothing. Returns (the fill's future, each constrained
+        row's position among the step's sampled rows)."""
         matchers: list[GrammarMatcher] = []
         where: list[int] = []
         k = 0
@@ -351,7 +351,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
     """Log-probabilities of the sampled tokens and their top alternatives.
 
     Taken from the raw logits (before penalties, temperature, top-k/top-p), which is
-    what vLLM v1 reports by default.
+    what vLLM v1 reports by default; for a constrained row, after its grammar mask
+    (disallowed tokens are ``-inf``), as vLLM applies the bitmask before its sampler.
 
     Args:
         logits: [S, V] float32 logits of the sampled rows.
@@ -406,3 +407,6 @@ class ExecutorActor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        mask_thread = getattr(self.runner, "_mask_thread", None)
+        if mask_thread is not None:
+            mask_thread.shutdown(wait=True)

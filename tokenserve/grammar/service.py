@@ -24,11 +24,15 @@ class GrammarService:
         make_compiler: builds the synchronous core (its cache and limits); called once,
             by the first compile, in a worker thread (building llguidance's tokenizer
             takes ~0.25 s for a 49k vocabulary).
+        limits: the bounds (the compiler's own, once it is built; its time bound
+            applies from the first compile, which also builds llguidance's tokenizer).
         workers: compile threads (a slow compile occupies one).
     """
 
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler], workers: int = 2) -> None:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler],
+                 limits: GrammarLimits | None = None, workers: int = 2) -> None:
         self._make = make_compiler
+        self._limits = limits or GrammarLimits()
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
@@ -37,7 +41,7 @@ class GrammarService:
 
     @property
     def limits(self) -> GrammarLimits:
-        return self._compiler.limits if self._compiler is not None else GrammarLimits()
+        return self._compiler.limits if self._compiler is not None else self._limits
 
     def compiler(self) -> GrammarCompiler:
         """The synchronous core (built on first use; blocking then)."""
