@@ -105,6 +105,13 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy
 
+    async def compile_grammar(self, structured: Any) -> Any:
+        """Structured output: refuses a constraint whose value contains ``INVALID`` (as
+        the real compiler refuses a bad schema: ValueError); else a stand-in grammar."""
+        if "INVALID" in structured.value:
+            raise ValueError(f"invalid {structured.kind.value} constraint")
+        return ("compiled", structured)
+
     def generate(self, request: GenerateRequest) -> RequestHandle:
         self.requests.append(request)
         if self.raise_on_generate:

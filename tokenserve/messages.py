@@ -117,6 +117,9 @@ class GenerateRequest:
             with its KV blocks held (its output carries a :class:`KvHandoff`) until
             ``AsyncEngine.release`` or the park timeout (``kv_trans_timeout``).
         adopt: the request's first tokens were generated elsewhere (:class:`KvAdoption`).
+        grammar: ``params.structured`` compiled for this engine's tokenizer
+            (``tokenserve.grammar.compiler.CompiledGrammar``, from
+            ``AsyncEngine.compile_grammar``); set iff ``params.structured`` is.
     """
 
     request_id: str
@@ -127,6 +130,7 @@ class GenerateRequest:
     arrival_time: float = 0.0
     prefill_only: bool = False
     adopt: KvAdoption | None = None
+    grammar: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -273,12 +277,16 @@ class SeqStart:
             ``torch.Generator.get_state()``), or None.
         draws: without ``generator_state``: uniforms already drawn for this request
             elsewhere (one per generated token in ``token_ids``), skipped on restore.
+        grammar: the request's compiled constraint (``GenerateRequest.grammar``) or None;
+            the model thread starts its matcher from it and the generated part of
+            ``token_ids``.
     """
 
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     generator_state: bytes | None = None
     draws: int = 0
+    grammar: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,3 +382,6 @@ class StepResult:
     generator_states: Mapping[str, bytes] = field(default_factory=dict)
     accepted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     prompt_logprobs: Mapping[str, PromptLogprobs] = field(default_factory=dict)
+    #: structured output: wall ms this step spent on token masks (fill + apply), 0 when
+    #: no row was constrained
+    mask_ms: float = 0.0

@@ -103,3 +103,23 @@ def test_bench_kernels_without_checkout_fails_clearly(tmp_path, monkeypatch, cap
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
     assert "tokenserve bench" in capsys.readouterr().out
+
+
+def test_engine_only_json_schema_reports_mask_cost(tmp_path, capsys):
+    """``--response-format json-schema``: same metrics, plus the engine's mask cost."""
+    from tokenserve.cli import main
+
+    out = tmp_path / "schema.json"
+    rc = main(["bench", "--engine-only", "--num-prompts", "2", "--concurrency", "2",
+               "--dtype", "float32", "--response-format", "json-schema", "--ignore-eos",
+               "--out", str(out), *TINY])
+    assert rc == 0
+    assert "structured-output mask cost: c=2" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["meta"]["response_format"] == "json-schema"
+    (lv,) = res["levels"]
+    assert set(lv) == LEVEL_KEYS | {"structured_output"}
+    check_summary(lv["ours"], 2, "engine", 4)
+    assert lv["ours"]["total_output_tokens"] == 2 * 4  # the schema never ends early
+    so = lv["structured_output"]
+    assert so["mask_steps"] > 0 and so["mask_ms"] > 0

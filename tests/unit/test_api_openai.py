@@ -202,9 +202,7 @@ async def test_content_parts_system_and_extras_accepted(env) -> None:
                   {"role": "user", "content": [{"type": "text", "text": "h"},
                                                {"type": "text", "text": "i"}]}],
         temperature=0, top_p=1.0, top_k=-1, repetition_penalty=1.1, user="u1",
-        logprobs=None, stream_options={}, tools=[{"type": "function",
-                                                  "function": {"name": "get_time"}}],
-        tool_choice="auto", max_tokens=None, max_completion_tokens=3, seed=9,
+        logprobs=None, stream_options={}, tool_choice="auto", max_tokens=None, max_completion_tokens=3, seed=9,
         stop=["x", "yy"], stop_token_ids=[5, 3, 5, -1, 2**40], ignore_eos=True,
         presence_penalty=0.5, frequency_penalty=-0.5, include_stop_str_in_output=True,
         skip_special_tokens=False, chat_template_kwargs={"enable_thinking": False},
@@ -408,7 +406,10 @@ BAD_CHAT = [
     {"stop_token_ids": ["a"]}, {"seed": -1}, {"seed": 2**63}, {"presence_penalty": 2.5},
     {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"repetition_penalty": 2.5},
     {"model": "other"}, {"model": ""}, {"model": None}, {"stream": "yes"},
-    {"stream_options": {"include_usage": 1}}, {"response_format": {"type": "json_object"}},
+    {"stream_options": {"include_usage": 1}}, {"response_format": {"type": "json_schema"}},
+    {"response_format": {"type": "xml"}}, {"guided_choice": []}, {"guided_regex": 5},
+    {"guided_json": {}, "guided_regex": "a"},
+    {"response_format": {"type": "json_object"}, "guided_regex": "a"},
     {"use_beam_search": True}, {"chat_template": "{{ messages }}"},
     {"stream": True, "n": 2, "best_of": 3}, {"n": 17},  # more than maxBatchSize sequences
 ]
@@ -549,3 +550,43 @@ async def test_engine_exception_is_500(env) -> None:
     assert assert_error(r, 500, "Incomplete Generation") == "Server internal error"
     r = await client.post("/v1/completions", json={**cmpl_body(), "stream": True})
     assert r.status_code == 200 and b"Engine failure" in r.content
+
+
+STRUCTURED_CHAT = [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "strict": True}}},
+     ("json_schema", '{"type": "object"}')),
+    ({"response_format": {"type": "json", "value": {"type": "integer"}}},  # TGI chat form
+     ("json_schema", '{"type": "integer"}')),
+    ({"guided_json": '{"type": "string"}'}, ("json_schema", '{"type": "string"}')),
+    ({"guided_regex": "[a-z]+"}, ("regex", "[a-z]+")),
+    ({"guided_choice": ["a", "b"]}, ("choice", '["a", "b"]')),
+    ({"guided_grammar": 'start: "x"'}, ("grammar", 'start: "x"')),
+]
+
+
+@pytest.mark.parametrize(("extra", "want"), STRUCTURED_CHAT,
+                         ids=lambda b: orjson.dumps(b).decode()[:40])
+async def test_structured_fields_reach_the_engine(env, extra, want) -> None:
+    """response_format and vLLM's guided_* become SamplingParams.structured, compiled
+    before the request is submitted (the engine sees it with its grammar)."""
+    engine, client = env
+    for path, body in (("/v1/chat/completions", chat_body(**extra)),
+                       ("/v1/completions", cmpl_body(**extra))):
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        s = engine.requests[-1].params.structured
+        assert (None if s is None else (s.kind.value, s.value)) == want
+        assert engine.requests[-1].grammar == (None if s is None else ("compiled", s))
+
+
+async def test_invalid_constraint_is_400_before_any_compute(env) -> None:
+    engine, client = env
+    for path, body in (("/v1/chat/completions", chat_body(guided_regex="INVALID(")),
+                       ("/v1/completions", cmpl_body(response_format={
+                           "type": "json_schema", "json_schema": {"schema": {"INVALID": 1}}}))):
+        r = await client.post(path, json=body)
+        assert_error(r, 400, "Bad Request")
+        assert not engine.requests

@@ -6,6 +6,8 @@ Implemented by :class:`tokenserve.engine.engine.AsyncEngine` (and the tests' fak
     engine.tokenizer     encode / decode / chat template
     engine.stats()       EngineStats: a live snapshot (metrics, slot counts)
     engine.is_healthy()
+    engine.compile_grammar(structured)  awaitable: the compiled constraint for
+                         ``GenerateRequest.grammar`` (ValueError: the client's 400)
     engine.generate(req) RequestHandle: get(disconnected) / abort(error)
 """
 
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 from tokenserve.engine.info import EngineInfo, EngineStats
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.messages import GenerateRequest
+from tokenserve.sampling_params import StructuredOutput
 
 __all__ = ["EngineClient", "EngineInfo", "EngineStats"]
 
@@ -33,6 +36,8 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def is_healthy(self) -> bool: ...
+
+    async def compile_grammar(self, structured: StructuredOutput) -> Any: ...
 
     def generate(self, request: GenerateRequest) -> RequestHandle: ...
 

@@ -18,6 +18,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Protocol, Self
 
@@ -138,6 +139,15 @@ class EngineStream:
     async def __aenter__(self) -> Self:
         if self._disconnected.is_set():
             raise ClientDisconnected()
+        structured = self._request.params.structured
+        if structured is not None and self._request.grammar is None:
+            try:  # off the event loop; cached; a bad constraint is the client's 400
+                grammar = await self._engine.compile_grammar(structured)
+            except ValueError as exc:
+                raise HttpError(400, str(exc)) from None
+            self._request = replace(self._request, grammar=grammar)
+            if self._disconnected.is_set():
+                raise ClientDisconnected()
         try:
             self._handle = self._engine.generate(self._request)
         except EngineOverloadedError as exc:  # bounded waiting queue full: refuse at once

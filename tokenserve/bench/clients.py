@@ -10,14 +10,18 @@ tgi            POST /generate_stream  SSE                 ``inputs`` text ``toke
 vllm           POST /generate ``stream`` NUL-framed JSON  ``prompt`` text re-tokenised
 openai         POST /v1/completions  SSE + ``[DONE]``     token-id list   ``usage``
 openai-chat    POST /v1/chat/completions  SSE + [DONE]    user message    ``usage``
+openai-tools   the same with ``tools`` (BENCH_TOOLS),     user message    ``usage``
+               ``tool_choice: required``: tool calls
+               generated under their grammar
 triton         POST /v2/models/{m}/generate_stream        ``text_input``  ``details``
                ``data:{..}`` (no space)
 llamacpp       POST /completion (llama.cpp llama-server)  token-id list   ``tokens_predicted``
                SSE, last event ``"stop": true``
 =============  =========================================  ==============  =============
 
-Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai*,
-llamacpp), so those produce exactly ``output_len`` tokens; the others stop at ``max_new_tokens`` or
+Every request is greedy. ``ignore_eos`` is sent where the family has it (vllm, openai,
+openai-chat, llamacpp), so those produce exactly ``output_len`` tokens (openai-tools ends
+where its calls end: the grammar allows only EOS after them); the others stop at ``max_new_tokens`` or
 EOS, and the record holds what actually came back. A chunk is what one socket read
 returns: its arrival time is a token time when any event in it carries a token.
 """
@@ -33,10 +37,25 @@ import orjson
 
 from tokenserve.api.routes import path_of
 from tokenserve.bench.metrics import RequestRecord
+from tokenserve.bench.structured import add_response_format, structured_output
 from tokenserve.bench.workload import BenchRequest
 
-BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "triton",
-            "llamacpp")
+BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "openai-tools",
+            "triton", "llamacpp")
+#: the tool-call workload's tools (``--backend openai-tools``): four small functions, as
+#: an agent's tool set; the user message is the workload's prompt text.
+BENCH_TOOLS = tuple(
+    {"type": "function", "function": {"name": name, "description": doc, "parameters": {
+        "type": "object", "properties": props, "required": list(props)}}}
+    for name, doc, props in (
+        ("get_weather", "Current weather of a city", {"city": {"type": "string"}}),
+        ("search", "Search the web", {"query": {"type": "string"},
+                                      "max_results": {"type": "integer"}}),
+        ("add", "Add two numbers", {"a": {"type": "number"}, "b": {"type": "number"}}),
+        ("send_email", "Send an email", {"to": {"type": "string"},
+                                         "subject": {"type": "string"},
+                                         "body": {"type": "string"}}),
+    ))
 
 
 @dataclass
@@ -140,9 +159,13 @@ def parse_openai(obj: dict[str, Any]) -> Event:
 
 
 def parse_openai_chat(obj: dict[str, Any]) -> Event:
-    """§5.1: ``choices[0].delta.content``; the role chunk carries ``content: ""``."""
+    """§5.1: ``choices[0].delta.content``, and the name and arguments text of
+    ``delta.tool_calls``; the role chunk carries ``content: ""``."""
     delta = _choice(obj).get("delta") or {}
     text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    for call in delta.get("tool_calls") or ():
+        fn = call.get("function") or {} if isinstance(call, dict) else {}
+        text += (fn.get("name") or "") + (fn.get("arguments") or "")
     return _usage(obj, Event(tokens=None, text=text))
 
 
@@ -258,6 +281,15 @@ def build_openai_chat(req: BenchRequest, model: str) -> tuple[str, dict[str, Any
                                     "messages": [{"role": "user", "content": req.prompt_text}]}
 
 
+def build_openai_tools(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
+    """The tool-call workload: chat with :data:`BENCH_TOOLS` and ``tool_choice``
+    ``required``; no ``ignore_eos`` (the grammar ends the answer after its calls)."""
+    _, body = build_openai_chat(req, model)
+    del body["ignore_eos"]
+    return path_of("openai.chat"), {**body, "tools": list(BENCH_TOOLS),
+                                    "tool_choice": "required"}
+
+
 def build_triton(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
     return (path_of("triton.generate_stream", model=model),
             {"id": f"bench-{req.index & 0xFFFFFFFF}-{time.monotonic_ns()}",
@@ -292,6 +324,8 @@ BACKEND_TABLE: dict[str, Backend] = {
                       True, True),
     "openai-chat": Backend("openai-chat", build_openai_chat, _stateless(parse_openai_chat),
                            _SSE, None, "usage", True, True),
+    "openai-tools": Backend("openai-tools", build_openai_tools, _stateless(parse_openai_chat),
+                            _SSE, None, "usage", False, True),
     "triton": Backend("triton", build_triton, TritonParser, _SSE, "details", "details", False,
                       True),
     "llamacpp": Backend("llamacpp", build_llamacpp, LlamaCppParser, _SSE, None,
@@ -382,14 +416,18 @@ class StreamReader:
 
 async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
                     count_text: Callable[[str], int] | None = None,
-                    ignore_eos: bool | None = None) -> RequestRecord:
+                    ignore_eos: bool | None = None,
+                    response_format: str = "text") -> RequestRecord:
     """Send ``req`` over ``http`` (an ``httpx.AsyncClient`` with ``base_url``) and time it.
-    ``ignore_eos`` overrides the family's default where its body has the field."""
+    ``ignore_eos`` overrides the family's default where its body has the field;
+    ``response_format`` ``json-schema`` constrains the output (:mod:`.structured`)."""
     import httpx
 
     path, body = backend.build(req, model)
     if ignore_eos is not None and "ignore_eos" in body:
         body["ignore_eos"] = ignore_eos
+    if response_format != "text":
+        add_response_format(backend.name, body)
     reader = StreamReader(backend, req)
     t0 = time.perf_counter()
     reader.rec.start = t0
@@ -418,23 +456,28 @@ async def send_http(http: Any, backend: Backend, req: BenchRequest, model: str,
     return reader.finish(time.perf_counter() - t0, count_text)
 
 
-async def send_engine(engine: Any, req: BenchRequest, ignore_eos: bool) -> RequestRecord:
+async def send_engine(engine: Any, req: BenchRequest, ignore_eos: bool,
+                      response_format: str = "text") -> RequestRecord:
     """Send ``req`` straight to an :class:`~tokenserve.engine.engine.AsyncEngine` (no
-    HTTP), greedy, and time each :class:`RequestOutput` that carries tokens."""
+    HTTP), greedy, and time each :class:`RequestOutput` that carries tokens (the compile
+    of a ``json-schema`` constraint included, as a family handler would do it)."""
     import uuid
 
     from tokenserve.messages import FinishReason, GenerateRequest
     from tokenserve.sampling_params import SamplingParams
 
     rec = RequestRecord(req.index, req.input_len, req.output_len, token_source="engine")
-    greq = GenerateRequest(uuid.uuid4().hex, req.prompt_ids,
-                           SamplingParams(max_new_tokens=req.output_len, do_sample=False,
-                                          ignore_eos=ignore_eos),
-                           arrival_time=time.monotonic())
+    structured = structured_output(response_format)
     t0 = rec.start = time.perf_counter()
     last: float | None = None
     out = None
     try:
+        grammar = (await engine.compile_grammar(structured)
+                   if structured is not None else None)
+        greq = GenerateRequest(uuid.uuid4().hex, req.prompt_ids,
+                               SamplingParams(max_new_tokens=req.output_len, do_sample=False,
+                                              ignore_eos=ignore_eos, structured=structured),
+                               arrival_time=time.monotonic(), grammar=grammar)
         async for out in engine.generate(greq):
             t = time.perf_counter() - t0
             if out.new_token_ids:

@@ -105,6 +105,12 @@ def format_table(results: dict[str, Any]) -> str:
     if any(lv["spec_decode"]["draft_tokens"] for lv in results["levels"]
            if lv.get("spec_decode")):
         lines.append("speculative decoding, accepted/drafted tokens: " + ", ".join(spec))
+    masks = [f"c={lv['concurrency']} {so['mask_ms_per_step']:.3f} ms/step over "
+             f"{so['mask_steps']} steps" for lv in results["levels"]
+             if (so := lv.get("structured_output")) is not None]
+    if m.get("response_format", "text") != "text" or masks:
+        lines.append(f"response_format {m.get('response_format')}; structured-output mask "
+                     f"cost: {', '.join(masks) or 'not reported'}")
     names = {"ours": target, "baseline": "hf", "llamacpp": "llamacpp"}
     for lv in results["levels"]:
         for key, name in names.items():

@@ -38,6 +38,7 @@ from tokenserve.api.routes import path_of
 from tokenserve.bench.clients import BACKENDS, get_backend, send_engine, send_http
 from tokenserve.bench.metrics import RequestRecord, compare, summarize
 from tokenserve.bench.server import LlamaServer, ServerProcess, llama_server_ctx
+from tokenserve.bench.structured import RESPONSE_FORMATS, mask_counters_from_metrics
 from tokenserve.bench.workload import (
     DATASETS,
     BenchRequest,
@@ -136,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="Poisson arrivals per second; inf (default) sends at once, bounded "
                         "by --concurrency")
+    w.add_argument("--response-format", choices=RESPONSE_FORMATS, default="text",
+                   help="json-schema: constrain every request to one JSON schema "
+                        "(tokenserve/bench/structured.py) in the backend's own field; the "
+                        "report adds the engine's mask cost per step")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--warmup", type=int, default=2, help="warm-up requests per level")
     w.add_argument("--max-duration-s", type=float, default=600.0,
@@ -200,6 +205,9 @@ class LevelResult:
     #: speculative decoding during the level: (draft tokens verified, accepted); None
     #: where the target does not report them
     spec: tuple[int, int] | None = None
+    #: structured output during the level: (mask ms, steps with a constrained row); None
+    #: where the target does not report them
+    mask: tuple[float, int] | None = None
 
 
 def _progress(total: int, desc: str, disable: bool) -> Any:
@@ -267,13 +275,16 @@ async def sweep(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
                 slices: Sequence[Sequence[BenchRequest]], warm: Sequence[BenchRequest],
                 args: argparse.Namespace, label: str,
                 spec_counters: Callable[[], Awaitable[tuple[int, int] | None]] | None = None,
+                mask_counters: Callable[[], Awaitable[tuple[float, int] | None]] | None = None,
                 ) -> list[LevelResult]:
     """Each concurrency level in turn (warm-up first); ``spec_counters`` (the target's
-    draft and accepted token counters) is read around each level."""
+    draft and accepted token counters) and ``mask_counters`` (its structured-output mask
+    ms and steps) are read around each level."""
     out = []
     for c, reqs in zip(args.concurrency, slices):
         await _warm(send, warm)
         before = await spec_counters() if spec_counters else None
+        mask_before = await mask_counters() if mask_counters else None
         bar = _progress(len(reqs), f"{label} c={c}", args.no_progress)
         try:
             res = await run_level(send, reqs, c, request_rate=args.request_rate,
@@ -284,6 +295,10 @@ async def sweep(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
         after = await spec_counters() if spec_counters else None
         if before is not None and after is not None:
             res = replace(res, spec=(after[0] - before[0], after[1] - before[1]))
+        mask_after = await mask_counters() if mask_counters else None
+        if mask_before is not None and mask_after is not None:
+            res = replace(res, mask=(mask_after[0] - mask_before[0],
+                                     mask_after[1] - mask_before[1]))
         out.append(res)
     return out
 
@@ -331,16 +346,25 @@ async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenize
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
         async def send(req: BenchRequest) -> RequestRecord:
             return await send_http(http, backend, req, model_name, count_text,
-                                   ignore_eos=args.ignore_eos)
+                                   ignore_eos=args.ignore_eos,
+                                   response_format=args.response_format)
 
-        async def counters() -> tuple[int, int] | None:
+        async def metrics_page() -> str | None:
             try:
                 r = await http.get(path_of("server.metrics"))
             except httpx.HTTPError:
                 return None
-            return spec_counters_from_metrics(r.text) if r.status_code == 200 else None
+            return r.text if r.status_code == 200 else None
 
-        return await sweep(send, slices, warm, args, backend.name, counters)
+        async def counters() -> tuple[int, int] | None:
+            text = await metrics_page()
+            return spec_counters_from_metrics(text) if text is not None else None
+
+        async def masks() -> tuple[float, int] | None:
+            text = await metrics_page()
+            return mask_counters_from_metrics(text) if text is not None else None
+
+        return await sweep(send, slices, warm, args, backend.name, counters, masks)
 
 
 def engine_config(args: argparse.Namespace):
@@ -371,8 +395,12 @@ async def run_engine(args: argparse.Namespace, slices: Sequence[Sequence[BenchRe
             st = engine.stats()
             return st.num_draft_tokens, st.num_accepted_tokens
 
-        return await sweep(lambda r: send_engine(engine, r, ignore_eos), slices, warm, args,
-                           "engine", counters)
+        async def masks() -> tuple[float, int]:
+            st = engine.stats()
+            return st.mask_ms, st.mask_steps
+
+        return await sweep(lambda r: send_engine(engine, r, ignore_eos, args.response_format),
+                           slices, warm, args, "engine", counters, masks)
     finally:
         await engine.stop()
 
@@ -489,6 +517,7 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | N
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "seed": args.seed, "warmup": args.warmup, "max_duration_s": args.max_duration_s,
         "baseline": args.baseline, "ignore_eos": _ignore_eos(args),
+        "response_format": args.response_format,
         "system": "llamacpp" if args.backend == "llamacpp" else "ours",
         "llamacpp": None, "cpus": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
@@ -515,6 +544,10 @@ def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[Leve
                                  "num_prompts": len(res.records), "ours": s_ours,
                                  "baseline": None, "ratio": None,
                                  "records": {"ours": [r.to_json() for r in res.records]}}
+        if res.mask is not None and res.mask[1]:
+            ms, steps = res.mask
+            level["structured_output"] = {"mask_ms": round(ms, 3), "mask_steps": steps,
+                                          "mask_ms_per_step": round(ms / steps, 4)}
         if drafting and res.spec is not None:
             drafted, accepted = res.spec
             level["spec_decode"] = {"draft_tokens": drafted, "accepted_tokens": accepted,

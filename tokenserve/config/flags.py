@@ -118,6 +118,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "max_draft_rows, min_acceptance, backoff_steps); greedy outputs are "
                         "identical with it on or off (default off; config.json "
                         "ModelConfig speculative_config)")
+    p.add_argument("--grammar-compile-timeout", dest="grammar_compile_timeout_s", type=float,
+                   default=None, metavar="S",
+                   help="structured output: seconds a schema/regex/grammar may take to "
+                        "compile, else the request gets a 400 (default "
+                        f"{_ENG.grammar_compile_timeout_s:g})")
+    p.add_argument("--grammar-cache-size", type=_positive_int, default=None,
+                   help="structured output: compiled constraints kept, LRU (default "
+                        f"{_ENG.grammar_cache_size})")
     p.add_argument("--max-connections", type=_positive_int, default=None,
                    help="open connections per business listener; one more gets 503 "
                         f"(maxLinkNum; default {_SRV.max_connections}; management/metrics "
@@ -177,7 +185,7 @@ _ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device"
                  "block_size", "max_seq_len", "max_input_len", "max_iter_times",
                  "max_queue_size", "enable_prefix_caching", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "max_long_partial_prefills",
-                 "speculative_config")
+                 "speculative_config", "grammar_compile_timeout_s", "grammar_cache_size")
 #: serve flags that override ServerConfig fields of the same name
 _SERVER_FLAGS = ("host", "port", "management_host", "management_port", "metrics_port",
                  "max_connections")

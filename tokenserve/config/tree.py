@@ -219,6 +219,11 @@ class EngineConfig:
         speculative_config: speculative decoding by prompt lookup
             (:class:`SpecConfig`, vLLM's ``--speculative-config`` object), or None (off,
             the default).
+        grammar_compile_timeout_s: structured output: seconds one constraint may take to
+            compile before the request is answered 400 (``tokenserve/grammar``).
+        grammar_cache_size: structured output: compiled constraints kept (LRU).
+        grammar_max_bytes: structured output: the largest constraint text (schema,
+            regex, grammar), UTF-8 bytes; larger is a 400.
     """
 
     model: str | None = None
@@ -243,6 +248,9 @@ class EngineConfig:
     quantization: str = "auto"
     kv_trans_timeout_s: float = PdConfig.kv_trans_timeout_s
     speculative_config: SpecConfig | None = None
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
+    grammar_max_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -254,7 +262,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or npu, got {self.device!r}")
         for name in ("block_size", "kv_cache_bytes", "max_batch_size",
                      "max_num_batched_tokens", "max_iter_times", "max_prefill_batch_size",
-                     "max_queue_size", "max_long_partial_prefills"):
+                     "max_queue_size", "max_long_partial_prefills", "grammar_cache_size",
+                     "grammar_max_bytes", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_seq_len", "max_input_len"):

@@ -5,6 +5,7 @@ Public surface used by the HTTP layer (``EngineClient`` in ``api/engine_client.p
     engine = AsyncEngine.build(EngineConfig(...))     # loads the model (blocking)
     await engine.start()
     engine.info, engine.tokenizer, engine.stats(), engine.is_healthy()
+    grammar = await engine.compile_grammar(structured)  # structured output (ValueError: 400)
     handle = engine.generate(GenerateRequest(...))    # a RequestHandle
     out = await handle.get(disconnected)              # next output (None: disconnected)
     handle.abort()                                    # the engine answers a final ABORT
@@ -28,6 +29,13 @@ from tokenserve.engine.model_runner import ExecutorActor, ModelRunner
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import SchedulerActor
+from tokenserve.grammar.compiler import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarLimits,
+    make_tokenizer,
+)
+from tokenserve.grammar.service import GrammarService
 from tokenserve.messages import (
     AbortRequest,
     EngineOverloadedError,
@@ -39,6 +47,7 @@ from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.ops.linear import describe_gemms
+from tokenserve.sampling_params import StructuredOutput
 
 log = logging.getLogger("tokenserve.engine")
 
@@ -96,6 +105,14 @@ class AsyncEngine:
             e2e_timeout_s=cfg.e2e_timeout_s)
         self._task: asyncio.Task | None = None
         self._failure: str | None = None
+        #: structured output: compiles for this tokenizer (llguidance's view of it is
+        #: built by the first compile, in the compile thread: ~0.25 s)
+        limits = GrammarLimits(max_text_bytes=cfg.grammar_max_bytes,
+                               compile_timeout_s=cfg.grammar_compile_timeout_s,
+                               cache_size=cfg.grammar_cache_size)
+        self.grammars = GrammarService(lambda: GrammarCompiler(make_tokenizer(
+            tokenizer.to_json_str(), model_cfg.vocab_size, tuple(sorted(eos))), limits),
+            limits)
 
     # ------------------------------------------------------------------ construction
 
@@ -159,6 +176,7 @@ class AsyncEngine:
             self._task = None
         self._fail_all(self._failure or "engine stopped")
         self.executor.close()
+        self.grammars.close()
 
     def _on_actor_exit(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -180,6 +198,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
+    async def compile_grammar(self, structured: StructuredOutput) -> CompiledGrammar:
+        """``structured`` compiled for this engine's tokenizer, for
+        ``GenerateRequest.grammar``: in a worker thread, off the event loop and the model
+        thread; cached (LRU by ``(kind, value)``); bounded in size and time
+        (:class:`~tokenserve.grammar.compiler.GrammarLimits`).
+
+        Raises:
+            ValueError: the constraint is invalid, too large or too slow to compile (the
+                family answers 400 before any compute).
+        """
+        return await self.grammars.compile(structured)
+
     def generate(self, request: GenerateRequest) -> RequestHandle:
         """Submit ``request``; returns its :class:`RequestHandle`, whose outputs end with
         one that has ``finished`` set.
@@ -191,14 +221,17 @@ class AsyncEngine:
 
         Raises (at once, before anything is queued):
             RuntimeError: the engine is not running.
-            ValueError: a duplicate request_id, or a prompt longer than
-                ``info.max_input_len``.
+            ValueError: a duplicate request_id, a prompt longer than
+                ``info.max_input_len``, or ``params.structured`` without ``grammar``.
             EngineOverloadedError: the waiting queue is full.
         """
         if not self.is_healthy():
             raise RuntimeError(self._failure or "engine is not running")
         if request.request_id in self._streams:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if (request.params.structured is None) != (request.grammar is None):
+            raise ValueError("a structured-output request needs its compiled grammar "
+                             "(compile_grammar) and only it carries one")
         if len(request.prompt_token_ids) > self.info.max_input_len:
             raise ValueError(f"prompt has {len(request.prompt_token_ids)} tokens; the limit "
                              f"is {self.info.max_input_len}")
@@ -302,7 +335,8 @@ class AsyncEngine:
                            {r.value: n for r, n in self.actor.finished_by_reason.items()},
                            s.prefix_query_tokens, s.prefix_hit_tokens, self.pool.num_cached,
                            num_draft_tokens=s.num_draft_tokens,
-                           num_accepted_tokens=s.num_accepted_tokens)
+                           num_accepted_tokens=s.num_accepted_tokens,
+                           mask_ms=self.actor.mask_ms, mask_steps=self.actor.mask_steps)
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is queued or running (tests: the leak invariant)."""

@@ -71,6 +71,10 @@ class EngineStats:
     #: speculative decoding: draft tokens verified, and of those accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: structured output: ms spent on token masks (fill + apply), and the steps that
+    #: had a constrained row
+    mask_ms: float = 0.0
+    mask_steps: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -31,6 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenserve.engine.sampler import SamplingState, generator_state, sample
+from tokenserve.grammar.matcher import (
+    GrammarMatcher,
+    apply_masks,
+    blocked_tokens,
+    fill_masks,
+    mask_words,
+)
 from tokenserve.messages import (
     PromptLogprobs,
     ScheduledSeq,
@@ -68,6 +75,13 @@ class ModelRunner:
         self.fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
         #: request_id -> its sampling state (generator, history); the model thread's alone
         self.states: dict[str, SamplingState] = {}
+        #: structured output: the helper thread that fills the constrained rows' token
+        #: masks while the forward pass runs (llguidance releases the GIL; it runs no
+        #: torch op, so this thread stays the only OpenMP master), started on first use
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_executor = None
+        #: structured output: ms the current step spent on masks (StepResult.mask_ms)
+        self.mask_ms = 0.0
 
     def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Input ids [T] int64 and the step's attention metadata, seqs in plan order."""
@@ -93,6 +107,7 @@ class ModelRunner:
         raises raises.
         """
         t0 = time.perf_counter()
+        self.mask_ms = 0.0
         for rid in plan.drop:
             self.states.pop(rid, None)
         failed: dict[str, str] = {}
@@ -115,6 +130,7 @@ class ModelRunner:
         try:
             sampled, logprobs, bad, accepted, prompt_lps = self._step(plan.step_id, seqs)
         except Exception as exc:
+            self.mask_ms = 0.0
             if len(seqs) == 1:
                 raise
             log.warning("step %d failed (%s: %s); re-running its %d requests one by one",
@@ -135,15 +151,24 @@ class ModelRunner:
                 bad.update(r[2])
                 accepted.update(r[3])
                 prompt_lps.update(r[4])
-        for rid, tok in sampled.items():
-            self.states[rid].history.append(tok)
-            self.states[rid].history.extend(accepted.get(rid, ()))
+        for rid, tok in list(sampled.items()):
+            st = self.states[rid]
+            if st.matcher is not None:
+                assert rid not in accepted, "a constrained request carried a draft"
+                why = st.matcher.advance(tok)
+                if why is not None:  # a parser limit hit, say: this request alone fails
+                    del sampled[rid]
+                    bad[rid] = why
+                    continue
+            st.history.append(tok)
+            st.history.extend(accepted.get(rid, ()))
         exported = {s.request_id: generator_state(gens[s.request_id]) for s in seqs
                     if s.export_state and s.request_id in sampled and s.request_id in gens}
         return StepResult(plan.step_id, sampled, (time.perf_counter() - t0) * 1e3,
                           logprobs=logprobs, failed={**failed, **bad},
                           generator_states=exported, accepted=accepted,
-                          prompt_logprobs={k: v for k, v in prompt_lps.items() if k not in bad})
+                          prompt_logprobs={k: v for k, v in prompt_lps.items() if k not in bad},
+                          mask_ms=self.mask_ms)
 
     def _step(self, step_id: int, seqs: list[ScheduledSeq]
               ) -> tuple[dict[str, int], dict[str, TokenLogprob], dict[str, str],
@@ -159,6 +184,7 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook(seqs)
         input_ids, meta = self.prepare(seqs)
+        masks = self._start_masks(seqs)
         hidden = self.model.forward(input_ids, self.kv_caches, meta)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
@@ -190,6 +216,8 @@ class ModelRunner:
                     nprompt.append(st.num_prompt_tokens)
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.tensor(rows, device=hidden.device))).cpu()
+            if masks is not None:
+                self._apply_masks(logits, to_sample, masks)
             toks = sample(logits, params, gens, hists, num_prompt_tokens=nprompt).tolist()
             first_rows, i = [], 0
             for s in to_sample:
@@ -213,6 +241,45 @@ class ModelRunner:
                 logprobs = token_logprobs(logits[sel], torch.tensor(toks)[sel],
                                           list(range(len(want))), [to_sample[k] for k in want])
         return sampled, logprobs, failed, accepted, prompt_lps
+
+    # ------------------------------------------------------------------ structured output
+
+    def _start_masks(self, seqs: list[ScheduledSeq]):
+        """Start filling the token masks of this step's constrained sampled rows on the
+        helper thread (overlapping the forward pass); None when no row is constrained, so
+        an unconstrained batch pays nothing. Returns (the fill's future, each constrained
+        row's position among the step's sampled rows)."""
+        matchers: list[GrammarMatcher] = []
+        where: list[int] = []
+        k = 0
+        for s in seqs:
+            if not s.sample:
+                continue
+            m = self.states[s.request_id].matcher
+            if m is not None:
+                assert not s.draft, "a constrained request carried a draft"
+                matchers.append(m)
+                where.append(k)
+            k += len(s.draft) + 1
+        if not matchers:
+            return None
+        if self._mask_thread is None:
+            from llguidance import LLExecutor
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenserve-masks")
+            self._mask_executor = LLExecutor()
+        fut = self._mask_thread.submit(_timed_fill, self._mask_executor, matchers,
+                                       self.model.cfg.vocab_size)
+        return fut, where
+
+    def _apply_masks(self, logits: torch.Tensor, to_sample: list[ScheduledSeq], masks) -> None:
+        """Wait for the masks and set the disallowed logits of the constrained rows to
+        ``-inf`` (fp32, before penalties/temperature/top-k/top-p)."""
+        fut, where = masks
+        blocked, fill_ms = fut.result()
+        t0 = time.perf_counter()
+        apply_masks(logits, where, blocked)
+        # the work, not the wait: the fill overlapped the forward pass
+        self.mask_ms += fill_ms + (time.perf_counter() - t0) * 1e3
 
 
 #: prompt rows projected to logits at once (bounds the [rows, vocab] fp32 temporaries:
@@ -269,12 +336,23 @@ def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, row0: int,
     return PromptLogprobs(first + 1, tuple(entries))
 
 
+def _timed_fill(executor, matchers: list[GrammarMatcher], vocab_size: int):
+    """On the mask helper thread (no torch op runs here, so it opens no OpenMP region):
+    fill the matchers' bitmask and unpack it; (blocked bool ``[n, V]``, wall ms)."""
+    t0 = time.perf_counter()
+    bitmask = torch.empty(len(matchers), mask_words(vocab_size), dtype=torch.int32)
+    fill_masks(executor, matchers, bitmask)
+    blocked = blocked_tokens(bitmask, vocab_size)
+    return blocked, (time.perf_counter() - t0) * 1e3
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
                    seqs: list[ScheduledSeq]) -> dict[str, TokenLogprob]:
     """Log-probabilities of the sampled tokens and their top alternatives.
 
     Taken from the raw logits (before penalties, temperature, top-k/top-p), which is
-    what vLLM v1 reports by default.
+    what vLLM v1 reports by default; for a constrained row, after its grammar mask
+    (disallowed tokens are ``-inf``), as vLLM applies the bitmask before its sampler.
 
     Args:
         logits: [S, V] float32 logits of the sampled rows.
@@ -329,3 +407,6 @@ class ExecutorActor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        mask_thread = getattr(self.runner, "_mask_thread", None)
+        if mask_thread is not None:
+            mask_thread.shutdown(wait=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenserve.messages import FinishReason
 from tokenserve.sampling_params import SamplingParams
@@ -78,6 +79,9 @@ class Request:
     #: PD adoption: ``KvAdoption.generator_state``, handed to the model thread with the
     #: request's first step (:class:`~tokenserve.messages.SeqStart`)
     adopted_state: bytes | None = None
+    #: structured output: the compiled constraint (``GenerateRequest.grammar``), handed to
+    #: the model thread with the first step (:class:`~tokenserve.messages.SeqStart`)
+    grammar: Any = field(default=None, repr=False)
     #: the model thread holds this request's sampling state (its SeqStart was sent), so
     #: it must be told to drop it when the request ends
     on_runner: bool = False

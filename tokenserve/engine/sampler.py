@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tokenserve.grammar.matcher import GrammarMatcher
 from tokenserve.messages import SeqStart
 from tokenserve.ops.dispatch import c_op
 from tokenserve.ops.sampling import (  # noqa: F401 - re-exported for tests and callers
@@ -88,16 +89,22 @@ class SamplingState:
         history: prompt + generated token ids, the penalties' input; the model thread
             appends every token it samples for the request.
         num_prompt_tokens: length of the prompt prefix of ``history``.
+        matcher: structured output: the request's grammar matcher, started from
+            ``start.grammar`` and advanced over the tokens generated so far (PD decode,
+            recompute); None for an unconstrained request.
     """
 
-    __slots__ = ("generator", "history", "num_prompt_tokens")
+    __slots__ = ("generator", "history", "matcher", "num_prompt_tokens")
 
     def __init__(self, params: SamplingParams, start: SeqStart) -> None:
-        """Raises ValueError: a bad ``start.generator_state`` (see :func:`restore_generator`)."""
+        """Raises ValueError: a bad ``start.generator_state`` (see :func:`restore_generator`),
+        or generated tokens the request's grammar does not allow."""
         self.generator = (restore_generator(params.seed, start.generator_state, start.draws)
                           if params.do_sample else None)
         self.history = list(start.token_ids)
         self.num_prompt_tokens = start.num_prompt_tokens
+        self.matcher = (GrammarMatcher(start.grammar, start.token_ids[start.num_prompt_tokens:])
+                        if start.grammar is not None else None)
 
 
 def sample(

@@ -57,8 +57,9 @@ that only rejected drafts used (the K/V of a rejected position is overwritten wh
 position is computed again). Greedy tokens are the model's own argmax at every position
 and our logits do not depend on how a step is shaped, so the output is bit-identical to
 plain decoding. Drafts go only to requests that can use them losslessly and cheaply:
-greedy, no logprobs, no stop strings (text after a stop must not be generated), not a PD
-prefill; only in steps with at most ``max_draft_rows`` decodes (a wider batch is already
+greedy, no logprobs, no stop strings (text after a stop must not be generated), no
+structured-output constraint (its matcher would have to follow each draft position), not
+a PD prefill; only in steps with at most ``max_draft_rows`` decodes (a wider batch is already
 compute-bound on a CPU); and not for a request whose acceptance rate has fallen below
 ``min_acceptance`` (it backs off for ``backoff_steps`` decode steps).
 """
@@ -490,7 +491,7 @@ class Scheduler:
         """Whether ``req``'s decode may carry a draft (see the module doc)."""
         p = req.params
         if (p.do_sample or p.logprobs is not None or p.stop or not p.speculative
-                or req.prefill_only or req.first_token_time is None):
+                or p.structured is not None or req.prefill_only or req.first_token_time is None):
             return False
         if req.spec_backoff > 0:
             req.spec_backoff -= 1
@@ -544,7 +545,7 @@ class Scheduler:
         if not req.on_runner:  # the model thread sees it for the first time
             req.on_runner = True
             first = SeqStart(tuple(req.token_ids), req.num_prompt_tokens, req.adopted_state,
-                             draws=req.num_output_tokens)
+                             draws=req.num_output_tokens, grammar=req.grammar)
         # a prefill-only request (max_new_tokens 0) samples nothing
         sample = start + n == req.num_tokens and req.params.max_new_tokens > 0
         return ScheduledSeq(

@@ -134,6 +134,9 @@ class SchedulerActor:
         self.idle.set()
         #: finished requests by reason (for metrics and tests)
         self.finished_by_reason: collections.Counter[FinishReason] = collections.Counter()
+        #: structured output: ms spent on token masks, and the steps that had any
+        self.mask_ms = 0.0
+        self.mask_steps = 0
 
     # ------------------------------------------------------------------ loop
 
@@ -177,6 +180,9 @@ class SchedulerActor:
                 t = self._tracked.get(rid)
                 if t is not None:
                     t.add_prompt_logprobs(got)
+            if result.mask_ms:
+                self.mask_ms += result.mask_ms
+                self.mask_steps += 1
             for rid, why in result.failed.items():  # rows that failed alone
                 self._finish(rid, Finish(FinishReason.ERROR, error=why))
             now = time.monotonic()
@@ -235,6 +241,7 @@ class SchedulerActor:
             arrival_time=arrival, arrival_seq=next(self._seq), deadline=deadline,
             deadline_reason=reason, token_timeout_s=self.token_timeout_s,
             adopted_state=adopt.generator_state if adopt is not None else None,
+            grammar=g.grammar,
             prefill_only=g.prefill_only, pull_tokens=pull,
             recompute_elsewhere=pull > 0,
             num_cached_tokens=adopt.num_cached_tokens if adopt is not None else 0,

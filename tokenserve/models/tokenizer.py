@@ -96,6 +96,11 @@ class Tokenizer:
         """Vocabulary strings of ``ids`` (byte-level spelling, e.g. ``Ġthe``); None if unknown."""
         return [self._tk.id_to_token(i) for i in ids]
 
+    def to_json_str(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (``tokenizers.Tokenizer.to_str``), for
+        libraries that build their own view of it (llguidance, structured output)."""
+        return self._tk.to_str()
+
     # ------------------------------------------------------------------ vocabulary facts
 
     @property

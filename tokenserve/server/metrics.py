@@ -352,6 +352,12 @@ class _Collector(Collector):
                       "Speculative decoding: draft tokens verified", st.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens",
                       "Speculative decoding: draft tokens accepted", st.num_accepted_tokens)
+        yield counter("structured_output_mask_ms",
+                      "Structured output: milliseconds spent on token masks (fill + apply)",
+                      getattr(st, "mask_ms", 0.0))
+        yield counter("structured_output_mask_steps",
+                      "Structured output: engine steps with a constrained row",
+                      getattr(st, "mask_steps", 0))
 
 
 def _mean(values: collections.deque[float]) -> float:

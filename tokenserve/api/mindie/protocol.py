@@ -29,6 +29,7 @@ from tokenserve.api.fields import (
     parse_sampling,
     parse_text_input,
 )
+from tokenserve.api.structured import parse_response_format
 from tokenserve.messages import GenerateRequest, RequestOutput
 from tokenserve.sampling_params import SamplingParams
 
@@ -78,6 +79,9 @@ def parse_mindie_body(obj: dict[str, Any], vocab_size: int) -> MindieBody:
     stream = get_bool(obj, "stream", False)
     p = get_object(obj, "parameters")
     kwargs, priority = parse_sampling(p, top_k=NATIVE_TOP_K, top_p=NATIVE_TOP_P, priority=True)
+    # spec §1.1 response_format (a JSON string; [I] or an object), the OpenAI shape (§5.5)
+    kwargs["structured"] = parse_response_format(p.get("response_format"),
+                                                 name="response_format")
     timeout = get_int(p, "timeout", 0, MAX_TIMEOUT_S, lo_open=True)
     details = get_bool(p, "details", False)
     return MindieBody(

@@ -18,7 +18,8 @@ included) and unexpected exception. Once a stream has started, a timeout or engi
 is written as plain text and the connection closed (§0.4 step 9). Streams (SSE, spec §5.1/§5.2)::
 
     chat         one role chunk per choice {"delta": {"role": "assistant", "content": ""}}
-                 content chunks (each delta repeats the role, as MindIE does)
+                 content chunks (each delta repeats the role, as MindIE does); with tools,
+                 delta.tool_calls items too (api/openai/toolparse.py)
                  one finishing chunk per choice (finish_reason)
     completions  text chunks (no role chunk), one finishing chunk per choice
     both         usage on the last finishing chunk, or with stream_options.include_usage
@@ -66,6 +67,8 @@ from tokenserve.api.openai.protocol import (
     parse_chat_body,
     parse_completion_body,
 )
+from tokenserve.api.openai.toolparse import ToolStream, message_tool_calls, split_tools
+from tokenserve.api.openai.tools import template_takes_tools, tool_messages
 from tokenserve.api.vllm.protocol import vllm_prompt_logprobs
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
@@ -92,6 +95,7 @@ class Choice:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     #: streaming: the echoed prompt was written
     echoed: bool = False
+    tools: ToolStream | None = None  # chat with tools: the stream's tool-call parser
 
 
 @dataclass
@@ -170,6 +174,7 @@ class OpenAIApi(FamilyApi):
         self._started = int(time.time())
         self._texts = TokenTexts(engine.tokenizer)
         self._root = engine.info.model_path or engine.info.model_name
+        self._takes_tools = template_takes_tools(getattr(engine.tokenizer, "chat_template", None))
 
     def wrap(self, handler: Handler) -> Handler:
         """Every §5 route answers its errors in the OpenAI shape (:func:`openai_errors`)."""
@@ -201,9 +206,14 @@ class OpenAIApi(FamilyApi):
             self._check_model(body.model, "Got model {m}, but not found in server"
                               if self._native else "Model not found")
             tok = self._engine.tokenizer
+            assert body.messages is not None
+            messages, extra = body.messages, {}
+            if body.tool_choice is not None or any(
+                    m["role"] == "tool" or m.get("tool_calls") for m in messages):
+                messages, extra = tool_messages(messages, body.tool_choice, self._takes_tools)
             try:
-                text = tok.apply_chat_template(body.messages, add_generation_prompt=True,
-                                               **body.template_kwargs)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               **body.template_kwargs, **extra)
             except Exception as exc:  # a template failure on client input is a 4xx
                 raise ValueError(f"Failed to apply the chat template: {exc}") from None
             ids = await self._encode_chat(text)
@@ -283,7 +293,10 @@ class OpenAIApi(FamilyApi):
                     params = replace(params, seed=random.randint(0, MAX_SEED))
                 greq = GenerateRequest(f"{rid}-{index}", tuple(ids), params,
                                        arrival_time=arrival)
-                choices.append(Choice(index, p, greq, prefix=echoes[p], offset=len(echoes[p])))
+                tools = ToolStream() if chat and body.tool_choice is not None \
+                    and body.tool_choice.active else None
+                choices.append(Choice(index, p, greq, prefix=echoes[p], offset=len(echoes[p]),
+                                      tools=tools))
         return Plan(rid, chat, body, int(time.time()), self._info.model_name,
                     [len(ids) for ids in prompts], choices)
 
@@ -323,7 +336,13 @@ class OpenAIApi(FamilyApi):
         reason = openai_finish_reason(c.final.finish_reason)
         if plan.chat:
             lp = chat_logprobs(c.logprobs, self._texts) if wants_lp else None
-            message = {"role": "assistant", "content": text, "tool_calls": []}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+            if c.tools is not None:  # the same reading as the stream's (toolparse)
+                split = split_tools(text, final=True)
+                message["tool_calls"] = message_tool_calls(split)
+                message["content"] = split.content or (None if split.calls else "")
+                if split.calls and reason != "length":
+                    reason = "tool_calls"
             return {"index": c.index, "message": message, "logprobs": lp,
                     "finish_reason": reason}
         lp = completion_logprobs(c.logprobs, self._texts, c.offset)[0] if wants_lp else None
@@ -382,9 +401,15 @@ class OpenAIApi(FamilyApi):
                 if late_echo and not choice.echoed and choice.prompt_logprobs is not None:
                     choice.echoed = True
                     await response.write(sse(self._echo_chunk(plan, kind, choice)))
-                if not (out.finished or out.new_text or out.logprobs):
+                text, calls = out.new_text, []
+                if choice.tools is not None:  # chat with tools: content and call deltas
+                    text, calls = choice.tools.feed(out.new_text)
+                    if out.finished:
+                        more, calls_end = choice.tools.finish()
+                        text, calls = text + more, calls + calls_end
+                if not (out.finished or text or calls or out.logprobs):
                     continue  # nothing to show (spec §5.1 item 2)
-                chunk = self._chunk(plan, kind, choice, out, out.new_text)
+                chunk = self._chunk(plan, kind, choice, out, text, calls)
                 if out.finished:
                     choice.final = out
                     open_choices -= 1
@@ -422,16 +447,22 @@ class OpenAIApi(FamilyApi):
         return chunk
 
     def _chunk(
-        self, plan: Plan, kind: str, c: Choice, out: RequestOutput | None, text: str
+        self, plan: Plan, kind: str, c: Choice, out: RequestOutput | None, text: str,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One choice's chunk; ``out`` None is the chat role chunk or the echo chunk."""
+        """One choice's chunk; ``out`` None is the chat role chunk or the echo chunk.
+        ``tool_calls``: the chat delta's tool-call items (toolparse.ToolStream)."""
         entries = list(out.logprobs or ()) if out is not None else []
         wants_lp = plan.body.sampling.get("logprobs") is not None and out is not None
         reason = openai_finish_reason(out.finish_reason) if out is not None and out.finished else None
         if plan.chat:
             lp = chat_logprobs(entries, self._texts) if wants_lp else None
-            item: dict[str, Any] = {"index": c.index,
-                                    "delta": {"role": "assistant", "content": text},
+            delta: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            if reason == "stop" and c.tools is not None and c.tools.called:
+                reason = "tool_calls"
+            item: dict[str, Any] = {"index": c.index, "delta": delta,
                                     "logprobs": lp, "finish_reason": reason}
         else:
             lp = None

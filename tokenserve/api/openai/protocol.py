@@ -41,6 +41,8 @@ from tokenserve.api.fields import (
     parse_stop_token_ids,
     utf16_len,
 )
+from tokenserve.api.openai.tools import ToolChoice, parse_tool_choice, tool_constraint
+from tokenserve.api.structured import parse_openai_structured
 from tokenserve.api.vllm.protocol import parse_prompt_logprobs
 from tokenserve.messages import FinishReason, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED
@@ -89,6 +91,7 @@ class OpenAIBody:
     prompts: list[Prompt] | None = None
     #: vLLM's ``prompt_logprobs`` (k) as the client gave it, or None
     prompt_logprobs: int | None = None
+    tool_choice: ToolChoice | None = None
 
 
 def parse_openai_stop(obj: dict[str, Any], native: bool = False) -> tuple[str, ...]:
@@ -183,12 +186,8 @@ def _parse_common(
     if count > 1 and greedy:
         raise ValueError("Parameters n and best_of must be 1 when temperature is 0.")
 
-    fmt = get_object(obj, "response_format")
-    kind = fmt.get("type", "text")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError("Parameter response_format.type must be text, json_object or json_schema.")
-    if kind != "text":  # [I] no structured-output engine: refuse rather than ignore
-        raise ValueError(f"response_format {kind} is not supported.")
+    # structured output (spec §5.5): response_format, or vLLM's guided_* on these routes
+    sampling["structured"] = parse_openai_structured(obj)
 
     body = {"model": model, "stream": stream, "include_usage": include_usage, "n": count,
             "max_tokens": max_tokens if max_tokens is not None else alias,
@@ -269,8 +268,8 @@ def parse_messages(value: Any, strict_roles: bool) -> list[dict[str, Any]]:
 
 
 def parse_tools(obj: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """``tools`` and ``tool_choice`` (spec §5.1); the tools are handed to the chat template
-    (as transformers does). [I] Tool calls in the output are not parsed."""
+    """The shapes of ``tools`` and ``tool_choice`` (spec §5.1); the rest of their checks,
+    the prompt and the constraint are :mod:`tokenserve.api.openai.tools`."""
     tools = obj.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -308,8 +307,12 @@ def parse_chat_body(obj: dict[str, Any], native: bool = False) -> OpenAIBody:
     get_int(kwargs, "thinking_budget", 1, INT32_MAX, name="chat_template_kwargs.thinking_budget")
     for key in _RESERVED_TEMPLATE_VARS:
         kwargs.pop(key, None)
-    if tools is not None:
-        kwargs["tools"] = tools
+    choice = parse_tool_choice(obj) if tools is not None or "tool_choice" in obj else None
+    constraint = tool_constraint(choice) if choice is not None else None
+    if constraint is not None:
+        if sampling.get("structured") is not None:  # [I] one constraint per answer
+            raise ValueError("Parameters tools and response_format cannot be used together.")
+        sampling["structured"] = constraint
     if obj.get("chat_template") is not None:  # [I] a path or template text from a client
         raise ValueError("Parameter chat_template is not supported; the model's own is used.")
     plp = parse_prompt_logprobs(obj)  # vLLM's extension: a top-level list in the answer
@@ -318,7 +321,7 @@ def parse_chat_body(obj: dict[str, Any], native: bool = False) -> OpenAIBody:
             raise ValueError("Parameter prompt_logprobs is not available when stream is true.")
         sampling["prompt_logprobs"] = plp
     return OpenAIBody(**body, sampling=sampling, messages=messages, template_kwargs=kwargs,
-                      prompt_logprobs=plp)
+                      prompt_logprobs=plp, tool_choice=choice)
 
 
 # --------------------------------------------------------------------------- completions

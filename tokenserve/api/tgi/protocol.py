@@ -39,6 +39,7 @@ from tokenserve.api.fields import (
     parse_text_input,
     required,
 )
+from tokenserve.api.structured import parse_tgi_grammar
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import SamplingParams
 
@@ -69,8 +70,9 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
 
     ``do_sample`` [I]: explicit wins, else sample iff temperature/top_k/top_p was given
     (as the native family). ``typical_p`` and ``watermark`` are validated, then ignored;
-    fields the spec does not list (``best_of``, ``top_n_tokens``, ``grammar``,
-    ``frequency_penalty``...) are ignored, never rejected. ``stop`` (spec §3.2): at most
+    fields the spec does not list (``best_of``, ``top_n_tokens``,
+    ``frequency_penalty``...) are ignored, never rejected. ``grammar`` ({type: json|regex,
+    value}) constrains the output (spec §5.5, :mod:`tokenserve.api.structured`). ``stop`` (spec §3.2): at most
     1024 strings, each 1024 UTF-16 units, 32768 in total (a lone string is one item).
 
     Raises:
@@ -80,6 +82,7 @@ def parse_tgi_body(obj: dict[str, Any], stream: bool, model_name: str) -> TgiBod
     p = get_object(obj, "parameters")
     kwargs, _ = parse_sampling(p, top_k=NATIVE_TOP_K, top_p=NATIVE_TOP_P)
     kwargs["stop"] = parse_stop(p.get("stop"), max_items=STOP_COUNT_MAX)
+    kwargs["structured"] = parse_tgi_grammar(p.get("grammar"))  # spec §3.2, §5.5
     details = bool(get_bool(p, "details", False))
     decoder_input_details = bool(get_bool(p, "decoder_input_details", False))
     return_full_text = bool(get_bool(p, "return_full_text", False))

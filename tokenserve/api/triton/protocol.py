@@ -29,6 +29,7 @@ from tokenserve.api.fields import (
     get_object,
     parse_sampling,
 )
+from tokenserve.api.structured import parse_response_format
 from tokenserve.sampling_params import SamplingParams
 
 #: spec §6.3 / §8: ``top_k`` [0, 2^31-1], ``top_p`` (0, 1] (1.0 is valid here).
@@ -54,6 +55,8 @@ def parse_parameters(p: dict[str, Any], *, typical_p: bool) -> TritonParams:
     details = get_bool(p, "details", False)
     get_int(p, "batch_size", 0, INT32_MAX, lo_open=True)
     timeout = get_int(p, "timeout", 0, MAX_TIMEOUT_S, lo_open=True)
+    # [I] MindIE's response_format (spec §1.1, §5.5), as on the native family
+    kw["structured"] = parse_response_format(p.get("response_format"))
     return TritonParams(SamplingParams(**kw), priority or 5,
                         float(timeout) if timeout is not None else None, bool(details))
 

@@ -35,6 +35,7 @@ from tokenserve.api.fields import (
     parse_text_input,
     required,
 )
+from tokenserve.api.structured import parse_guided
 from tokenserve.messages import RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
 
@@ -124,6 +125,8 @@ def parse_vllm_body(
         # ours [I]: false opts the request out of speculative decoding
         "speculative": bool(get_bool(obj, "speculative", True)),
         "prompt_logprobs": parse_prompt_logprobs(obj),
+        # structured output (spec §5.5): vLLM's guided_json|regex|choice|grammar
+        "structured": parse_guided(obj),
     }
     if temperature:
         kwargs["temperature"] = temperature

@@ -1,0 +1,156 @@
+"""Each family's structured-output fields -> one :class:`StructuredOutput` (issue 23,
+spec interfaces.md §5.5).
+
+Only the shape of the fields is checked here (``ValueError``: the family's usual 4xx for a
+bad field); whether a schema, regex or grammar is valid is the compiler's call
+(``AsyncEngine.compile_grammar``: 400 in the family's shape, before any compute).
+
+Sources:
+    OpenAI  ``response_format``: ``{"type": "text"}`` | ``{"type": "json_object"}`` |
+            ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
+            (platform.openai.com/docs/api-reference/chat/create#chat-create-response_format);
+            [I] also TGI's chat form ``{"type": "json"|"regex", "value"}`` (TGI serves
+            ``/v1/chat/completions`` with it), and ``strict: false`` is enforced too (as vLLM).
+    vLLM    ``guided_json`` (object or JSON text), ``guided_regex``, ``guided_choice``
+            (list of strings), ``guided_grammar`` (docs.vllm.ai "Structured Outputs"); at
+            most one of them, and not with a non-text ``response_format``.
+            [I] ``guided_grammar`` is llguidance's Lark dialect (GBNF is not converted).
+    TGI     ``parameters.grammar``: ``{"type": "json"|"regex", "value"}``
+            (huggingface.co/docs/text-generation-inference "Guidance"); ``value`` of
+            ``json`` is a schema object or its JSON text.
+    MindIE  ``response_format`` (spec §1.1: a JSON string) on the native and Triton
+            bodies [I]: the OpenAI shape, as an object or its JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from tokenserve.sampling_params import ConstraintKind, StructuredOutput
+
+#: OpenAI: ``json_schema.name`` is 1..64 of a-z, A-Z, 0-9, underscore and dash.
+_NAME_MAX = 64
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _json_text(value: Any, where: str) -> str:
+    """A schema given as an object (or boolean), or as its JSON text, as JSON text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, bool)):
+        return json.dumps(value)
+    raise ValueError(f"Parameter {where} must be a JSON schema object.")
+
+
+def _schema_value(value: Any, where: str) -> StructuredOutput:
+    return StructuredOutput(ConstraintKind.JSON_SCHEMA, _json_text(value, where))
+
+
+def _regex_value(value: Any, where: str) -> StructuredOutput:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"Parameter {where} must be a non-empty string.")
+    return StructuredOutput(ConstraintKind.REGEX, value)
+
+
+def parse_response_format(value: Any, *, name: str = "response_format") -> StructuredOutput | None:
+    """OpenAI ``response_format`` (also TGI's chat form); None for absent or ``text``.
+
+    Raises:
+        ValueError: not one of the shapes above.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):  # MindIE: a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"Parameter {name} must be a JSON object.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"Parameter {name} must be an object.")
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(ConstraintKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError(f"Parameter {name}.json_schema must be an object.")
+        label = spec.get("name")
+        if label is not None and (not isinstance(label, str)
+                                  or not 0 < len(label) <= _NAME_MAX):
+            raise ValueError(f"Parameter {name}.json_schema.name must have 1 to "
+                             f"{_NAME_MAX} characters.")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"Parameter {name}.json_schema.strict must be a boolean.")
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI: schema is optional; then any JSON value
+            schema = {}
+        return _schema_value(schema, f"{name}.json_schema.schema")
+    if kind == "json":  # TGI chat
+        return _schema_value(value.get("value"), f"{name}.value")
+    if kind == "regex":  # TGI chat
+        return _regex_value(value.get("value"), f"{name}.value")
+    raise ValueError(f"Parameter {name}.type must be text, json_object or json_schema.")
+
+
+def parse_guided(obj: Mapping[str, Any]) -> StructuredOutput | None:
+    """vLLM's ``guided_*`` fields of a body; None when none is given.
+
+    Raises:
+        ValueError: more than one given, or a field of the wrong type.
+    """
+    given = [k for k in _GUIDED if obj.get(k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"Only one kind of guided decoding may be given, got {', '.join(given)}.")
+    key = given[0]
+    value = obj[key]
+    if key == "guided_json":
+        return _schema_value(value, key)
+    if key == "guided_regex":
+        return _regex_value(value, key)
+    if key == "guided_choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, str) for c in value)):
+            raise ValueError("Parameter guided_choice must be a non-empty list of strings.")
+        return StructuredOutput(ConstraintKind.CHOICE, json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise ValueError("Parameter guided_grammar must be a non-empty string.")
+    return StructuredOutput(ConstraintKind.GRAMMAR, value)
+
+
+def parse_openai_structured(obj: Mapping[str, Any]) -> StructuredOutput | None:
+    """The constraint of an OpenAI chat/completions body: ``response_format`` or vLLM's
+    ``guided_*`` (the same routes accept both).
+
+    Raises:
+        ValueError: a bad field, or both a non-text ``response_format`` and ``guided_*``.
+    """
+    fmt = parse_response_format(obj.get("response_format"))
+    guided = parse_guided(obj)
+    if fmt is not None and guided is not None:
+        raise ValueError("Parameters response_format and guided_* cannot be given together.")
+    return fmt or guided
+
+
+def parse_tgi_grammar(value: Any) -> StructuredOutput | None:
+    """TGI ``parameters.grammar``; None for absent.
+
+    Raises:
+        ValueError: not ``{"type": "json"|"regex", "value": ...}``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("Parameter grammar must be an object.")
+    kind = value.get("type")
+    if kind == "json":
+        return _schema_value(value.get("value"), "grammar.value")
+    if kind == "regex":
+        return _regex_value(value.get("value"), "grammar.value")
+    raise ValueError("Parameter grammar.type must be json or regex.")
