@@ -215,6 +215,9 @@ async def test_starts_with_instances_down_and_is_ready_once_a_p_and_a_d_answer()
         assert (await cl.client.get("/v1/readiness")).status_code == 503
         r = await cl.client.post("/infer", json={"inputs": "hi"})
         assert r.status_code == 503
+        # a request the coordinator refuses itself is counted by its route and status
+        assert ('coordinator_requests_total{route="mindie.infer",status="503"} 1.0'
+                in (await cl.client.get("/metrics")).text)
         d.alive = True  # D comes up: linked and polled, the coordinator is ready
         await until(lambda: d.linked)
         while (await cl.client.get("/v1/readiness")).status_code != 200:

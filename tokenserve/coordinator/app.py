@@ -186,6 +186,9 @@ class Coordinator:
         except AdmissionError as exc:
             await response.send(exc.status, error_json(ingress.family, exc.status, exc.message),
                                 ERROR_CONTENT_TYPE)
+            route = match(request.method, request.path)  # refused ones count too
+            self.metrics.requests.labels(route.name if route else "other",
+                                         str(exc.status)).inc()
             return
         req_id = self._ids.next()
         while req_id in self._flows:  # pragma: no cover - 2**64 ids
