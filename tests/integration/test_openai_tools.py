@@ -225,3 +225,24 @@ async def test_tgi_client_chat_completion_with_tools(live):
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name in SCHEMAS
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     await live.assert_idle_and_leak_free()
+
+
+async def test_tgi_client_named_tool_choice_without_type_or_model(live):
+    """huggingface_hub's ``ChatCompletionInputToolChoiceClass`` sends a named choice
+    without ``"type"``, and no ``model=`` sends a placeholder name: both as TGI takes them."""
+    from huggingface_hub import (
+        ChatCompletionInputFunctionName,
+        ChatCompletionInputToolChoiceClass,
+        InferenceClient,
+    )
+
+    hf = InferenceClient(base_url=live.url)
+    choice = ChatCompletionInputToolChoiceClass(
+        function=ChatCompletionInputFunctionName(name="add"))
+    out = await asyncio.to_thread(
+        hf.chat_completion, user("What is the weather in Paris?"), tools=TOOLS,
+        tool_choice=choice, max_tokens=80, temperature=0)
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["add"])
+    await live.assert_idle_and_leak_free()

@@ -189,6 +189,21 @@ async def test_tgi_client_grammar_json_and_regex(live):
     await live.assert_idle_and_leak_free()
 
 
+async def test_tgi_client_chat_completion_json_schema_without_model(live):
+    """``InferenceClient(base_url).chat_completion`` without ``model=`` sends a placeholder
+    model name, and turns a ``json_schema`` into TGI's ``{"type": "json_object", "value":
+    schema}``: both are served, and the schema holds (not just any JSON object)."""
+    hf = InferenceClient(base_url=live.url)
+    out = await asyncio.to_thread(
+        hf.chat_completion, [{"role": "user", "content": "Invent a user of a web shop."}],
+        max_tokens=120, temperature=0, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert out.model == live.engine.model_name
+    assert out.choices[0].finish_reason == "stop", out
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    await live.assert_idle_and_leak_free()
+
+
 async def test_vllm_guided_choice_and_regex(live, client):
     prompt = live.engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Which is a fruit: apple or car?"}],

@@ -452,6 +452,22 @@ async def test_validation_message_in_openai_error(env, bad, text) -> None:
     assert_error(r, 422, "Input Validation Error", text)
 
 
+@pytest.mark.parametrize("model", ["tgi", "dummy"])
+async def test_client_placeholder_model_names_are_served(env, model) -> None:
+    """TGI ignores ``model`` on its OpenAI routes; huggingface_hub's InferenceClient
+    (base_url) without ``model=`` sends ``"tgi"`` or ``"dummy"``: both answer with the
+    served model's name, on chat and completions."""
+    engine, client = env
+    for path, body in (("/v1/chat/completions", chat_body(model=model)),
+                       ("/v1/completions", cmpl_body(model=model))):
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == MODEL
+    assert len(engine.requests) == 2
+    r = await client.post("/v1/chat/completions", json=chat_body(model="TGI"))
+    assert_error(r, 422, "Input Validation Error", "Model not found")
+
+
 async def test_body_errors_and_long_prompt(env) -> None:
     _, client = env
     r = await client.post("/v1/chat/completions", content=b"{not json")

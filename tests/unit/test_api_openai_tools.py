@@ -25,6 +25,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from tests.fakes import FakeEngine, serve_fake
 from tests.unit.test_api_openai import Cfg, ChatTokenizer, assert_error
+from tokenserve.api.openai.protocol import parse_tools
 from tokenserve.api.openai.toolparse import ToolStream, split_tools
 from tokenserve.api.openai.tools import (
     MAX_TOOLS,
@@ -71,6 +72,18 @@ def test_tool_choice_defaults_and_forms() -> None:
                            "tool_choice": {"type": "function", "function": {"name": "add"}}})
     assert c is not None and (c.mode, c.name, c.parallel) == ("named", "add", False)
     assert [t["function"]["name"] for t in c.offered()] == ["add"]
+
+
+def test_named_tool_choice_without_type_as_tgi() -> None:
+    """huggingface_hub's ChatCompletionInputToolChoiceClass sends ``{"function": {"name"}}``
+    without ``"type"``; TGI takes it, so do we (parse_tools checks the shape)."""
+    body = {"tools": TOOLS, "tool_choice": {"function": {"name": "get_weather"}}}
+    assert parse_tools(body) == TOOLS
+    c = parse_tool_choice(body)
+    assert c is not None and (c.mode, c.name) == ("named", "get_weather")
+    for bad in ({"type": "other", "function": {"name": "add"}}, {"function": "add"}, {}):
+        with pytest.raises(ValueError, match="tool_choice must be"):
+            parse_tools({"tools": TOOLS, "tool_choice": bad})
 
 
 @pytest.mark.parametrize(("body", "text"), [

@@ -63,3 +63,19 @@ def test_mindie_and_triton_response_format() -> None:
             "schema": {}, "strict": "yes"}}, [1]):
         with pytest.raises(ValueError):
             parse_response_format(bad)
+
+
+def test_response_format_tgi_forms_and_error_lists_every_type() -> None:
+    """TGI's chat forms: ``json`` / ``regex`` with a value, and ``json_object`` with a
+    ``value`` read as ``json`` (what huggingface_hub sends for a json_schema); an unknown
+    type's error names all five accepted types."""
+    assert parse_response_format({"type": "json", "value": SCHEMA}) == \
+        S(K.JSON_SCHEMA, json.dumps(SCHEMA))
+    assert parse_response_format({"type": "json_object", "value": SCHEMA}) == \
+        S(K.JSON_SCHEMA, json.dumps(SCHEMA))
+    assert parse_response_format({"type": "json_object"}) == S(K.JSON_OBJECT)
+    assert parse_response_format({"type": "regex", "value": "a+"}) == S(K.REGEX, "a+")
+    with pytest.raises(ValueError) as err:
+        parse_response_format({"type": "xml"})
+    for kind in ("text", "json_object", "json_schema", "json", "regex"):
+        assert kind in str(err.value)

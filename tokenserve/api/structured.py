@@ -10,7 +10,9 @@ Sources:
             ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
             (platform.openai.com/docs/api-reference/chat/create#chat-create-response_format);
             [I] also TGI's chat form ``{"type": "json"|"regex", "value"}`` (TGI serves
-            ``/v1/chat/completions`` with it), and ``strict: false`` is enforced too (as vLLM).
+            ``/v1/chat/completions`` with it; TGI reads ``json_object`` with a ``value`` as
+            ``json``, which ``huggingface_hub``'s ``chat_completion`` sends for a
+            ``json_schema``), and ``strict: false`` is enforced too (as vLLM).
     vLLM    ``guided_json`` (object or JSON text), ``guided_regex``, ``guided_choice``
             (list of strings), ``guided_grammar`` (docs.vllm.ai "Structured Outputs"); at
             most one of them, and not with a non-text ``response_format``.
@@ -73,6 +75,8 @@ def parse_response_format(value: Any, *, name: str = "response_format") -> Struc
     if kind == "text":
         return None
     if kind == "json_object":
+        if value.get("value") is not None:  # TGI: json_object is an alias of json
+            return _schema_value(value["value"], f"{name}.value")
         return StructuredOutput(ConstraintKind.JSON_OBJECT)
     if kind == "json_schema":
         spec = value.get("json_schema")
@@ -94,7 +98,8 @@ def parse_response_format(value: Any, *, name: str = "response_format") -> Struc
         return _schema_value(value.get("value"), f"{name}.value")
     if kind == "regex":  # TGI chat
         return _regex_value(value.get("value"), f"{name}.value")
-    raise ValueError(f"Parameter {name}.type must be text, json_object or json_schema.")
+    raise ValueError(f"Parameter {name}.type must be text, json_object, json_schema, json "
+                     "or regex.")
 
 
 def parse_guided(obj: Mapping[str, Any]) -> StructuredOutput | None:

@@ -78,6 +78,12 @@ from tokenserve.transport.router import Handler
 
 logger = logging.getLogger(__name__)
 
+#: [I] ``model`` names accepted besides the served model: TGI ignores ``model`` on its
+#: OpenAI routes (TGI docs "Messages API": any value, e.g. ``"tgi"``), and
+#: ``huggingface_hub``'s ``InferenceClient(base_url=...).chat_completion()`` without
+#: ``model=`` sends ``"tgi"`` (older releases) or ``"dummy"`` (e.g. 2.4).
+CLIENT_PLACEHOLDER_MODELS = ("tgi", "dummy")
+
 
 @dataclass
 class Choice:
@@ -248,9 +254,15 @@ class OpenAIApi(FamilyApi):
         await self._run(request, response, plan)
 
     def _check_model(self, model: str, message: str) -> None:
-        """spec §5.1: ``model`` must name the served model, or [I] its path; the error
-        keeps MindIE's message and [I] names the ids ``GET /v1/models`` lists."""
-        if model not in (self._info.model_name, self._root):
+        """spec §5.1: ``model`` must name the served model, or [I] its path, or [I] one
+        of :data:`CLIENT_PLACEHOLDER_MODELS` (TGI ignores ``model`` on these routes, and
+        ``huggingface_hub``'s ``InferenceClient(base_url=...)`` sends a placeholder); the
+        error keeps MindIE's message and [I] names the ids ``GET /v1/models`` lists.
+
+        Raises:
+            ValueError: any other name (the caller's 422).
+        """
+        if model not in (self._info.model_name, self._root, *CLIENT_PLACEHOLDER_MODELS):
             raise ValueError(f"{message.format(m=model[:256])} Available models: "
                              f"{self._info.model_name}.")
 

@@ -268,8 +268,9 @@ def parse_messages(value: Any, strict_roles: bool) -> list[dict[str, Any]]:
 
 
 def parse_tools(obj: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The shapes of ``tools`` and ``tool_choice`` (spec §5.1); the rest of their checks,
-    the prompt and the constraint are :mod:`tokenserve.api.openai.tools`."""
+    """The shapes of ``tools`` and ``tool_choice`` (spec §5.1; a named ``tool_choice``
+    may leave out ``"type"``, as TGI's does); the rest of their checks, the prompt and
+    the constraint are :mod:`tokenserve.api.openai.tools`."""
     tools = obj.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -284,7 +285,9 @@ def parse_tools(obj: dict[str, Any]) -> list[dict[str, Any]] | None:
     choice = obj.get("tool_choice")
     if choice is not None and choice not in ("none", "auto", "required"):
         fn = choice.get("function") if isinstance(choice, dict) else None
-        if not isinstance(fn, dict) or choice.get("type") != "function" \
+        # [I] "type" may be left out, as TGI takes it (huggingface_hub's
+        # ChatCompletionInputToolChoiceClass sends only {"function": {"name"}})
+        if not isinstance(fn, dict) or choice.get("type", "function") != "function" \
                 or not isinstance(fn.get("name"), str):
             raise ValueError("Parameter tool_choice must be none, auto, required or "
                              "{type: function, function: {name}}.")
