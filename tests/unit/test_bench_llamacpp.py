@@ -211,7 +211,7 @@ async def test_send_http_resends_once_when_the_server_drops_the_connection_unans
 async def test_a_sweep_through_run_http():
     args = argparse.Namespace(backend="openai", concurrency=[1, 2], max_duration_s=30.0,
                               request_rate=math.inf, seed=0, no_progress=True,
-                              ignore_eos=None)
+                              ignore_eos=None, response_format=None)
     slices = [[BenchRequest(i, (1, 2, 3), " a b c", 4)] for i in range(2)]
     warm = [BenchRequest(-1, (4,), " d", 2)]
     async with FakeLlamaServer() as fake:
@@ -398,7 +398,8 @@ def test_run_llamacpp_starts_and_stops_a_llama_server(tmp_path):
     binary.chmod(0o755)
     args = argparse.Namespace(
         backend="openai", concurrency=[1, 3], max_duration_s=30.0, request_rate=math.inf,
-        seed=0, no_progress=True, ignore_eos=None, llama_server=str(binary),
+        seed=0, no_progress=True, ignore_eos=None, response_format=None,
+        llama_server=str(binary),
         llamacpp_url=None, llamacpp_model=str(tmp_path / "m.gguf"), model=None,
         llama_server_args="--no-webui")
     slices = [[BenchRequest(i, (1, 2, 3), " a b c", 5)] for i in range(2)]
