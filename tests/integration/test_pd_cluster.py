@@ -23,8 +23,11 @@ from tokenserve.api.routes import ROUTES, Coord, path_of
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 #: fields that differ between two runs of the same request (ids, clocks, random seeds)
+#: fields that differ by timing or by the serving instance's state (``cached_tokens``: how
+#: much of the prompt that instance's prefix cache held), not by the answer
 VOLATILE = frozenset({"id", "created", "prefill_time", "decode_time", "seed",
-                      "firstTokenCost", "decodeTime", "system_fingerprint", "request_id"})
+                      "firstTokenCost", "decodeTime", "system_fingerprint", "request_id",
+                      "cached_tokens"})
 
 CASES = [  # (path, body) pairs; each runs as stream and non-stream where the family can
     ("/infer", {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 12,
