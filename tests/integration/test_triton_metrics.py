@@ -49,11 +49,6 @@ async def test_tritonclient_ready_and_infer(server):
     model = server.engine.model_name
     ids = server.chat_ids("What is the capital of France?")
 
-    # PD: the JSON encoding only. Binary tensor data (Triton's binary extension, the
-    # client's default) does not cross PD's text hand-off yet (DecodeParameters.body and
-    # /dresult messages are text, PD spec §6.3): P answers 500.
-    binary = server.kind == "mixed"
-
     def call() -> tuple[bool, bool, list[int], list[int]]:
         c = tc.InferenceServerClient(url=addr(server), network_timeout=120)
         try:
@@ -62,13 +57,16 @@ async def test_tritonclient_ready_and_infer(server):
             res2 = c.infer(model, [inp2], outputs=[tc.InferRequestedOutput(
                 "output0", binary_data=False)], parameters={"max_new_tokens": 12})
             out2 = res2.as_numpy("output0").ravel().tolist()
-            out = out2
-            if binary:
-                inp = tc.InferInput("input0", [1, len(ids)], "UINT32")
-                inp.set_data_from_numpy(np.array([ids], dtype=np.uint32))  # binary (default)
-                res = c.infer(model, [inp], request_id="tc1",
-                              parameters={"max_new_tokens": 12})
-                out = res.as_numpy("output0").ravel().tolist()
+            # binary tensors (Triton's binary extension, the client's default) in and out;
+            # PD: the body travels base64 to D, the answer's bytes back (pd/wire.py)
+            inp = tc.InferInput("input0", [1, len(ids)], "UINT32")
+            inp.set_data_from_numpy(np.array([ids], dtype=np.uint32))
+            res = c.infer(model, [inp], request_id="tc1", parameters={"max_new_tokens": 12})
+            assert res.get_response()["id"] == "tc1"
+            out = res.as_numpy("output0").ravel().tolist()
+            # one token: the answer is P's (it finishes before a hand-off)
+            res1 = c.infer(model, [inp], parameters={"max_new_tokens": 1})
+            assert res1.as_numpy("output0").ravel().tolist() == out[:1]
             return c.is_server_ready(), c.is_model_ready(model), out, out2
         finally:
             c.close()

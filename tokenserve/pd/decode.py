@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import collections
 import logging
 import time
@@ -46,6 +47,7 @@ from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
 from tokenserve.api.engine_stream import observed
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
+from tokenserve.api.triton.handlers import BINARY_HEADER
 from tokenserve.messages import (
     KV_PULL_FAILED,
     FinishReason,
@@ -57,7 +59,7 @@ from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
 from tokenserve.pd.prefill import decode_prompt_logprobs
 from tokenserve.pd.recompute import build_recompute_body, encode_history
 from tokenserve.pd.sinks import CaptureResponse
-from tokenserve.pd.wire import HEARTBEAT, close_message, encode
+from tokenserve.pd.wire import HEARTBEAT, WholeAnswer, close_message, encode
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler, Router
@@ -217,7 +219,7 @@ class DecodeObserver:
         if self.done:
             return
         self.done = True
-        ids = self._ids() if kind == "lastData" else b""
+        ids = self._ids() if kind in ("lastData", "lastBytes") else b""
         # " ": an empty field is ignored by the reader (§6.3); the coordinator sends a
         # blank stream lastData as nothing
         self.hub.publish(ids + encode(self.req_id, kind, body or " "))
@@ -242,10 +244,42 @@ class DecodeSink(CaptureResponse):
 
     def on_whole(self, status: int, body: bytes) -> None:
         text = body.decode("utf-8", errors="replace")
-        if status == 200:
+        if status == 200 and WholeAnswer.needed(self.content_type, self.headers):
+            # [I] bytes, content type and headers as a mixed server sends them (Triton's
+            # binary tensors): base64 in a lastBytes message
+            self.obs.send_last("lastBytes",
+                               WholeAnswer(self.content_type, self.headers, body).encode())
+        elif status == 200:
             self.obs.send_last("lastData", text)
         else:
             self.obs.send_last("error", _error_text(text))
+
+
+def client_body(params: dict[str, Any]) -> bytes:
+    """The client's body from ``DecodeParameters``: ``bodyB64`` [I] (bytes that are not
+    UTF-8 text: Triton's binary tensors) or ``body`` (text).
+
+    Raises:
+        ValueError: a malformed ``bodyB64``.
+        KeyError: neither is there.
+    """
+    b64 = params.get("bodyB64")
+    if b64 is None:
+        return params["body"].encode()
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, TypeError) as exc:
+        raise ValueError(f"bad bodyB64: {exc}") from None
+
+
+def json_length(params: dict[str, Any], raw: bytes) -> int:
+    """How many leading bytes of the client's body are its JSON: the client's
+    ``Inference-Header-Content-Length`` (Triton's binary extension, spec/interfaces.md
+    §6.4) when it is a number, else all of them (the handler itself rejects a bad one)."""
+    headers = params.get("headers") or {}
+    value = next((str(v) for k, v in headers.items()
+                  if str(k).lower() == BINARY_HEADER), "")
+    return int(value) if value.strip().isdigit() and int(value) <= len(raw) else len(raw)
 
 
 def _body(chunk: bytes) -> str:
@@ -344,7 +378,8 @@ class DecodeServer:
             raise HttpError(400, f"not a decode instance (role {self.node.role or 'none'})")
         try:
             params = parse_json_object(request.body, 64)
-            body = parse_json_object(params["body"].encode(), 64)
+            raw = client_body(params)
+            body = parse_json_object(raw[:json_length(params, raw)], 64)
             for key in ("reqId", "tokens", "firstToken", "path", "blockTable", "pNodeAddr",
                         "numComputed"):
                 params[key]
@@ -366,7 +401,7 @@ class DecodeServer:
             return
         inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
                             query=params.get("query", ""), headers=params.get("headers", {}),
-                            body=params["body"].encode(), disconnected=Signal(),
+                            body=raw, disconnected=Signal(),
                             arrival_time=time.monotonic(), path_params=path_params)
         # the coordinator learns the request's history first (plan: ids)
         self.hub.publish(encode(obs.req_id, "ids", encode_history(obs.prompt, obs.delivered)))

@@ -45,6 +45,7 @@ from tokenserve.messages import (
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, RoleStatus, inter_comm_url
 from tokenserve.pd.recompute import parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
+from tokenserve.pd.wire import WholeAnswer
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler
@@ -178,7 +179,7 @@ class PrefillObserver:
             "path": self.request.path,
             "query": self.request.query,
             "headers": headers,
-            "body": self.body.decode("utf-8"),
+            **_client_body(self.body),
             "generatorState": (base64.b64encode(h.generator_state).decode()
                                if h.generator_state is not None else None),
             "numComputed": h.num_computed,
@@ -214,6 +215,15 @@ class PrefillObserver:
             raise RuntimeError(ans.get("errorMessage") or "D refused the request")
 
 
+def _client_body(body: bytes) -> dict[str, str]:
+    """``DecodeParameters.body`` (the client's body as text) or, for bytes that are not
+    UTF-8 (Triton's binary tensors, spec/interfaces.md §6.4), ``bodyB64`` [I]: base64."""
+    try:
+        return {"body": body.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"bodyB64": base64.b64encode(body).decode()}
+
+
 def encode_prompt_logprobs(entries: tuple[TokenLogprob | None, ...] | None
                            ) -> list[Any] | None:
     """``DecodeParameters.promptLogprobs`` and ``firstTokenLogprobs`` [I]: per token null
@@ -246,6 +256,11 @@ def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
     if sink.is_stream or last:
         body["isLastResp"] = last
         body["output"] = sink.text
+    if last and not sink.is_stream and WholeAnswer.needed(sink.content_type, sink.headers):
+        # [I] an answer that is not JSON text (Triton's binary tensors): its bytes,
+        # content type and headers, base64 (the coordinator sends them as they are)
+        body["outputBytes"] = WholeAnswer(sink.content_type, sink.headers,
+                                          b"".join(sink.chunks)).encode()
     return orjson.dumps(body)
 
 
