@@ -56,8 +56,13 @@ from tokenserve.messages import (
     RequestOutput,
 )
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
-from tokenserve.pd.prefill import decode_prompt_logprobs
-from tokenserve.pd.recompute import build_recompute_body, encode_history
+from tokenserve.pd.prefill import decode_prompt_logprobs, encode_prompt_logprobs
+from tokenserve.pd.recompute import (
+    ORIGIN_BINARY,
+    ORIGIN_LOGPROBS,
+    build_recompute_body,
+    encode_history,
+)
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import HEARTBEAT, WholeAnswer, close_message, encode
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
@@ -157,6 +162,8 @@ class DecodeObserver:
         self.output_logprobs = decode_prompt_logprobs(params.get("firstTokenLogprobs"))
         if self.output_logprobs is not None and None in self.output_logprobs:
             raise ValueError("firstTokenLogprobs holds a null")
+        #: the logprobs of ``delivered`` when the request asked (a recompute carries them)
+        self.delivered_logprobs: list[Any] = list(self.output_logprobs or ())
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():
@@ -193,6 +200,7 @@ class DecodeObserver:
         self.pending_ids += out.new_token_ids
         if not out.finished:
             self.delivered.extend(out.new_token_ids)
+            self.delivered_logprobs.extend(out.logprobs or ())
             return
         self.final = True
         pull_failed = (out.finish_reason is FinishReason.ERROR
@@ -202,6 +210,12 @@ class DecodeObserver:
             # as an eviction is, not failed
             rb = build_recompute_body(self.params["path"], self.body,
                                       [*self.prompt, *self.delivered], len(self.prompt))
+            raw = client_body(self.params)
+            tail = raw[json_length(self.params, raw):]
+            if tail:  # [I] Triton's binary tensors ride along, base64 (pd/recompute.py)
+                rb[ORIGIN_BINARY] = base64.b64encode(tail).decode()
+            if self.delivered_logprobs and len(self.delivered_logprobs) == len(self.delivered):
+                rb[ORIGIN_LOGPROBS] = encode_prompt_logprobs(tuple(self.delivered_logprobs))
             self.send_last("retry", orjson.dumps(rb).decode())
         elif out.finish_reason in FAILED_FINISH:
             self.send_last("error", failure_text(out))
