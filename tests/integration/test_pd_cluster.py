@@ -320,17 +320,17 @@ def test_recomputed_non_stream_answer_keeps_every_logprob(pd):
     _assert_all_free(pd)
 
 
-def test_recomputed_triton_binary_infer_equals_mixed(pd):
+def test_recomputed_triton_binary_infer_equals_mixed(pd, live):
     """Triton's binary tensors (Inference-Header-Content-Length) through an eviction and
     a recompute: the recompute body carries the bytes (``origin_binary``), the answer is
     a mixed server's, byte for byte but its id."""
     import numpy as np
 
-    ids = [504, 3575, 282, 4649, 314]
+    ids = live.chat_ids("Tell me a long story about a dragon.")  # a long answer
     head = orjson.dumps({"inputs": [{"name": "input0", "datatype": "UINT32",
                                      "shape": [1, len(ids)],
                                      "parameters": {"binary_data_size": 4 * len(ids),
-                                                    "max_new_tokens": 200}}],
+                                                    "max_new_tokens": 250}}],
                          "outputs": [{"name": "output0",
                                       "parameters": {"binary_data": True}}]})
     raw = head + np.asarray(ids, dtype="<u4").tobytes()
@@ -341,8 +341,9 @@ def test_recomputed_triton_binary_infer_equals_mixed(pd):
             "content-type": "application/octet-stream",
             "inference-header-content-length": str(len(head))})
 
-    got, want, _ = _evicted_later(pd, send)
+    got, want, recomputes = _evicted_later(pd, send)
     assert got.status_code == want.status_code == 200, got.text
+    assert recomputes >= 1
     assert got.headers["content-type"] == want.headers["content-type"] \
         == "application/octet-stream"
     gn = int(got.headers["inference-header-content-length"])
