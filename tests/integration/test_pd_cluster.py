@@ -148,14 +148,19 @@ def test_seeded_sampled_request_equals_mixed(pd):
                                    and r.method == "GET"], ids=lambda r: r.name)
 def test_forwarded_routes_answer_as_a_mixed_server(pd, route):
     """Every GET route the table tells the coordinator to forward answers as a mixed
-    server does (status, content type, body; ``created``, a server's start time, aside)."""
-    path = path_of(route.name, model="SmolLM2-135M-Instruct.Q4_1") if "{" in route.path \
-        else route.path
+    server does (status, content type, body; ``created``, a server's start time, aside;
+    ``/metrics-json``: its metric names, the values are each server's own)."""
+    path = path_of(route.name, model="SmolLM2-135M-Instruct.Q4_1", n="1") \
+        if "{" in route.path else route.path
     got = httpx.get(pd["coord"].url + path, timeout=30)
     want = httpx.get(pd["mixed"].url + path, timeout=30)
     assert (got.status_code, got.headers.get("content-type")) == \
         (want.status_code, want.headers.get("content-type")), got.text
-    if got.headers.get("content-type", "").startswith("application/json") and got.content:
+    if route.name == "server.metrics_json":
+        def names(r: httpx.Response) -> list[str]:
+            return [m["metric"][0]["__name__"] for m in r.json()["result"]]
+        assert names(got) == names(want) and names(got)
+    elif got.headers.get("content-type", "").startswith("application/json") and got.content:
         assert _clean(got.json()) == _clean(want.json())
     else:
         assert got.content == want.content
