@@ -13,6 +13,8 @@ the client's body, so every byte it sends is what a mixed instance would send::
     engine: replay output (P's tokens)  -> handler renders it; muted (P sent it already)
     engine: each decode step            -> handler renders -> ``data:`` on /dresult
     final output                        -> everything rendered after it -> one ``lastData:``
+                                           (a whole answer that is not JSON text, e.g.
+                                           Triton's binary tensors: ``lastBytes:``, [I])
     evicted (KV ran out), or the pull   -> ``retry:`` with the recompute body (§7.2)
     failed (P died)
     failure (pull, engine, timeout)     -> ``error:``

@@ -198,7 +198,8 @@ class PrefillObserver:
             # ours [I]: the prompt's logprobs (echo / prompt_logprobs /
             # decoder_input_details), so D's answer carries them as a mixed server's
             "promptLogprobs": encode_prompt_logprobs(self.prompt_logprobs),
-            # ours [I]: the logprobs of firstToken (when asked and none were replayed)
+            # ours [I]: the logprobs of firstToken (when asked; a recompute: its history's
+            # entries first, as the recompute body carried them)
             "firstTokenLogprobs": encode_prompt_logprobs(self._all_output_logprobs()),
         }
 
