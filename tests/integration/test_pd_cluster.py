@@ -151,14 +151,19 @@ def test_seeded_sampled_request_equals_mixed(pd):
                                    and r.method == "GET"], ids=lambda r: r.name)
 def test_forwarded_routes_answer_as_a_mixed_server(pd, route):
     """Every GET route the table tells the coordinator to forward answers as a mixed
-    server does (status, content type, body; ``created``, a server's start time, aside)."""
-    path = path_of(route.name, model="SmolLM2-135M-Instruct.Q4_1") if "{" in route.path \
-        else route.path
+    server does (status, content type, body; ``created``, a server's start time, aside;
+    ``/metrics-json``: its metric names, the values are each server's own)."""
+    path = path_of(route.name, model="SmolLM2-135M-Instruct.Q4_1", n="1") \
+        if "{" in route.path else route.path
     got = httpx.get(pd["coord"].url + path, timeout=30)
     want = httpx.get(pd["mixed"].url + path, timeout=30)
     assert (got.status_code, got.headers.get("content-type")) == \
         (want.status_code, want.headers.get("content-type")), got.text
-    if got.headers.get("content-type", "").startswith("application/json") and got.content:
+    if route.name == "server.metrics_json":
+        def names(r: httpx.Response) -> list[str]:
+            return [m["metric"][0]["__name__"] for m in r.json()["result"]]
+        assert names(got) == names(want) and names(got)
+    elif got.headers.get("content-type", "").startswith("application/json") and got.content:
         assert _clean(got.json()) == _clean(want.json())
     else:
         assert got.content == want.content
@@ -284,4 +289,73 @@ def test_requests_spread_and_a_dying_decode_instance_loses_nothing(pd):
         want = list(pool.map(lambda b: _stream_text(pd["mixed"].url, b), bodies))
     assert got == want
     time.sleep(0.5)
+    _assert_all_free(pd)
+
+
+def _evicted_later(pd, send) -> tuple[Any, Any, float]:
+    """Run ``send(url)`` on coord_tiny while a 250-token generation already fills its D
+    (so the later request is the one evicted and recomputed, issue 22), and on the mixed
+    instance: (coordinator answer, mixed answer, recomputes counted by coord_tiny)."""
+    before = _metric(pd["coord_tiny"], "coordinator_recomputes")
+    started = threading.Event()
+    filler = _long("Write a long story about a dragon.", 250)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fill = pool.submit(_stream_text, pd["coord_tiny"].url, filler, started)
+        assert started.wait(120)
+        got = send(pd["coord_tiny"].url)
+        fill.result()
+    want = send(pd["mixed"].url)
+    return got, want, _metric(pd["coord_tiny"], "coordinator_recomputes") - before
+
+
+def test_recomputed_non_stream_answer_keeps_every_logprob(pd):
+    """A non-stream answer with logprobs whose request was evicted on D and recomputed
+    on P lists every token's entry, equal to a mixed server's (greedy): D's retry body
+    carries the logprobs of the tokens so far (``origin_logprobs``)."""
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "The capital of France is",
+            "max_tokens": 250,
+            "ignore_eos": True, "logprobs": 2, "temperature": 0}
+
+    def send(url: str) -> httpx.Response:
+        return _post(url, "/v1/completions", body)
+
+    got, want, recomputes = _evicted_later(pd, send)
+    assert got.status_code == want.status_code == 200, got.text
+    assert recomputes >= 1
+    g = got.json()["choices"][0]["logprobs"]
+    assert len(g["tokens"]) == len(g["token_logprobs"]) == 250
+    assert normalise(got.content) == normalise(want.content)
+    _assert_all_free(pd)
+
+
+def test_recomputed_triton_binary_infer_equals_mixed(pd, live):
+    """Triton's binary tensors (Inference-Header-Content-Length) through an eviction and
+    a recompute: the recompute body carries the bytes (``origin_binary``), the answer is
+    a mixed server's, byte for byte but its id."""
+    import numpy as np
+
+    ids = live.chat_ids("Tell me a long story about a dragon.")  # a long answer
+    head = orjson.dumps({"inputs": [{"name": "input0", "datatype": "UINT32",
+                                     "shape": [1, len(ids)],
+                                     "parameters": {"binary_data_size": 4 * len(ids),
+                                                    "max_new_tokens": 250}}],
+                         "outputs": [{"name": "output0",
+                                      "parameters": {"binary_data": True}}]})
+    raw = head + np.asarray(ids, dtype="<u4").tobytes()
+    path = "/v2/models/SmolLM2-135M-Instruct.Q4_1/infer"
+
+    def send(url: str) -> httpx.Response:
+        return httpx.post(url + path, content=raw, timeout=180, headers={
+            "content-type": "application/octet-stream",
+            "inference-header-content-length": str(len(head))})
+
+    got, want, recomputes = _evicted_later(pd, send)
+    assert got.status_code == want.status_code == 200, got.text
+    assert recomputes >= 1
+    assert got.headers["content-type"] == want.headers["content-type"] \
+        == "application/octet-stream"
+    gn = int(got.headers["inference-header-content-length"])
+    wn = int(want.headers["inference-header-content-length"])
+    assert got.content[gn:] == want.content[wn:] and len(got.content[gn:]) > 0
+    assert _clean(orjson.loads(got.content[:gn])) == _clean(orjson.loads(want.content[:wn]))
     _assert_all_free(pd)

@@ -49,11 +49,6 @@ async def test_tritonclient_ready_and_infer(server):
     model = server.engine.model_name
     ids = server.chat_ids("What is the capital of France?")
 
-    # PD: the JSON encoding only. Binary tensor data (Triton's binary extension, the
-    # client's default) does not cross PD's text hand-off yet (DecodeParameters.body and
-    # /dresult messages are text, PD spec §6.3): P answers 500.
-    binary = server.kind == "mixed"
-
     def call() -> tuple[bool, bool, list[int], list[int]]:
         c = tc.InferenceServerClient(url=addr(server), network_timeout=120)
         try:
@@ -62,13 +57,16 @@ async def test_tritonclient_ready_and_infer(server):
             res2 = c.infer(model, [inp2], outputs=[tc.InferRequestedOutput(
                 "output0", binary_data=False)], parameters={"max_new_tokens": 12})
             out2 = res2.as_numpy("output0").ravel().tolist()
-            out = out2
-            if binary:
-                inp = tc.InferInput("input0", [1, len(ids)], "UINT32")
-                inp.set_data_from_numpy(np.array([ids], dtype=np.uint32))  # binary (default)
-                res = c.infer(model, [inp], request_id="tc1",
-                              parameters={"max_new_tokens": 12})
-                out = res.as_numpy("output0").ravel().tolist()
+            # binary tensors (Triton's binary extension, the client's default) in and out;
+            # PD: the body travels base64 to D, the answer's bytes back (pd/wire.py)
+            inp = tc.InferInput("input0", [1, len(ids)], "UINT32")
+            inp.set_data_from_numpy(np.array([ids], dtype=np.uint32))
+            res = c.infer(model, [inp], request_id="tc1", parameters={"max_new_tokens": 12})
+            assert res.get_response()["id"] == "tc1"
+            out = res.as_numpy("output0").ravel().tolist()
+            # one token: the answer is P's (it finishes before a hand-off)
+            res1 = c.infer(model, [inp], parameters={"max_new_tokens": 1})
+            assert res1.as_numpy("output0").ravel().tolist() == out[:1]
             return c.is_server_ready(), c.is_model_ready(model), out, out2
         finally:
             c.close()
@@ -198,17 +196,46 @@ async def test_triton_metadata_and_tokenizer(server, client):
     model = server.engine.model_name
     cfg = (await client.get(f"/v2/models/{model}/config")).json()
     assert cfg["max_seq_len"] == server.engine.max_model_len
-    if server.kind == "mixed":  # an instance's slots: PD has one per instance (below)
-        slots = (await client.get(f"/v2/models/{model}/getSlotCount")).json()
-        assert slots["total_slots"] == server.engine.cfg.max_batch_size
+    await server.assert_idle_and_leak_free()
+    r = await client.get(f"/v2/models/{model}/getSlotCount")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    slots = r.json()
+    assert set(slots) == {"total_slots", "free_slots", "available_tokens_length"}
+    if server.kind == "mixed":
+        assert slots["total_slots"] == slots["free_slots"] == server.engine.cfg.max_batch_size
         st = server.engine.stats()
         assert slots["available_tokens_length"] == st.num_free_blocks * server.engine.cfg.block_size
-    else:
+    else:  # [I] a cluster's slots are the sum of its instances' (P and D)
+        each = []
         for inst in (server.pair.p, server.pair.d):
             async with httpx.AsyncClient(base_url=inst.url, timeout=30) as c:
-                slots = (await c.get(f"/v2/models/{model}/getSlotCount")).json()
-            assert slots["total_slots"] == server.engine.cfg.max_batch_size
+                each.append((await c.get(f"/v2/models/{model}/getSlotCount")).json())
+        assert each[0]["total_slots"] == server.engine.cfg.max_batch_size
+        assert slots == {k: each[0][k] + each[1][k] for k in slots}
+        assert slots["free_slots"] == slots["total_slots"]  # idle
+    r = await client.get("/v2/models/no-such-model/getSlotCount")
+    assert r.status_code == 404 and "error" in r.json()
     r = await client.post("/v1/tokenizer", json={"inputs": "Hello world"})
     assert r.status_code == 200
     out = r.json()
     assert out["token_number"] == len(out["tokens"]) and "".join(out["tokens"]) == "Hello world"
+
+
+async def test_health_timed_and_metrics_json(server, client):
+    """``/health/timed``, ``/health/timed-{n}`` and ``/metrics-json`` (spec §3.6, §7.6)
+    answer on PD's coordinator what a mixed server answers (PD: a P's, issue 22)."""
+    for path in ("/health/timed", "/health/timed-1"):
+        r = await client.get(path)
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.json() == {"status": "healthy"}
+    r = await client.get("/health/timed-x")
+    assert r.status_code == 404
+    r = await client.get("/metrics-json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert body["resultType"] == "vector" and body["result"]
+    names = {m["metric"][0]["__name__"] for m in body["result"]}
+    assert names == {"TTFT", "TBT", "waitingInferRequestNum", "processingInferRequestNum",
+                     "remainBlocks"}
+    await server.assert_idle_and_leak_free()

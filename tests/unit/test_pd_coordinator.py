@@ -32,7 +32,7 @@ from tokenserve.config.flags import parse_instances
 from tokenserve.config.tree import CoordinatorConfig, InstanceAddr
 from tokenserve.coordinator.app import serve_coordinator
 from tokenserve.coordinator.reqids import ReqIdGenerator
-from tokenserve.pd.wire import close_message, encode, vllm_body
+from tokenserve.pd.wire import WholeAnswer, close_message, encode, vllm_body
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Router
@@ -125,6 +125,7 @@ class FakeServer:
     async def start(self) -> None:
         router = self.router()
         router.post("/v2/models/{model}/stopInfer", self._stop)
+        router.get("/v2/models/{model}/getSlotCount", self._slots)
         self.server = HttpServer(router)
         await self.server.start("127.0.0.1", 0)
 
@@ -134,6 +135,17 @@ class FakeServer:
 
     def router(self) -> Router:
         raise NotImplementedError
+
+    #: this fake's getSlotCount answer (total, free, tokens)
+    slots = (10, 7, 1600)
+
+    async def _slots(self, request: HttpRequest, response: HttpResponse) -> None:
+        if request.path_params["model"] != MODEL:
+            await response.send(404, b'{"error":"no such model"}')
+            return
+        total, free, tokens = self.slots
+        await response.send_json(200, {"total_slots": total, "free_slots": free,
+                                       "available_tokens_length": tokens})
 
     async def _stop(self, request: HttpRequest, response: HttpResponse) -> None:
         self.stops.append((request.path, orjson.loads(request.body)))
@@ -1014,3 +1026,43 @@ async def test_d_request_no_flow_waits_for_is_stopped_once() -> None:
         await until(lambda: d.stops)
         await asyncio.sleep(0.1)
         assert [b for _, b in d.stops] == [{"id": "1234"}]
+
+
+@bounded
+async def test_slot_count_is_the_sum_over_p_and_d() -> None:
+    """``getSlotCount`` on the coordinator: every usable P and D asked, fields summed
+    ([I] a cluster's slots); a P's 404 for an unknown model is relayed."""
+    async with cluster((100, 100), n_p=2) as cl:
+        cl.ds[0].slots = (20, 15, 3200)
+        r = await cl.client.get(f"/v2/models/{MODEL}/getSlotCount")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.json() == {"total_slots": 10 + 10 + 20 + 10, "free_slots": 7 + 7 + 15 + 7,
+                            "available_tokens_length": 1600 * 3 + 3200}
+        r = await cl.client.get("/v2/models/other/getSlotCount")
+        assert r.status_code == 404 and r.json() == {"error": "no such model"}
+
+
+@bounded
+async def test_a_binary_whole_answer_from_d_or_p_keeps_its_bytes_and_headers() -> None:
+    """D's ``lastBytes`` / P's ``outputBytes`` (Triton's binary tensors): the client gets
+    the bytes, content type and headers the instance's handler sent."""
+    raw = b'{"id":"x"}' + bytes(range(256))
+    whole = WholeAnswer("application/octet-stream",
+                        {"Inference-Header-Content-Length": "10"}, raw).encode()
+    body = {"inputs": [TRITON_IDS]}
+    for on_p in (False, True):
+        async def script(p: FakeP, request: HttpRequest, on_p: bool = on_p
+                         ) -> tuple[int, bytes]:
+            rid = request.headers["req-id"]
+            if on_p:
+                obj = orjson.loads(p_answer(rid, False, last=True, output=""))
+                return 200, orjson.dumps({**obj, "outputBytes": whole})
+            cl.d_for(request).say(rid, ("ids", "3,1,2,3,9"), ("lastBytes", whole))
+            return 200, p_answer(rid, False)
+
+        async with cluster() as cl:
+            cl.script(script)
+            r = await cl.client.post(f"/v2/models/{MODEL}/infer", json=body)
+            assert r.status_code == 200 and r.content == raw, on_p
+            assert r.headers["content-type"] == "application/octet-stream"
+            assert r.headers["inference-header-content-length"] == "10"

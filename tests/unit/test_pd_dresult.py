@@ -107,3 +107,51 @@ def test_a_field_without_end_is_bounded() -> None:
     parser.feed(b"reqId:1\0data:0123456789")
     with pytest.raises(ValueError):
         parser.feed(b"0123456789")
+
+
+# ---------------------------------------------------------------------- whole answers
+
+
+def test_whole_answer_round_trips_binary_bytes_without_nul_on_the_wire():
+    from tokenserve.pd.wire import WholeAnswer, encode
+
+    raw = b'{"id":"x"}' + bytes(range(256))
+    w = WholeAnswer("application/octet-stream",
+                    {"Inference-Header-Content-Length": "10"}, raw)
+    text = w.encode()
+    assert "\0" not in text
+    encode("r1", "lastBytes", text)  # a valid /dresult message
+    assert WholeAnswer.decode(text) == w
+
+
+def test_whole_answer_needed_only_for_non_json_or_extra_headers():
+    from tokenserve.pd.wire import WholeAnswer
+
+    assert not WholeAnswer.needed("application/json", {})
+    assert WholeAnswer.needed("application/octet-stream", {})
+    assert WholeAnswer.needed("application/json", {"x": "1"})
+
+
+@pytest.mark.parametrize("text", ["", "{}", "[1]", '{"contentType":"a","headers":{},"body":"@@"}'])
+def test_whole_answer_rejects_malformed_text(text):
+    from tokenserve.pd.wire import WholeAnswer
+
+    with pytest.raises(ValueError):
+        WholeAnswer.decode(text)
+
+
+def test_decode_parameters_body_base64_and_json_length():
+    import base64
+
+    from tokenserve.pd.decode import client_body, json_length
+
+    raw = b'{"a":1}' + b"\xff\x00\x01\x02"
+    params = {"bodyB64": base64.b64encode(raw).decode(),
+              "headers": {"inference-header-content-length": "7"}}
+    assert client_body(params) == raw
+    assert json_length(params, raw) == 7
+    assert client_body({"body": '{"a":1}'}) == b'{"a":1}'
+    assert json_length({"headers": {}}, raw) == len(raw)
+    assert json_length({"headers": {"inference-header-content-length": "99"}}, raw) == len(raw)
+    with pytest.raises(ValueError):
+        client_body({"bodyB64": "@@"})

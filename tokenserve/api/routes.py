@@ -61,6 +61,10 @@ class Coord(str, enum.Enum):
     FORWARD = "forward"  # to the least loaded P, answer unchanged
     STOP = "stop"  # stopInfer: to the instances holding the request (else a P)
     MANAGE = "manage"  # the coordinator's own (management port, metrics)
+    #: [I] every usable instance (P and D) is asked; numeric fields of their 200 answers
+    #: are summed (a cluster's slots are the sum of its instances'), else the first
+    #: non-200 answer is relayed
+    SUM = "sum"
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,8 @@ ROUTES: tuple[Route, ...] = (
        coordinator=Coord.FORWARD),
     _r("GET", f"{_M}/config", "triton.model_config", _F.TRITON, _B, "triton.model_config",
        coordinator=Coord.FORWARD),
-    _r("GET", f"{_M}/getSlotCount", "triton.slot_count", _F.TRITON, _MG, "triton.slot_count"),
+    _r("GET", f"{_M}/getSlotCount", "triton.slot_count", _F.TRITON, _MG, "triton.slot_count",
+       coordinator=Coord.SUM),
     _r("POST", "/v1/tokenizer", "mindie.tokenizer", _F.MINDIE, _B, "mindie_extra.tokenizer",
        coordinator=Coord.FORWARD),
     _r("POST", f"{_M}/stopInfer", "mindie.stop_infer", _F.MINDIE, _B, "mindie_extra.stop_infer",
@@ -205,13 +210,16 @@ ROUTES: tuple[Route, ...] = (
     # --- server: health, management, metrics (spec §3.6, §7) -------------------------------
     _r("GET", "/health", "server.health", _F.SERVER, _MG, "server.health",
        coordinator=Coord.FORWARD),
-    _r("GET", "/health/timed", "server.health_timed", _F.SERVER, _MG, "management.timed"),
-    _r("GET", "/health/timed-{n}", "server.health_timed_n", _F.SERVER, _MG, "management.timed"),
+    _r("GET", "/health/timed", "server.health_timed", _F.SERVER, _MG, "management.timed",
+       coordinator=Coord.FORWARD),
+    _r("GET", "/health/timed-{n}", "server.health_timed_n", _F.SERVER, _MG, "management.timed",
+       coordinator=Coord.FORWARD),
     _r("GET", "/v1/config", "server.config", _F.SERVER, _MG, "management.config",
        coordinator=Coord.FORWARD),
     _r("GET", "/metrics", "server.metrics", _F.SERVER, _MT, "metrics.prometheus",
        coordinator=Coord.MANAGE),
-    _r("GET", "/metrics-json", "server.metrics_json", _F.SERVER, _MG, "metrics.json"),
+    _r("GET", "/metrics-json", "server.metrics_json", _F.SERVER, _MG, "metrics.json",
+       coordinator=Coord.FORWARD),
     # --- PD instance side (PD spec §4-§6, §8-§9) ----------------------------------------------
     _r("GET", "/v1/status", "pd.status_v1", _F.SERVER, _MG, "pd.status_v1"),
     _r("GET", "/v2/status", "pd.status_v2", _F.SERVER, _MG, "pd.status_v2"),

@@ -18,7 +18,9 @@ One module per job: :mod:`~tokenserve.coordinator.reqids` (request ids),
 
 Other routes on the same port (the route table's coordinator column): ``GET /health``,
 ``/v1/models[/{m}]``, ``/info``, ``/v1/config``, ``/v2``, ``/v2/models/{m}[/config]`` and
-``POST /v1/tokenizer`` are forwarded to a P; the §9.4 status probes (``/v1/startup``,
+``POST /v1/tokenizer``, ``/health/timed[-{n}]`` (a virtual inference on that P) and
+``/metrics-json`` (that P's metrics, [I]) are forwarded to a P; Triton's
+``getSlotCount`` is the sum over the usable instances ([I]); the §9.4 status probes (``/v1/startup``,
 ``/v1/health``, ``/v1/readiness``, ``/v2/health/live``, ``/v2/health/ready``,
 ``/v2/models/{m}/ready``) answer 200 while a P and a D are usable, else 503.
 """
@@ -162,7 +164,8 @@ class Coordinator:
         """Every route of the coordinator (module docstring)."""
         router = Router()
         handlers = {Coord.RELAY: self.infer, Coord.PROBE: self.probe,
-                    Coord.FORWARD: self.forward, Coord.STOP: self.stop_infer}
+                    Coord.FORWARD: self.forward, Coord.STOP: self.stop_infer,
+                    Coord.SUM: self.sum_over_instances}
         manage = Management(self.pool, self.watch, self.unwatch,
                             lambda: [f.cost for f in self._flows.values()])
         own = {**manage.handlers(), "server.metrics": self.serve_metrics}
@@ -265,6 +268,61 @@ class Coordinator:
             return
         await response.send(resp.status_code, resp.content,
                             resp.headers.get("content-type", "application/json"))
+
+    async def sum_over_instances(self, request: HttpRequest, response: HttpResponse) -> None:
+        """The routes the table marks ``Coord.SUM`` (Triton's ``getSlotCount``, spec §6.2):
+        [I] every usable instance, P and D, is asked on the plane that serves the route;
+        the answer is their 200 answers with every numeric field summed (a cluster's
+        ``total_slots``, ``free_slots`` and ``available_tokens_length`` are the sums of
+        its instances'), so its shape and content type are a mixed server's. The first
+        non-200 answer (404 for a model the instances do not serve) is relayed
+        unchanged; 503 when no P or D is usable; 500 ``Connect to p instance failed``
+        when none answers."""
+        route = match(request.method, request.path)
+        if not self.pool.ready():
+            await _send_error(response, route, 503, msg.NOT_READY)
+            return
+        insts = [i for i in self.pool.prefill + self.pool.decode if i.usable()]
+        answers = await asyncio.gather(*(self._ask(i, route, request) for i in insts))
+        got = [a for a in answers if a is not None]
+        bad = next((a for a in got if a.status_code != 200), None)
+        if bad is not None or not got:
+            if bad is None:
+                await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
+            else:
+                await response.send(bad.status_code, bad.content,
+                                    bad.headers.get("content-type", "application/json"))
+            return
+        total: dict[str, Any] = {}
+        for a in got:
+            try:
+                part = orjson.loads(a.content)
+            except orjson.JSONDecodeError:
+                part = None
+            if not isinstance(part, dict):
+                await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
+                return
+            for key, value in part.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+                else:
+                    total.setdefault(key, value)
+        await response.send(200, orjson.dumps(total),
+                            got[0].headers.get("content-type", "application/json"))
+
+    async def _ask(self, inst: Instance, route: Route | None,
+                   request: HttpRequest) -> httpx.Response | None:
+        """The client's request sent to ``inst`` on the plane serving ``route``; None
+        when it fails."""
+        plane = route.plane if route is not None else Plane.BUSINESS
+        base = inst.addr.base_url if plane is Plane.BUSINESS else inst.addr.mgmt_url
+        url = base + request.path + (f"?{request.query}" if request.query else "")
+        try:
+            return await self._client_or_fail().request(
+                request.method, url, headers=forward_headers(request.headers),
+                content=request.body or None, timeout=self.cfg.status_timeout_s)
+        except httpx.HTTPError:
+            return None
 
     async def stop_infer(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v2/models/{m}/stopInfer`` (interfaces §2.3): ``{"id"}`` names a request

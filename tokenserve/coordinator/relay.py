@@ -21,6 +21,8 @@
         ids       -> token history (never relayed)
         data      -> stream: written as is
         lastData  -> stream: written, end; non-stream: the JSON body
+        lastBytes -> non-stream: the bytes, content type and headers it holds ([I]
+                     Triton's binary tensors, pd/wire.py WholeAnswer)
         error     -> stream: the family's error event, close; else 500, family shape
         retry     -> resubmit its body with is-recompute: true            [500 retry]
         (drop)    -> the D's /dresult ended: resubmit the recompute body built from
@@ -53,7 +55,7 @@ from tokenserve.coordinator.history import TokenHistory
 from tokenserve.coordinator.ingress import Ingress, forward_headers
 from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
-from tokenserve.pd.wire import DMessage, vllm_body
+from tokenserve.pd.wire import DMessage, WholeAnswer, vllm_body
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
 
 logger = logging.getLogger(__name__)
@@ -365,11 +367,23 @@ class Flow:
         elif last:
             if not isinstance(output, str):
                 raise Failure(500, msg.P_ERROR)
-            await resp.send(200, output.encode(), "application/json")
+            if isinstance(obj.get("outputBytes"), str):  # [I] not JSON text (pd/wire.py)
+                await self._send_whole(obj["outputBytes"])
+            else:
+                await resp.send(200, output.encode(), "application/json")
         self._first_byte()
         self._answered = True
         self._completed = last
         return last
+
+    async def _send_whole(self, text: str) -> None:
+        """A whole answer that is not JSON text (:class:`WholeAnswer`: Triton's binary
+        tensors), sent with its own bytes, content type and headers."""
+        try:
+            whole = WholeAnswer.decode(text)
+        except ValueError:
+            raise Failure(500, msg.P_ERROR) from None
+        await self._response.send(200, whole.body, whole.content_type, whole.headers)
 
     async def _on_p_error(self, reply: PReply) -> bool | None:
         """A non-200 P answer: forwarded unchanged, unless the request is being retried
@@ -485,6 +499,11 @@ class Flow:
                 await resp.end()
             else:
                 await resp.send(200, m.body.encode(), "application/json")
+            self._first_byte()
+            return True
+        elif m.kind == "lastBytes" and not stream:  # [I] not JSON text (pd/wire.py)
+            self._completed = True
+            await self._send_whole(m.body)
             self._first_byte()
             return True
         elif m.kind == "error":

@@ -13,6 +13,8 @@ the client's body, so every byte it sends is what a mixed instance would send::
     engine: replay output (P's tokens)  -> handler renders it; muted (P sent it already)
     engine: each decode step            -> handler renders -> ``data:`` on /dresult
     final output                        -> everything rendered after it -> one ``lastData:``
+                                           (a whole answer that is not JSON text, e.g.
+                                           Triton's binary tensors: ``lastBytes:``, [I])
     evicted (KV ran out), or the pull   -> ``retry:`` with the recompute body (§7.2)
     failed (P died)
     failure (pull, engine, timeout)     -> ``error:``
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import collections
 import logging
 import time
@@ -46,6 +49,7 @@ from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
 from tokenserve.api.engine_stream import observed
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
+from tokenserve.api.triton.handlers import BINARY_HEADER
 from tokenserve.messages import (
     KV_PULL_FAILED,
     FinishReason,
@@ -54,10 +58,15 @@ from tokenserve.messages import (
     RequestOutput,
 )
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
-from tokenserve.pd.prefill import decode_prompt_logprobs
-from tokenserve.pd.recompute import build_recompute_body, encode_history
+from tokenserve.pd.prefill import decode_prompt_logprobs, encode_prompt_logprobs
+from tokenserve.pd.recompute import (
+    ORIGIN_BINARY,
+    ORIGIN_LOGPROBS,
+    build_recompute_body,
+    encode_history,
+)
 from tokenserve.pd.sinks import CaptureResponse
-from tokenserve.pd.wire import HEARTBEAT, close_message, encode
+from tokenserve.pd.wire import HEARTBEAT, WholeAnswer, close_message, encode
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler, Router
@@ -155,6 +164,8 @@ class DecodeObserver:
         self.output_logprobs = decode_prompt_logprobs(params.get("firstTokenLogprobs"))
         if self.output_logprobs is not None and None in self.output_logprobs:
             raise ValueError("firstTokenLogprobs holds a null")
+        #: the logprobs of ``delivered`` when the request asked (a recompute carries them)
+        self.delivered_logprobs: list[Any] = list(self.output_logprobs or ())
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():
@@ -191,6 +202,7 @@ class DecodeObserver:
         self.pending_ids += out.new_token_ids
         if not out.finished:
             self.delivered.extend(out.new_token_ids)
+            self.delivered_logprobs.extend(out.logprobs or ())
             return
         self.final = True
         pull_failed = (out.finish_reason is FinishReason.ERROR
@@ -200,6 +212,12 @@ class DecodeObserver:
             # as an eviction is, not failed
             rb = build_recompute_body(self.params["path"], self.body,
                                       [*self.prompt, *self.delivered], len(self.prompt))
+            raw = client_body(self.params)
+            tail = raw[json_length(self.params, raw):]
+            if tail:  # [I] Triton's binary tensors ride along, base64 (pd/recompute.py)
+                rb[ORIGIN_BINARY] = base64.b64encode(tail).decode()
+            if self.delivered_logprobs and len(self.delivered_logprobs) == len(self.delivered):
+                rb[ORIGIN_LOGPROBS] = encode_prompt_logprobs(tuple(self.delivered_logprobs))
             self.send_last("retry", orjson.dumps(rb).decode())
         elif out.finish_reason in FAILED_FINISH:
             self.send_last("error", failure_text(out))
@@ -217,7 +235,7 @@ class DecodeObserver:
         if self.done:
             return
         self.done = True
-        ids = self._ids() if kind == "lastData" else b""
+        ids = self._ids() if kind in ("lastData", "lastBytes") else b""
         # " ": an empty field is ignored by the reader (§6.3); the coordinator sends a
         # blank stream lastData as nothing
         self.hub.publish(ids + encode(self.req_id, kind, body or " "))
@@ -242,10 +260,42 @@ class DecodeSink(CaptureResponse):
 
     def on_whole(self, status: int, body: bytes) -> None:
         text = body.decode("utf-8", errors="replace")
-        if status == 200:
+        if status == 200 and WholeAnswer.needed(self.content_type, self.headers):
+            # [I] bytes, content type and headers as a mixed server sends them (Triton's
+            # binary tensors): base64 in a lastBytes message
+            self.obs.send_last("lastBytes",
+                               WholeAnswer(self.content_type, self.headers, body).encode())
+        elif status == 200:
             self.obs.send_last("lastData", text)
         else:
             self.obs.send_last("error", _error_text(text))
+
+
+def client_body(params: dict[str, Any]) -> bytes:
+    """The client's body from ``DecodeParameters``: ``bodyB64`` [I] (bytes that are not
+    UTF-8 text: Triton's binary tensors) or ``body`` (text).
+
+    Raises:
+        ValueError: a malformed ``bodyB64``.
+        KeyError: neither is there.
+    """
+    b64 = params.get("bodyB64")
+    if b64 is None:
+        return params["body"].encode()
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, TypeError) as exc:
+        raise ValueError(f"bad bodyB64: {exc}") from None
+
+
+def json_length(params: dict[str, Any], raw: bytes) -> int:
+    """How many leading bytes of the client's body are its JSON: the client's
+    ``Inference-Header-Content-Length`` (Triton's binary extension, spec/interfaces.md
+    §6.4) when it is a number, else all of them (the handler itself rejects a bad one)."""
+    headers = params.get("headers") or {}
+    value = next((str(v) for k, v in headers.items()
+                  if str(k).lower() == BINARY_HEADER), "")
+    return int(value) if value.strip().isdigit() and int(value) <= len(raw) else len(raw)
 
 
 def _body(chunk: bytes) -> str:
@@ -344,7 +394,8 @@ class DecodeServer:
             raise HttpError(400, f"not a decode instance (role {self.node.role or 'none'})")
         try:
             params = parse_json_object(request.body, 64)
-            body = parse_json_object(params["body"].encode(), 64)
+            raw = client_body(params)
+            body = parse_json_object(raw[:json_length(params, raw)], 64)
             for key in ("reqId", "tokens", "firstToken", "path", "blockTable", "pNodeAddr",
                         "numComputed"):
                 params[key]
@@ -366,7 +417,7 @@ class DecodeServer:
             return
         inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
                             query=params.get("query", ""), headers=params.get("headers", {}),
-                            body=params["body"].encode(), disconnected=Signal(),
+                            body=raw, disconnected=Signal(),
                             arrival_time=time.monotonic(), path_params=path_params)
         # the coordinator learns the request's history first (plan: ids)
         self.hub.publish(encode(obs.req_id, "ids", encode_history(obs.prompt, obs.delivered)))

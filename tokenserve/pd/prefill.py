@@ -22,6 +22,7 @@ calls ``POST /v1/pd/release`` (management plane); P frees them then, or after
 from __future__ import annotations
 
 import base64
+import binascii
 import ipaddress
 import logging
 import re
@@ -35,6 +36,7 @@ from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_stream import RequestHandedOff, observed
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
+from tokenserve.api.triton.handlers import BINARY_HEADER
 from tokenserve.messages import (
     GenerateRequest,
     KvAdoption,
@@ -43,8 +45,9 @@ from tokenserve.messages import (
     TokenLogprob,
 )
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, RoleStatus, inter_comm_url
-from tokenserve.pd.recompute import parse_recompute_body
+from tokenserve.pd.recompute import ORIGIN_BINARY, ORIGIN_LOGPROBS, parse_recompute_body
 from tokenserve.pd.sinks import CaptureResponse
+from tokenserve.pd.wire import WholeAnswer
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler
@@ -96,7 +99,8 @@ class PrefillObserver:
     """The engine side of one P request (see the module docstring)."""
 
     def __init__(self, node: PdNode, req_id: str, target: str, request: HttpRequest,
-                 body: bytes, history: tuple[list[int], list[int]] | None,
+                 body: bytes,
+                 history: tuple[list[int], list[int], tuple[TokenLogprob, ...] | None] | None,
                  sink: CaptureResponse) -> None:
         self.node = node
         self.sink = sink
@@ -129,7 +133,7 @@ class PrefillObserver:
         adopt = None
         if self.history is not None:
             prompt = tuple(self.history[0])
-            adopt = KvAdoption(tuple(self.history[1]))
+            adopt = KvAdoption(tuple(self.history[1]), output_logprobs=self.history[2])
             self.delivered = len(self.history[1])
         self.greq = replace(greq, request_id=self.req_id, prompt_token_ids=prompt,
                             prefill_only=True, adopt=adopt)
@@ -178,7 +182,7 @@ class PrefillObserver:
             "path": self.request.path,
             "query": self.request.query,
             "headers": headers,
-            "body": self.body.decode("utf-8"),
+            **_client_body(self.body),
             "generatorState": (base64.b64encode(h.generator_state).decode()
                                if h.generator_state is not None else None),
             "numComputed": h.num_computed,
@@ -194,11 +198,20 @@ class PrefillObserver:
             # ours [I]: the prompt's logprobs (echo / prompt_logprobs /
             # decoder_input_details), so D's answer carries them as a mixed server's
             "promptLogprobs": encode_prompt_logprobs(self.prompt_logprobs),
-            # ours [I]: the logprobs of firstToken (when asked and none were replayed)
-            "firstTokenLogprobs": encode_prompt_logprobs(
-                tuple(self.output_logprobs)
-                if self.output_logprobs and not self.delivered else None),
+            # ours [I]: the logprobs of firstToken (when asked; a recompute: its history's
+            # entries first, as the recompute body carried them)
+            "firstTokenLogprobs": encode_prompt_logprobs(self._all_output_logprobs()),
         }
+
+    def _all_output_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The logprobs of every one of ``output_ids`` (a recompute's history first, as
+        the recompute body carried them), or None when they are not all known."""
+        history = () if not self.delivered else (
+            self.history[2] if self.history is not None else None)
+        if history is None:
+            return None
+        out = (*history, *self.output_logprobs)
+        return out if out and len(out) == len(self.output_ids) else None
 
     async def _send_decode(self) -> None:
         url = inter_comm_url(self.target, path_of("pd.decode"))
@@ -212,6 +225,31 @@ class PrefillObserver:
         ans = r.json()
         if not ans.get("isValidDecodeParameters"):
             raise RuntimeError(ans.get("errorMessage") or "D refused the request")
+
+
+def _binary_tail(restored: dict[str, Any]) -> bytes:
+    """The binary tensor bytes a restored recompute body carries in ``origin_binary``
+    (removed from it; :data:`~tokenserve.pd.recompute.ORIGIN_BINARY`), else ``b""``.
+
+    Raises:
+        HttpError: 422, a malformed ``origin_binary``.
+    """
+    b64 = restored.pop(ORIGIN_BINARY, None)
+    if b64 is None:
+        return b""
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, TypeError, ValueError) as exc:
+        raise HttpError(422, f"bad {ORIGIN_BINARY}: {exc}") from None
+
+
+def _client_body(body: bytes) -> dict[str, str]:
+    """``DecodeParameters.body`` (the client's body as text) or, for bytes that are not
+    UTF-8 (Triton's binary tensors, spec/interfaces.md §6.4), ``bodyB64`` [I]: base64."""
+    try:
+        return {"body": body.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"bodyB64": base64.b64encode(body).decode()}
 
 
 def encode_prompt_logprobs(entries: tuple[TokenLogprob | None, ...] | None
@@ -246,6 +284,11 @@ def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
     if sink.is_stream or last:
         body["isLastResp"] = last
         body["output"] = sink.text
+    if last and not sink.is_stream and WholeAnswer.needed(sink.content_type, sink.headers):
+        # [I] an answer that is not JSON text (Triton's binary tensors): its bytes,
+        # content type and headers, base64 (the coordinator sends them as they are)
+        body["outputBytes"] = WholeAnswer(sink.content_type, sink.headers,
+                                          b"".join(sink.chunks)).encode()
     return orjson.dumps(body)
 
 
@@ -268,10 +311,21 @@ async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
                 request.path, parse_json_object(request.body))
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        body, history = orjson.dumps(restored), (prompt, outputs)
+        tail = _binary_tail(restored)
+        try:
+            logprobs = decode_prompt_logprobs(restored.pop(ORIGIN_LOGPROBS, None))
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        if logprobs is not None and (len(logprobs) != len(outputs) or None in logprobs):
+            raise HttpError(422, f"{ORIGIN_LOGPROBS} must hold one entry per output token")
+        head = orjson.dumps(restored)
+        body, history = head + tail, (prompt, outputs, logprobs)
+        if tail:  # the JSON, then the binary tensors, as the client sent them
+            request = replace(request, headers={**request.headers,
+                                                BINARY_HEADER: str(len(head))})
     sink = CaptureResponse()
-    obs = PrefillObserver(node, req_id, target, request, body, history, sink)
     inner = replace(request, body=body)
+    obs = PrefillObserver(node, req_id, target, inner, body, history, sink)
     try:
         with observed(obs):
             await handler(inner, sink)

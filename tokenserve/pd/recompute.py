@@ -24,6 +24,14 @@ _TRITON_INFER = BY_NAME["triton.infer"]
 
 #: where the original prompt value is kept (spec §7.2, TGI/vLLM ``origin_inputs``).
 ORIGIN = "origin_inputs"
+#: [I] the binary tensor bytes that followed a Triton infer body's JSON (the
+#: ``Inference-Header-Content-Length`` extension, spec/interfaces.md §6.4), base64: a
+#: recompute body is JSON, P puts them back after the restored JSON
+ORIGIN_BINARY = "origin_binary"
+#: [I] the logprobs of the output tokens of the history (``DecodeParameters``'
+#: ``firstTokenLogprobs`` encoding), when the request asked for them: the recomputing P
+#: puts them on its replay output, so a non-stream answer lists every token's
+ORIGIN_LOGPROBS = "origin_logprobs"
 #: [I] for /infer bodies that used ``input_id``: which field held the original prompt.
 ORIGIN_FIELD = "origin_field"
 

@@ -19,7 +19,7 @@ from tokenserve.transport.errors import error_body
 class CaptureResponse:
     """Records a handler's answer (no socket). Attributes after the handler:
     ``status``, ``is_stream``, ``chunks`` (stream bytes or the whole body),
-    ``content_type``, ``finished``."""
+    ``content_type``, ``headers`` (a whole answer's), ``finished``."""
 
     def __init__(self) -> None:
         self.status: int | None = None
@@ -28,6 +28,8 @@ class CaptureResponse:
         self.close_connection = False
         self.is_stream = False
         self.content_type = "application/json"
+        #: the extra headers of a whole answer (Triton's binary extension)
+        self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
         #: set while the handler renders a replay output (tokens the client already has):
         #: stream writes are then dropped
@@ -40,6 +42,7 @@ class CaptureResponse:
             raise RuntimeError("response already started")
         self.started = self.finished = True
         self.status, self.content_type = status, content_type
+        self.headers = dict(headers or {})
         self.chunks.append(body)
         self.on_whole(status, body)
 

@@ -4,7 +4,8 @@
 D writes, on its one long-lived ``GET /dresult`` response towards the coordinator, a
 sequence of NUL-terminated text fields; a request message is two fields, a heartbeat one::
 
-    reqId:<id> NUL <kind>:<body> NUL        kind: data, lastData, error, retry, close, ids
+    reqId:<id> NUL <kind>:<body> NUL        kind: data, lastData, lastBytes, error, retry,
+                                                  close, ids
     ka:heartbeat NUL
 
 The coordinator parses it with :class:`DresultParser`, which is more tolerant than
@@ -18,7 +19,12 @@ reassembly, so a multi-byte character split across chunks survives.
 
 from __future__ import annotations
 
+import base64
+import binascii
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import orjson
 
 #: §6.3: the request id of a ``close`` message.
 CLOSE_ID = "0xffffffffffffffff"
@@ -27,7 +33,7 @@ CLOSE_TEXT = "new connection is to established, close the old one."
 #: §6.3: the keep-alive field D writes after 5 s without output.
 HEARTBEAT: bytes = b"ka:heartbeat\0"
 #: every kind the codec knows (§6.3 plus the plan's ``ids``).
-KINDS = frozenset({"data", "lastData", "error", "retry", "close", "ka", "ids"})
+KINDS = frozenset({"data", "lastData", "lastBytes", "error", "retry", "close", "ka", "ids"})
 #: a field longer than this (bytes, no NUL seen) is a broken stream, not a message.
 DEFAULT_MAX_FIELD_BYTES = 64 * 2**20
 
@@ -54,6 +60,44 @@ def vllm_body(body: str) -> str:
     chunk (``{json}\\0``, spec/interfaces.md §4.1) as a newline (JSON text never holds a
     raw one); this turns a vLLM stream body back into the bytes the client expects."""
     return body.replace("\n", "\0")
+
+
+@dataclass(frozen=True)
+class WholeAnswer:
+    """A whole (non-stream) answer that is not a plain JSON text: its bytes, content type
+    and extra headers (Triton's binary tensor extension: ``application/octet-stream``
+    with ``Inference-Header-Content-Length``, spec/interfaces.md §6.4)."""
+
+    content_type: str
+    headers: dict[str, str]
+    body: bytes
+
+    @staticmethod
+    def needed(content_type: str, headers: Mapping[str, str] | None) -> bool:
+        """Whether an answer with this content type and headers must travel as a
+        :class:`WholeAnswer` (a ``lastData`` body is text, sent as ``application/json``)."""
+        return bool(headers) or content_type != "application/json"
+
+    def encode(self) -> str:
+        """[I] The ``lastBytes`` body and P's ``outputBytes``: JSON
+        ``{"contentType", "headers", "body": base64}`` (never holds NUL)."""
+        return orjson.dumps({"contentType": self.content_type, "headers": self.headers,
+                             "body": base64.b64encode(self.body).decode()}).decode()
+
+    @staticmethod
+    def decode(text: str) -> WholeAnswer:
+        """The inverse of :meth:`encode`.
+
+        Raises:
+            ValueError: a malformed text."""
+        try:
+            obj = orjson.loads(text)
+            headers = {str(k): str(v) for k, v in obj["headers"].items()}
+            return WholeAnswer(str(obj["contentType"]), headers,
+                               base64.b64decode(obj["body"], validate=True))
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError,
+                binascii.Error) as exc:
+            raise ValueError(f"bad whole answer: {exc}") from None
 
 
 def close_message() -> bytes:
