@@ -645,6 +645,26 @@ async def test_p_error_while_retrying_is_sent_again_to_the_same_p() -> None:
 
 
 @bounded
+async def test_p_refusing_the_recompute_body_ends_the_request_at_once() -> None:
+    calls: list[str] = []
+
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        rid, d = request.headers["req-id"], cl.d_for(request)
+        calls.append(request.headers.get("is-recompute", "-"))
+        if len(calls) == 1:
+            d.say(rid, ("ids", "1,5"), ("retry", '{"inputs":"1,5","stream":true}'))
+            return 200, p_answer(rid, True, output=P_OUT)
+        return 422, b'{"error":"bad recompute body","error_type":"validation"}'
+
+    async with cluster() as cl:
+        cl.script(script)
+        r = await cl.client.post("/infer", json={"inputs": "hi", "stream": True})
+        # a 4xx P gives the resubmitted body is final: no retry with back-off
+        assert calls == ["-", "true"]
+        assert r.text == P_OUT + mindie_stream_error("bad recompute body")
+
+
+@bounded
 async def test_lost_d_is_recomputed_on_the_other_d_from_the_ids_history() -> None:
     recompute = recompute_module()
     body = {"inputs": "abc", "stream": True, "parameters": {"max_new_tokens": 8}}

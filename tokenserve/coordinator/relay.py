@@ -108,6 +108,24 @@ class PReply:
     body: bytes
 
 
+def refused_for_good(status: int) -> bool:
+    """A P answer that a resubmission of the same body would get again: a 4xx other than
+    408 (timeout) and 429 (busy)."""
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+def _error_text(body: bytes) -> str:
+    """The message of a P error body in any family's shape (``{"error": {"message"}}``,
+    ``{"error": "..."}``), else the body as text."""
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return body.decode(errors="replace")
+    if isinstance(err, dict):
+        err = err.get("message")
+    return err if isinstance(err, str) else body.decode(errors="replace")
+
+
 @dataclass(frozen=True)
 class FlowContext:
     """What a flow uses of its coordinator: config, instances, the upstream client and
@@ -389,6 +407,10 @@ class Flow:
         """A non-200 P answer: forwarded unchanged, unless the request is being retried
         (§7.3: again on the same P after ``retry_delay_s``) or its D was lost (another
         D at once)."""
+        if (self._recompute or self._d_lost) and refused_for_good(reply.status):
+            # [I] P refused the resubmitted body itself (a 4xx other than 408/429):
+            # sending it again cannot help; the client gets P's error now
+            raise Failure(reply.status, _error_text(reply.body))
         if self._recompute or self._d_lost:
             self._count_retry()
             if self._d_lost:
