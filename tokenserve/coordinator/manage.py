@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
 from tokenserve.config.tree import InstanceAddr
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
+
+T = TypeVar("T")
 
 KINDS = ("prefill", "decode")
 #: §9.4 ``static_info.role``: the character code of P, D or F (flex: both lists)
@@ -119,8 +121,14 @@ class Management:
             raise ValueError("the body must be a JSON object")  # noqa: TRY004 - 400
         return body
 
-    async def _bad(self, response: HttpResponse, exc: ValueError) -> None:
-        await response.send_json(400, {"error": str(exc)})
+    async def _parsed(self, request: HttpRequest, response: HttpResponse,
+                      parse: Callable[[dict[str, Any]], T]) -> T | None:
+        """``parse`` of the JSON body, or None once a 400 ``{"error"}`` is sent."""
+        try:
+            return parse(self._body(request))
+        except ValueError as exc:
+            await response.send_json(400, {"error": str(exc)})
+            return None
 
     async def instances(self, request: HttpRequest, response: HttpResponse) -> None:
         """``GET /v1/instances``."""
@@ -146,29 +154,23 @@ class Management:
 
     async def add(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/instances/add``."""
-        try:
-            members = parse_members(self._body(request))
-        except ValueError as exc:
-            await self._bad(response, exc)
+        members = await self._parsed(request, response, parse_members)
+        if members is None:
             return
         await response.send_json(200, {"result": "ok", "added": self._add(members)})
 
     async def remove(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/instances/remove``."""
-        try:
-            members = parse_members(self._body(request))
-        except ValueError as exc:
-            await self._bad(response, exc)
+        members = await self._parsed(request, response, parse_members)
+        if members is None:
             return
         insts = [i for m in members for i in self._pool.find(m.addr.name, m.kind)]
         await response.send_json(200, {"result": "ok", "removed": self._remove(insts)})
 
     async def refresh(self, request: HttpRequest, response: HttpResponse) -> None:
         """``POST /v1/instances/refresh`` (§9.4): the body is the whole membership."""
-        try:
-            members = parse_refresh(self._body(request))
-        except ValueError as exc:
-            await self._bad(response, exc)
+        members = await self._parsed(request, response, parse_refresh)
+        if members is None:
             return
         keep = {(m.kind, m.addr.name) for m in members}
         gone = [i for i in self._pool.prefill + self._pool.decode
@@ -187,10 +189,8 @@ class Management:
 
     async def _set_offline(self, request: HttpRequest, response: HttpResponse,
                            offline: bool) -> None:
-        try:
-            ids = parse_ids(self._body(request))
-        except ValueError as exc:
-            await self._bad(response, exc)
+        ids = await self._parsed(request, response, parse_ids)
+        if ids is None:
             return
         insts = [i for ident in ids for i in self._pool.find(self._ids.get(ident, ident))]
         unknown = [ident for ident in ids if not self._pool.find(self._ids.get(ident, ident))]
