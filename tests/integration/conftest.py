@@ -21,6 +21,19 @@ from tokenserve.engine.engine import AsyncEngine
 from tokenserve.server.app import serve
 
 
+async def hang_up_mid_stream(url: str, path: str, body: dict, sep: bytes, after: int) -> None:
+    """Stream ``body`` to ``path`` (status 200) and close the connection once ``after``
+    ``sep``-framed events have come."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c, \
+            c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        got = 0
+        async for chunk in r.aiter_bytes():
+            got += chunk.count(sep)
+            if got >= after:
+                break  # leaving the block closes the connection mid-stream
+
+
 @dataclass
 class LiveServer:
     engine: AsyncEngine
@@ -38,15 +51,7 @@ class LiveServer:
         """Stream ``body`` to ``path``, hang up after ``after`` events (``sep``-framed),
         then assert the engine aborted exactly that request and holds no KV blocks."""
         aborted_before = self.engine.stats().finished_by_reason.get("abort", 0)
-        async with httpx.AsyncClient(base_url=self.url, timeout=60) as c, \
-                c.stream("POST", path, json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            async for chunk in r.aiter_bytes():
-                got += chunk.count(sep)
-                if got >= after:
-                    break
-        # leaving the block closes the connection mid-stream
+        await hang_up_mid_stream(self.url, path, body, sep, after)
         await self.assert_idle_and_leak_free()
         assert self.engine.stats().finished_by_reason.get("abort", 0) == aborted_before + 1
 
@@ -195,14 +200,7 @@ class Target:
             await self.live.disconnect_mid_stream(path, body, sep, after)
             return
         before = await self.aborted()
-        async with httpx.AsyncClient(base_url=self.url, timeout=60) as c, \
-                c.stream("POST", path, json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            async for chunk in r.aiter_bytes():
-                got += chunk.count(sep)
-                if got >= after:
-                    break
+        await hang_up_mid_stream(self.url, path, body, sep, after)
         await self.assert_idle_and_leak_free()
         assert await self.aborted_at_least(before + 1) == before + 1
 

@@ -7,12 +7,14 @@ size; they run one OpenMP thread each, so several fit on a 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,3 +120,24 @@ def coordinator(tmp: Path, prefill: list[Proc], decode: list[Proc], *extra: str,
             "--prefill", ",".join(p.addr for p in prefill),
             "--decode", ",".join(d.addr for d in decode), *extra]
     return Proc(name, args, port, tmp / f"{name}.log")
+
+
+@contextlib.contextmanager
+def module_coordinators(pd: dict, tmp: Path, prefix: str) -> Iterator[dict]:
+    """The session's PD processes plus a module's own coordinators (a decode instance
+    serves one /dresult consumer): ``coord`` (p; d, d2) and ``coord_tiny`` (p; tiny, with
+    ``--max-retry 20``), named ``prefix`` and ``prefix_tiny``, stopped on exit."""
+    coords = {
+        "coord": coordinator(tmp, [pd["p"]], [pd["d"], pd["d2"]], name=prefix),
+        "coord_tiny": coordinator(tmp, [pd["p"]], [pd["tiny"]], "--max-retry", "20",
+                                  name=f"{prefix}_tiny"),
+    }
+    try:
+        for c in coords.values():
+            c.start()
+        for c in coords.values():
+            c.wait_ready("/v1/health")
+        yield {**pd, **coords}
+    finally:
+        for c in coords.values():
+            c.stop()

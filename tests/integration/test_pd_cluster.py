@@ -18,11 +18,10 @@ import httpx
 import orjson
 import pytest
 
-from tests.integration.pd_cluster import coordinator
+from tests.integration.pd_cluster import module_coordinators
 from tokenserve.api.routes import ROUTES, Coord, path_of
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
-#: fields that differ between two runs of the same request (ids, clocks, random seeds)
 #: fields that differ by timing or by the serving instance's state (``cached_tokens``: how
 #: much of the prompt that instance's prefix cache held), not by the answer
 VOLATILE = frozenset({"id", "created", "prefill_time", "decode_time", "seed",
@@ -50,21 +49,8 @@ def pd(pd, tmp_path_factory):
     """The session's PD processes plus this module's coordinators: ``coord`` (p; d, d2)
     and ``coord_tiny`` (p; tiny), stopped at the end of the module (each decode instance
     has one /dresult consumer)."""
-    tmp = tmp_path_factory.mktemp("coord")
-    coords = {
-        "coord": coordinator(tmp, [pd["p"]], [pd["d"], pd["d2"]], name="coord"),
-        "coord_tiny": coordinator(tmp, [pd["p"]], [pd["tiny"]], "--max-retry", "20",
-                                  name="coord_tiny"),
-    }
-    try:
-        for c in coords.values():
-            c.start()
-        for c in coords.values():
-            c.wait_ready("/v1/health")
-        yield {**pd, **coords}
-    finally:
-        for c in coords.values():
-            c.stop()
+    with module_coordinators(pd, tmp_path_factory.mktemp("coord"), "coord") as procs:
+        yield procs
 
 
 def _clean(obj: Any) -> Any:

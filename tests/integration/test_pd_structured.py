@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.integration.pd_cluster import coordinator
+from tests.integration.pd_cluster import module_coordinators
 from tests.integration.test_pd_cluster import _assert_all_free, _metric, _stream_text, normalise
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -41,21 +41,8 @@ CASES = [
 def pd(pd, tmp_path_factory):
     """The session's PD processes plus this module's coordinators (a decode instance
     serves one /dresult consumer): ``coord`` (p; d, d2), ``coord_tiny`` (p; tiny)."""
-    tmp = tmp_path_factory.mktemp("coord_so")
-    coords = {
-        "coord": coordinator(tmp, [pd["p"]], [pd["d"], pd["d2"]], name="coord_so"),
-        "coord_tiny": coordinator(tmp, [pd["p"]], [pd["tiny"]], "--max-retry", "20",
-                                  name="coord_so_tiny"),
-    }
-    try:
-        for c in coords.values():
-            c.start()
-        for c in coords.values():
-            c.wait_ready("/v1/health")
-        yield {**pd, **coords}
-    finally:
-        for c in coords.values():
-            c.stop()
+    with module_coordinators(pd, tmp_path_factory.mktemp("coord_so"), "coord_so") as procs:
+        yield procs
 
 
 def _post(url: str, path: str, body: dict) -> httpx.Response:

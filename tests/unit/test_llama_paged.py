@@ -11,10 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.tiny_llama import tiny_llama_pair
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights
 from tokenserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -22,18 +21,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    hc = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
-    hf = transformers.LlamaForCausalLM(hc).eval().float()
-    d = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(d)
-    cfg = ModelConfig.from_dir(d)
-    ours = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, torch.float32),
-                                            torch.float32, torch.device("cpu"))
-    return hf, ours
+    return tiny_llama_pair(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def hf_logits(hf, ids):

@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.tiny_llama import tiny_llama_pair
 from tokenserve.api.openai.protocol import (
     LOGPROB_FLOOR,
     completion_prompt_logprobs,
@@ -26,8 +27,6 @@ from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import _Tracked
 from tokenserve.messages import FinishReason, PromptLogprobs, ScheduledSeq, SeqStart, StepPlan
 from tokenserve.messages import TokenLogprob as TL
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights
 from tokenserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -35,17 +34,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    hc = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
-    hf = transformers.LlamaForCausalLM(hc).eval().float()
-    d = tmp_path_factory.mktemp("tiny-llama-plp")
-    hf.save_pretrained(d)
-    ours = LlamaForCausalLM.from_state_dict(ModelConfig.from_dir(d), load_weights(d, torch.float32),
-                                            torch.float32, torch.device("cpu"))
-    return hf, ours
+    return tiny_llama_pair(tmp_path_factory.mktemp("tiny-llama-plp"))
 
 
 @pytest.mark.parametrize("chunks", [[11], [4, 4, 3], [1, 7, 3]])
