@@ -16,24 +16,18 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import platform
-import subprocess
 import time
 
 import torch
 
+from tokenserve.bench.server import cpu_summary as server_cpu_summary
+
 
 def cpu_summary() -> str:
-    """``lscpu`` model name and the SIMD flags that decide our code paths."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    want = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert"]
-    return (f"{info.get('Model name', '?').strip()}, {torch.get_num_threads()} threads, "
-            f"flags: {' '.join(f for f in want if f in flags)}")
+    """``lscpu`` model name and SIMD flags (:func:`tokenserve.bench.server.cpu_summary`), and
+    the thread count."""
+    model, flags = server_cpu_summary().split(", flags: ", 1)
+    return f"{model}, {torch.get_num_threads()} threads, flags: {flags}"
 
 
 class Timers:

@@ -28,6 +28,9 @@
 #define TS_TARGET_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 // AVX-512 with the bf16 pair dot product (vdpbf16ps).
 #define TS_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+// AVX-512 with the int16 pair dot product (vpdpwssd), F16C and FMA: the block-quantised GEMMs.
+#define TS_TARGET_AVX512VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 namespace tokenserve {
 

@@ -154,6 +154,10 @@ constexpr int64_t kQuantMr = 4;
 // The most rows compute_groups (csrc/quant_act.h) takes per tile (its scratch size).
 constexpr int64_t kQuantMrCap = 6;
 
+// Activation rows per AVX-512 VNNI tile of csrc/quant.cpp (two groups, 16 weight rows): a
+// row keeps 3 zmm (acc, summ, isum) of the 32, so 8 rows leave room for the weight vectors.
+constexpr int64_t kQuantMrAvx512 = 8;
+
 // Groups of 8 weight rows per work unit of run_units (csrc/quant_act.h).
 constexpr int64_t kQuantGroupsPerUnit = 2;
 

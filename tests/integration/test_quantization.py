@@ -57,7 +57,10 @@ _ids = itertools.count()
 def test_auto_resolution():
     assert resolve_quantization("auto", None) == "gguf"
     assert resolve_quantization("auto", None, torch.bfloat16, 8) == "gguf"
-    assert resolve_quantization("auto", None, torch.bfloat16, 200) == "none"  # bf16 wins at 16+
+    # AVX2: bf16 wins at 16+; AVX-512 VNNI: the blocks win at every batch size
+    assert resolve_quantization("auto", None, torch.bfloat16, 200, quant_isa="avx2") == "none"
+    assert resolve_quantization("auto", None, torch.bfloat16, 200,
+                                quant_isa="avx512vnni") == "gguf"
     assert resolve_quantization("gguf", None, torch.bfloat16, 200) == "gguf"
     assert resolve_quantization("auto", None, torch.float32) == "none"
     assert resolve_quantization("none", None) == "none"

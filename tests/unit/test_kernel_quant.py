@@ -147,13 +147,56 @@ def test_portable_path_same_bits(qtype, dtype):
         assert torch.equal(slow, _gemm(x.float(), qw).to(slow.dtype))
 
 
+def _isas() -> list:
+    """The inner loops quant_gemm can take, with a skip where this CPU lacks one."""
+    f = C.cpu_features() if C is not None and hasattr(C, "cpu_features") else {}
+    return [pytest.param("avx512vnni", id="avx512vnni", marks=[] if f.get("avx512vnni") else
+                         [pytest.mark.skip(reason="this CPU has no AVX-512 VNNI")]),
+            pytest.param("avx2", id="avx2", marks=[] if f.get("avx2_fma") else
+                         [pytest.mark.skip(reason="this CPU has no AVX2+FMA")]),
+            pytest.param("portable", id="portable")]
+
+
+@pytest.fixture
+def isa(request):
+    """quant_gemm held on one inner loop for the test (the hooks restore the old state)."""
+    old_p = C._quant_force_portable(request.param == "portable")
+    old_a = C._quant_force_avx2(request.param == "avx2")
+    yield request.param
+    C._quant_force_portable(old_p)
+    C._quant_force_avx2(old_a)
+
+
 @needs_c
+@pytest.mark.parametrize("isa", _isas(), indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_row_invariance_batch_and_threads(qtype):
-    """Bit for bit: a row alone == the same row at every position of batches of 1..65 rows,
-    and with 1 or 2 threads."""
+def test_row_invariance_batch_and_threads(qtype, isa):
+    """Bit for bit, on each inner loop this CPU has: a row alone == the same row at every
+    position of batches of 1..65 rows, and with 1 or 2 threads."""
     _, qw = _weight(131, 576, qtype)
     assert_rows_invariant(lambda x: _gemm(x, qw), _x(65, 576), (2, 3, 5, 17, 65))
+
+
+@needs_c
+@pytest.mark.skipif(C is None or not C.cpu_features().get("avx512vnni", False),
+                    reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("N,K", [(8, 32), (24, 64), (131, 576), (1536, 576), (576, 1536)])
+def test_avx512_tiles_same_bits_as_avx2(qtype, N, K):
+    """The AVX-512 VNNI tiles (two 8-row groups per zmm, 1..8 rows, an odd last group on the
+    AVX2 tile) give the AVX2 tiles' bits for every batch size, bias or none, bf16 or fp32 out."""
+    _, qw = _weight(N, K, qtype)
+    bias = torch.randn(N) if N % 2 else None
+    for M in (1, 2, 3, 7, 8, 9, 16, 17, 64):
+        x = _x(M, K, torch.bfloat16)
+        for od in (torch.float32, torch.bfloat16):
+            fast = _gemm(x, qw, bias, od)
+            old = C._quant_force_avx2(True)
+            try:
+                ref = _gemm(x, qw, bias, od)
+            finally:
+                C._quant_force_avx2(old)
+            assert torch.equal(fast, ref), (M, od)
 
 
 @needs_c

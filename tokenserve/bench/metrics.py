@@ -129,6 +129,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, *,
         "output_throughput": per_s(out_tokens),
         "total_token_throughput": per_s(out_tokens + in_tokens),
         "ttft_ms": distribution((r.ttft for r in done if r.ttft is not None), 1e3),
+        # prompt tokens per second of TTFT (send to first token: prefill, one sample and
+        # the HTTP round trip); at concurrency 1 the prefill speed a client sees
+        "prefill_tok_s": distribution(r.input_len / r.ttft for r in done
+                                      if r.ttft is not None and r.ttft > 0),
         "tpot_ms": distribution((t for r in done if (t := tpot(r)) is not None), 1e3),
         "itl_ms": distribution((x for r in done for x in r.itl), 1e3),
         "e2e_ms": distribution((r.e2e for r in done), 1e3),

@@ -92,6 +92,20 @@ def format_table(results: dict[str, Any]) -> str:
     if "ignore_eos" in m:
         notes.append(f"ignore_eos {'sent' if m['ignore_eos'] else 'not sent'}")
     lines.append("; ".join(notes))
+    if m.get("cpu"):
+        lines.append(f"CPU: {m['cpu']}")
+    pre = [f"c={lv['concurrency']} " + "/".join(
+        f"{lv[k]['prefill_tok_s']['mean']:.0f}" for k in ("ours", "llamacpp")
+        if lv.get(k) is not None and (lv[k].get("prefill_tok_s") or {}).get("mean") is not None)
+        for lv in results["levels"]]
+    if pre:
+        who = target + ("/llamacpp" if any(lv.get("llamacpp") for lv in results["levels"])
+                        else "")
+        lines.append(f"prefill tok/s (prompt tokens / TTFT, mean; {who}): " + ", ".join(pre))
+    rss = [(target, m.get("peak_rss_mib")), ("llamacpp", (m.get("llamacpp") or {}).get(
+        "peak_rss_mib"))]
+    if any(v is not None for _, v in rss):
+        lines.append("peak RSS: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in rss if v is not None))
     lc = m.get("llamacpp")
     if lc:
         what = lc.get("command") or lc.get("url")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import shlex
 import signal
 import socket
@@ -31,6 +32,24 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+#: the CPU flags that decide the kernels' code paths (csrc/cpu_features.h)
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+              "avx_ne_convert")
+
+
+def cpu_summary() -> str:
+    """``lscpu``'s model name and the SIMD flags of :data:`SIMD_FLAGS` it lists, e.g.
+    ``AMD EPYC 9R14, flags: avx2 fma avx512f avx512_bf16 avx512_vnni``."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "?"
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    return (f"{info.get('Model name', '?').strip()}, flags: "
+            f"{' '.join(f for f in SIMD_FLAGS if f in flags)}")
 
 
 class ChildServer:
@@ -68,6 +87,20 @@ class ChildServer:
         self.stop()
         raise RuntimeError(f"{self.name} was not healthy within {timeout_s:.0f} s:\n"
                            f"{self.log_tail()}")
+
+    def peak_rss_mib(self) -> float | None:
+        """The server process's peak resident set (``VmHWM`` of ``/proc/PID/status``, MiB)
+        so far; None when it is not running or not on Linux."""
+        if self.proc is None:
+            return None
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
 
     def log_tail(self, n: int = 4000) -> str:
         self._log.flush()

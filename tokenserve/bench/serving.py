@@ -37,7 +37,7 @@ from typing import Any
 from tokenserve.api.routes import path_of
 from tokenserve.bench.clients import BACKENDS, get_backend, send_engine, send_http
 from tokenserve.bench.metrics import RequestRecord, compare, summarize
-from tokenserve.bench.server import LlamaServer, ServerProcess, llama_server_ctx
+from tokenserve.bench.server import LlamaServer, ServerProcess, cpu_summary, llama_server_ctx
 from tokenserve.bench.structured import RESPONSE_FORMATS, mask_counters_from_metrics
 from tokenserve.bench.workload import (
     DATASETS,
@@ -466,7 +466,10 @@ def run_llamacpp(args: argparse.Namespace, slices: Sequence[Sequence[BenchReques
                                    backend_name="llamacpp"))
     finally:
         if server is not None:
+            meta_rss = server.peak_rss_mib()
             server.stop()
+    if server is not None:
+        meta["peak_rss_mib"] = meta_rss
     return levels, meta
 
 
@@ -519,6 +522,7 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], mode: str, url: str | N
         "baseline": args.baseline, "ignore_eos": _ignore_eos(args),
         "response_format": args.response_format,
         "system": "llamacpp" if args.backend == "llamacpp" else "ours",
+        "cpu": cpu_summary(),
         "llamacpp": None, "cpus": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": tf_version,
@@ -628,6 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_name = args.served_model_name or local_name
     need_ctx = max(r.input_len for r in [*wl, *warm]) + max(r.output_len for r in [*wl, *warm])
     llama_meta: dict[str, Any] | None = None
+    ours_rss: float | None = None
     try:
         if args.engine_only:
             ours = run_loop(run_engine(args, slices, warm))
@@ -651,6 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if server is not None:
+            ours_rss = server.peak_rss_mib()
             server.stop()
             server = None
     llama, llama_failed = None, False
@@ -664,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     meta = _meta(args, argv, mode, args.url or url, model_dir, model_name)
     meta["llamacpp"] = llama_meta
+    meta["peak_rss_mib"] = ours_rss
     results = assemble(args, meta, ours, base, llama)
     print(report.format_table(results))
     if args.out:

@@ -33,6 +33,8 @@ from tokenserve.models.gguf_convert import (
     is_complete_conversion,
     read_quantized_tensors,
 )
+from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.linear import quant_isa as this_cpu_quant_isa
 from tokenserve.ops.quant_blocks import FROM_GGML, QuantWeight
 from tokenserve.ops.quant_int8 import quantize_int8
 
@@ -347,26 +349,31 @@ def gguf_source(model: str | None) -> Path | None:
     return p if p.is_file() and p.suffix.lower() == ".gguf" else None
 
 
-#: ``auto`` picks ``gguf`` only up to this many running requests: on AVX2 (no VNNI) the
-#: quantised GEMMs of one decode step are 1.9x faster than bf16 at batch 1, 1.3x at 4,
-#: 1.06x at 8 and slower beyond (0.7x at 16-64; bench/README.md "Quantised weights"). The
-#: choice is per engine, never per step: two arithmetics would break batch invariance.
+#: Without AVX-512 VNNI ``auto`` picks ``gguf`` only up to this many running requests: on
+#: AVX2 the quantised GEMMs of one decode step are 1.9x faster than bf16 at batch 1, 1.3x at
+#: 4, 1.06x at 8 and slower beyond (0.7x at 16-64; bench/README.md "Quantised weights").
+#: With VNNI (``vpdpwssd``, two 8-row groups per zmm) they are the fastest path at every
+#: batch size, so ``auto`` picks ``gguf`` whatever the batch (bench/README.md "One default
+#: weight path"). The choice is per engine, never per step: two arithmetics would break
+#: batch invariance.
 AUTO_GGUF_MAX_BATCH = 8
 
 
 def resolve_quantization(quantization: str, model: str | None,
                          dtype: torch.dtype = torch.bfloat16,
-                         max_batch_size: int | None = None) -> str:
+                         max_batch_size: int | None = None,
+                         quant_isa: str | None = None) -> str:
     """``gguf``, ``int8`` or ``none`` for a ``--quantization`` choice.
 
     ``int8`` (weight-only, per output channel) applies to any model and is never chosen by
     ``auto``.
 
-    ``auto`` -> ``gguf`` for a GGUF model served at the default bfloat16 with at most
-    :data:`AUTO_GGUF_MAX_BATCH` running requests (``max_batch_size``; None: not limited
-    here), where reading its blocks beats 3x more bf16 bytes; ``none`` for a Hugging Face
-    directory, an explicit ``float32`` (asked-for precision gets the dequantised weights) or
-    larger batches. ``gguf`` needs a GGUF model.
+    ``auto`` -> ``gguf`` for a GGUF model served at the default bfloat16 where the block
+    GEMM's inner loop (``quant_isa``; None: this CPU's, :func:`tokenserve.ops.linear.quant_isa`)
+    is ``avx512vnni``, or else with at most :data:`AUTO_GGUF_MAX_BATCH` running requests
+    (``max_batch_size``; None: not limited here); ``none`` for a Hugging Face directory, an
+    explicit ``float32`` (asked-for precision gets the dequantised weights) or larger batches
+    on AVX2. ``gguf`` needs a GGUF model.
 
     Raises:
         ValueError: an unknown choice, or ``gguf`` for a model that is not a GGUF file.
@@ -375,9 +382,13 @@ def resolve_quantization(quantization: str, model: str | None,
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "int8":
         return "int8"
+    if quantization == "auto" and quant_isa is None and max_batch_size is not None \
+            and max_batch_size > AUTO_GGUF_MAX_BATCH:
+        quant_isa = this_cpu_quant_isa(load_kernels())
     if quantization == "none" or (quantization == "auto" and (
             dtype != torch.bfloat16
-            or (max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH))):
+            or (max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH
+                and quant_isa != "avx512vnni"))):
         return "none"
     src = gguf_source(model)
     if quantization == "gguf" and src is None:

@@ -26,7 +26,8 @@ says which, for the start-up log):
     it is not batch-invariant and is never the default.
 ``"tokenserve.quant_gemm"``
     a :class:`~tokenserve.ops.quant_blocks.QuantWeight` (the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks,
-    regrouped 8 rows per block once: ``repack_x8``) on our AVX2 kernel (``csrc/quant.cpp``):
+    regrouped 8 rows per block once: ``repack_x8``) on our kernel (``csrc/quant.cpp``; AVX-512
+    VNNI where the CPU has it, else AVX2, the same bits):
     activations quantised to int16 per 32-block, exact integer block dots, fp32
     accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
 ``"tokenserve.quant_k_gemm"``
@@ -94,6 +95,14 @@ def forced_backend() -> str:
 def vector_isa(c) -> str:
     """The inner loop our FMA-chain kernels run on this CPU: ``"avx2"`` or ``"portable"``."""
     return "avx2" if c is not None and c.cpu_features().get("avx2_fma", False) else "portable"
+
+
+def quant_isa(c) -> str:
+    """The inner loop of ``quant_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpwssd`` on two
+    8-row groups per zmm), ``"avx2"`` or ``"portable"``; all three give the same bits."""
+    if c is not None and c.cpu_features().get("avx512vnni", False):
+        return "avx512vnni"
+    return vector_isa(c)
 
 
 def pair_dot_available(c) -> bool:
@@ -172,7 +181,7 @@ class Linear:
                 self._c, self._packed = c, None
                 self._bias_f32 = None if bias is None else bias.float().contiguous()
                 self.backend = f"tokenserve.{op}"
-                self.isa = vector_isa(c)
+                self.isa = quant_isa(c) if op == "quant_gemm" else vector_isa(c)
                 return
             weight = dequantize_ref(weight).to(fallback_dtype)
         if weight.dim() != 2:
