@@ -40,11 +40,13 @@ def _best_ms(fn, reps: int = 7) -> float:
 
 def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
     """One ``step`` row per M: ``ms_ours`` (quantised), ``ms_bf16`` (our bf16 GEMM), ratio
-    bf16 / quantised (> 1: quantised faster), and the weight bytes each streams."""
+    bf16 / quantised (> 1: quantised faster), and the weight bytes each streams; on an
+    AVX-512 VNNI CPU also a row of the VNNI tiles against the AVX2 tiles (``ms_ref``)."""
     c = load_kernels()
     if c is None or not hasattr(c, "quant_gemm") or not hasattr(c, "gemm"):
         raise RuntimeError("tokenserve._C with quant_gemm and gemm is not built")
     g = torch.Generator().manual_seed(0)
+    vnni = bool(c.cpu_features().get("avx512vnni")) and hasattr(c, "_quant_force_avx2")
 
     def rand(n: int, k: int) -> torch.Tensor:
         return torch.randn(n, k, generator=g) * k ** -0.5
@@ -80,6 +82,15 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
         rows.append({"name": "step", "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tq,
                      "ms_bf16": tb, "ratio": tb / tq, "MB_ours": q_bytes / 1e6,
                      "MB_bf16": b_bytes / 1e6})
+        if vnni:  # the AVX-512 VNNI tiles against the AVX2 tiles they replaced (same bits)
+            old = c._quant_force_avx2(True)
+            try:
+                ta = _best_ms(q_step)
+            finally:
+                c._quant_force_avx2(old)
+            rows.append({"name": "step avx512vnni vs avx2 tiles",
+                         "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tq,
+                         "ms_ref": ta, "ratio": ta / tq})
     return rows
 
 

@@ -33,7 +33,10 @@ def weight_paths() -> list:
          None if f.get("avx512bf16") else "bf16 pair-dot GEMM: this CPU has no AVX512_BF16"
          if built else "tokenserve._C not built"),
         ("bf16-fma", "c-fma", "none", None if built else "tokenserve._C not built"),
-        ("gguf", "c", "gguf", None if built else "tokenserve._C not built"),
+        # the block GEMM's AVX-512 VNNI and AVX2 tiles give the same bits (unit tests:
+        # tests/unit/test_kernel_quant.py), so the id names the one this CPU runs
+        (f"gguf-{'avx512vnni' if f.get('avx512vnni') else 'avx2'}", "c", "gguf",
+         None if built else "tokenserve._C not built"),
     ]
     return [pytest.param((gemm, quant), id=name,
                          marks=[pytest.mark.skip(reason=why)] if why else [])

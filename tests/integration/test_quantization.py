@@ -35,6 +35,8 @@ from tokenserve.messages import GenerateRequest
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import (
     ModelConfig,
+    BLOCKS_CACHE,
+    _load_gguf_blocks,
     default_gguf_path,
     load_weights,
     resolve_model,
@@ -52,6 +54,35 @@ needs_c = pytest.mark.skipif(
     reason="tokenserve._C (quant_gemm, int8_gemm) not built")
 
 _ids = itertools.count()
+
+
+def _same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, QuantWeight):
+            assert (x.qtype, x.shape) == (y.qtype, y.shape) and torch.equal(x.data, y.data), k
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y), k
+
+
+def test_gguf_blocks_cache_round_trip_and_stale_file(tmp_path):
+    """The first load parses the GGUF and saves its tensors beside the converted model; the
+    next load reads them back bit for bit; a cache written for another set of kept formats
+    (or a damaged one) is ignored and rewritten."""
+    src = default_gguf_path()
+    parsed = _load_gguf_blocks(src, torch.bfloat16, None)
+    first = _load_gguf_blocks(src, torch.bfloat16, tmp_path)
+    assert (tmp_path / BLOCKS_CACHE).is_file()
+    _same_weights(parsed, first)
+    _same_weights(parsed, _load_gguf_blocks(src, torch.bfloat16, tmp_path))
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(tmp_path / BLOCKS_CACHE),
+              metadata={"formats": '["Q4_0"]', "tensors": '{"x": null}'})
+    _same_weights(parsed, _load_gguf_blocks(src, torch.bfloat16, tmp_path))
+    (tmp_path / BLOCKS_CACHE).write_bytes(b"not a safetensors file")
+    _same_weights(parsed, _load_gguf_blocks(src, torch.bfloat16, tmp_path))
+    _same_weights(parsed, _load_gguf_blocks(src, torch.bfloat16, tmp_path))  # rewritten
 
 
 def test_auto_resolution():
