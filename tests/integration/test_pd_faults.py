@@ -94,7 +94,9 @@ def test_killed_p_requests_retry_or_503_and_the_restarted_p_serves_again(cl):
     coord = coordinator(cl["tmp"], [cl["p"], p2], [d3], name="coord_pkill").start()
     try:
         coord.wait_ready("/v1/readiness")
-        story = " ".join(["Once upon a time a cat walked along the river bank."] * 30)
+        # ~1,450 prompt tokens: the P holds it for its prefill (~1 s or more on 2 cores, on
+        # every weight path), long enough for the poll below to see it
+        story = " ".join(["Once upon a time a cat walked along the river bank."] * 120)
         bodies = [{"prompt": f"{story} Count from {i} to fifty: {i},", "max_tokens": 24,
                    "ignore_eos": True, "temperature": 0} for i in range(8)]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -200,7 +202,9 @@ def test_management_port_offline_p_and_add_d(cl):
         while httpx.get(mgmt + "/v1/readiness", timeout=10).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        story = " ".join(["Once upon a time a cat walked along the river bank."] * 30)
+        # ~1,450 prompt tokens: the P holds it for its prefill (~1 s or more on 2 cores, on
+        # every weight path), long enough for the poll below to see it
+        story = " ".join(["Once upon a time a cat walked along the river bank."] * 120)
         body = {"prompt": story, "stream": True, "max_tokens": 120, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             stream = pool.submit(_stream_chunks, coord.url, body)
