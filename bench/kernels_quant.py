@@ -39,7 +39,8 @@ def _best_ms(fn, reps: int = 7) -> float:
 
 
 def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
-    """One ``step`` row per M: ``ms_ours`` (quantised), ``ms_bf16`` (our bf16 GEMM), ratio
+    """One ``step`` row per M: ``ms_ours`` (quantised), ``ms_bf16`` (our bf16 GEMM in the
+    layout the server uses here: pair-dot on AVX512_BF16 CPUs, else the FMA chain), ratio
     bf16 / quantised (> 1: quantised faster), and the weight bytes each streams; on an
     AVX-512 VNNI CPU also a row of the VNNI tiles against the AVX2 tiles (``ms_ref``)."""
     c = load_kernels()
@@ -47,6 +48,9 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
         raise RuntimeError("tokenserve._C with quant_gemm and gemm is not built")
     g = torch.Generator().manual_seed(0)
     vnni = bool(c.cpu_features().get("avx512vnni")) and hasattr(c, "_quant_force_avx2")
+    # the bf16 layout the server uses on this CPU: k pairs (vdpbf16ps) where it has
+    # AVX512_BF16, else the FMA chain's panels
+    pairs = bool(c.cpu_features().get("avx512bf16"))
 
     def rand(n: int, k: int) -> torch.Tensor:
         return torch.randn(n, k, generator=g) * k ** -0.5
@@ -55,9 +59,10 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
     for _ in range(LAYERS):
         ws = [(rand(n, k), n) for _, n, k in LAYER_SHAPES]
         q_layers.append([(repack_x8(quantize_ref(w, qtype)), n) for w, n in ws])
-        b_layers.append([(c.gemm_prepack(w.bfloat16()), n) for w, n in ws])
+        b_layers.append([(c.gemm_prepack(w.bfloat16(), pairs), n) for w, n in ws])
     head = rand(VOCAB, HIDDEN)
-    q_head, b_head = repack_x8(quantize_ref(head, "q8_0")), c.gemm_prepack(head.bfloat16())
+    q_head = repack_x8(quantize_ref(head, "q8_0"))
+    b_head = c.gemm_prepack(head.bfloat16(), pairs)
     q_bytes = sum(w.nbytes for layer in q_layers for w, _ in layer) + q_head.nbytes
     b_bytes = sum(p.numel() * 2 for layer in b_layers for p, _ in layer) + b_head.numel() * 2
     rows = []
