@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenserve.bench import server
+
 HERE = Path(__file__).resolve().parent
 #: the modules the kernel work is expected to provide (reported when absent)
 EXPECTED = ("gemm", "attention", "layer", "sampling")
@@ -213,19 +215,8 @@ def format_table(module: str, rows: Sequence[dict[str, Any]] | None, error: str 
 
 def parse_lscpu(text: str) -> dict[str, Any]:
     """Model name, CPU count and the :data:`FLAGS` present, from ``lscpu`` (or
-    ``/proc/cpuinfo``) text."""
-    model = cpus = None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key, val = key.strip().lower(), val.strip()
-        if key in ("model name",) and model is None:
-            model = val
-        elif key == "cpu(s)" and cpus is None:
-            cpus = val
-        elif key in ("flags", "features"):
-            flags |= set(val.split())
-    return {"model": model, "cpus": cpus, "flags": {f: f in flags for f in FLAGS}}
+    ``/proc/cpuinfo``) text (:func:`tokenserve.bench.server.parse_lscpu`)."""
+    return server.parse_lscpu(text, FLAGS)
 
 
 def parse_load(uptime_text: str) -> str | None:
@@ -245,13 +236,7 @@ def _run(cmd: Sequence[str]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    text = _run(["lscpu"])
-    if not text:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            text = ""
-    info = parse_lscpu(text)
+    info = parse_lscpu(server.lscpu_text())
     load = parse_load(_run(["uptime"]))
     if load is None and hasattr(os, "getloadavg"):
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())

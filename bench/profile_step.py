@@ -20,14 +20,15 @@ import time
 
 import torch
 
-from tokenserve.bench.server import cpu_summary as server_cpu_summary
+from tokenserve.bench.server import lscpu_text, parse_lscpu
 
 
 def cpu_summary() -> str:
-    """``lscpu`` model name and SIMD flags (:func:`tokenserve.bench.server.cpu_summary`), and
-    the thread count."""
-    model, flags = server_cpu_summary().split(", flags: ", 1)
-    return f"{model}, {torch.get_num_threads()} threads, flags: {flags}"
+    """``lscpu`` model name, the thread count and the SIMD flags
+    (:data:`tokenserve.bench.server.SIMD_FLAGS`) present."""
+    info = parse_lscpu(lscpu_text())
+    return (f"{info['model'] or '?'}, {torch.get_num_threads()} threads, "
+            f"flags: {' '.join(f for f, on in info['flags'].items() if on)}")
 
 
 class Timers:

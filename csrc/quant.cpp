@@ -35,11 +35,13 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "cpu_features.h"
 #include "quant_act.h"
@@ -236,30 +238,29 @@ TS_TARGET_AVX512VNNI void tile_avx512(const int16_t* __restrict xq, const float*
 
 using Tile2Fn = void (*)(const int16_t*, const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
-template <int QT>
-Tile2Fn pick_tile2(int mr) {
-  switch (mr) {
-    case 1: return &tile_avx512<QT, 1>;
-    case 2: return &tile_avx512<QT, 2>;
-    case 3: return &tile_avx512<QT, 3>;
-    case 4: return &tile_avx512<QT, 4>;
-    case 5: return &tile_avx512<QT, 5>;
-    case 6: return &tile_avx512<QT, 6>;
-    case 7: return &tile_avx512<QT, 7>;
-    default: return &tile_avx512<QT, 8>;
-  }
+// Every row count of each tile kind, indexed [qtype][rows - 1]: the AVX2 tiles (1..6 rows,
+// one group) and the AVX-512 VNNI tiles (1..8 rows, two groups).
+template <int QT, size_t... I>
+constexpr std::array<TileFn, sizeof...(I)> avx2_tiles(std::index_sequence<I...>) {
+  return {&tile_avx2<QT, int(I) + 1>...};
 }
+template <int QT, size_t... I>
+constexpr std::array<Tile2Fn, sizeof...(I)> avx512_tiles(std::index_sequence<I...>) {
+  return {&tile_avx512<QT, int(I) + 1>...};
+}
+constexpr auto kAvx2Rows = std::make_index_sequence<size_t(kQuantMrCap)>{};
+constexpr auto kAvx512Rows = std::make_index_sequence<size_t(kQuantMrAvx512)>{};
+constexpr std::array<std::array<TileFn, kQuantMrCap>, 3> kAvx2Tiles = {
+    avx2_tiles<Q4_0>(kAvx2Rows), avx2_tiles<Q4_1>(kAvx2Rows), avx2_tiles<Q8_0>(kAvx2Rows)};
+constexpr std::array<std::array<Tile2Fn, kQuantMrAvx512>, 3> kAvx512Tiles = {
+    avx512_tiles<Q4_0>(kAvx512Rows), avx512_tiles<Q4_1>(kAvx512Rows),
+    avx512_tiles<Q8_0>(kAvx512Rows)};
 
-template <int QT>
-TileFn pick_tile(int mr) {
-  switch (mr) {
-    case 1: return &tile_avx2<QT, 1>;
-    case 2: return &tile_avx2<QT, 2>;
-    case 3: return &tile_avx2<QT, 3>;
-    case 4: return &tile_avx2<QT, 4>;
-    case 5: return &tile_avx2<QT, 5>;
-    default: return &tile_avx2<QT, 6>;
-  }
+// The AVX2 tile of qtype qt for mr rows (1..kQuantMrCap).
+inline TileFn pick_tile(int qt, int mr) { return kAvx2Tiles[qt][std::clamp<int>(mr, 1, kQuantMrCap) - 1]; }
+// The AVX-512 VNNI tile of qtype qt for mr rows (1..kQuantMrAvx512).
+inline Tile2Fn pick_tile2(int qt, int mr) {
+  return kAvx512Tiles[qt][std::clamp<int>(mr, 1, kQuantMrAvx512) - 1];
 }
 #endif  // TS_X86
 
@@ -300,14 +301,11 @@ void compute_block_avx512(int qt, const int16_t* xq, const float* xds, int64_t K
     for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
       const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
       if (ng == 2) {
-        Tile2Fn fn = qt == Q4_0 ? pick_tile2<Q4_0>(mr) : qt == Q4_1 ? pick_tile2<Q4_1>(mr) : pick_tile2<Q8_0>(mr);
-        fn(xq + m * K, xds + m * nb * 2, K, wg, gstride, out, 2 * RG);
+        pick_tile2(qt, mr)(xq + m * K, xds + m * nb * 2, K, wg, gstride, out, 2 * RG);
       } else {
         for (int r0 = 0; r0 < mr; r0 += int(kQuantMrCap)) {  // AVX2 tiles of <= 6 rows
           const int r1 = std::min(mr, r0 + int(kQuantMrCap));
-          TileFn fn = qt == Q4_0 ? pick_tile<Q4_0>(r1 - r0) : qt == Q4_1 ? pick_tile<Q4_1>(r1 - r0)
-                                                                         : pick_tile<Q8_0>(r1 - r0);
-          fn(xq + (m + r0) * K, xds + (m + r0) * nb * 2, K, wg, out + r0 * 2 * RG, 2 * RG);
+          pick_tile(qt, r1 - r0)(xq + (m + r0) * K, xds + (m + r0) * nb * 2, K, wg, out + r0 * 2 * RG, 2 * RG);
         }
       }
       store_tile16(out, mr, ncols, bias, y, y_bf16, N, m, g * RG);
@@ -327,8 +325,7 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, int64
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
     if (avx2) {
-      TileFn fn = qt == Q4_0 ? pick_tile<Q4_0>(mr) : qt == Q4_1 ? pick_tile<Q4_1>(mr) : pick_tile<Q8_0>(mr);
-      fn(xq + m * K, xds + m * nb * 2, K, wg, tile, RG);
+      pick_tile(qt, mr)(xq + m * K, xds + m * nb * 2, K, wg, tile, RG);
       return;
     }
 #endif

@@ -8,12 +8,15 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from tokenserve.api.routes import path_of
 
@@ -39,17 +42,44 @@ SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"
               "avx_ne_convert")
 
 
-def cpu_summary() -> str:
-    """``lscpu``'s model name and the SIMD flags of :data:`SIMD_FLAGS` it lists, e.g.
-    ``AMD EPYC 9R14, flags: avx2 fma avx512f avx512_bf16 avx512_vnni``."""
+def parse_lscpu(text: str, flags: Sequence[str] = SIMD_FLAGS) -> dict[str, Any]:
+    """Model name, CPU count and which of ``flags`` are present, from ``lscpu`` (or
+    ``/proc/cpuinfo``) text: ``{"model", "cpus", "flags": {flag: bool}}``."""
+    model = cpus = None
+    present: set[str] = set()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key, val = key.strip().lower(), val.strip()
+        if key == "model name" and model is None:
+            model = val
+        elif key == "cpu(s)" and cpus is None:
+            cpus = val
+        elif key in ("flags", "features"):
+            present |= set(val.split())
+    return {"model": model, "cpus": cpus, "flags": {f: f in present for f in flags}}
+
+
+def lscpu_text() -> str:
+    """``lscpu``'s output (``LC_ALL=C``), else ``/proc/cpuinfo``, else ``""``."""
+    if shutil.which("lscpu"):
+        try:
+            return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                                  check=True, env={**os.environ, "LC_ALL": "C"}).stdout
+        except (OSError, subprocess.SubprocessError):
+            pass
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "?"
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    return (f"{info.get('Model name', '?').strip()}, flags: "
-            f"{' '.join(f for f in SIMD_FLAGS if f in flags)}")
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cpu_summary() -> str:
+    """The CPU model and the :data:`SIMD_FLAGS` it has, e.g. ``AMD EPYC, flags: avx2 fma
+    avx512f avx512_bf16 avx512_vnni``."""
+    info = parse_lscpu(lscpu_text())
+    return (f"{info['model'] or platform.processor() or '?'}, flags: "
+            f"{' '.join(f for f, on in info['flags'].items() if on)}")
 
 
 class ChildServer:
@@ -107,8 +137,10 @@ class ChildServer:
         with open(self._log.name, "rb") as f:
             return f.read()[-n:].decode("utf-8", "replace")
 
-    def stop(self) -> None:
-        """SIGINT (graceful), then SIGTERM, then SIGKILL; only this child."""
+    def stop(self) -> float | None:
+        """SIGINT (graceful), then SIGTERM, then SIGKILL; only this child. Returns its
+        :meth:`peak_rss_mib` just before the signal (None when it was not running)."""
+        rss = self.peak_rss_mib()
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             for sig, wait in ((signal.SIGINT, 15), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
@@ -123,6 +155,7 @@ class ChildServer:
             os.unlink(self._log.name)
         except OSError:
             pass
+        return rss
 
 
 class ServerProcess(ChildServer):

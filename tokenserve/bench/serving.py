@@ -465,11 +465,9 @@ def run_llamacpp(args: argparse.Namespace, slices: Sequence[Sequence[BenchReques
         levels = run_loop(run_http(args, url, "llamacpp", tokenizer, slices, warm,
                                    backend_name="llamacpp"))
     finally:
-        if server is not None:
-            meta_rss = server.peak_rss_mib()
-            server.stop()
+        rss = server.stop() if server is not None else None
     if server is not None:
-        meta["peak_rss_mib"] = meta_rss
+        meta["peak_rss_mib"] = rss
     return levels, meta
 
 
@@ -656,8 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if server is not None:
-            ours_rss = server.peak_rss_mib()
-            server.stop()
+            ours_rss = server.stop()
             server = None
     llama, llama_failed = None, False
     if args.backend != "llamacpp" and (args.llama_server or args.llamacpp_url):
