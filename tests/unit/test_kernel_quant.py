@@ -178,6 +178,28 @@ def test_row_invariance_batch_and_threads(qtype, isa):
 
 
 @needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_thread_ranges_and_stealing_same_bits(qtype):
+    """Each thread walks its own contiguous range of work units and then takes units from
+    the others' ranges (csrc/quant_act.h run_units): with 3 and 5 threads on this machine's
+    cores (oversubscribed, so some threads finish their range early and steal), every
+    batch size gives the one-thread bits."""
+    _, qw = _weight(1000, 576, qtype)
+    threads = torch.get_num_threads()
+    try:
+        for M in (1, 2, 9, 64):
+            x = _x(M, 576, torch.bfloat16)
+            torch.set_num_threads(1)
+            ref = _gemm(x, qw)
+            for n in (3, 5):
+                torch.set_num_threads(n)
+                for _ in range(3):
+                    assert torch.equal(_gemm(x, qw), ref), (M, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_c
 @pytest.mark.skipif(C is None or not C.cpu_features().get("avx512vnni", False),
                     reason="this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("qtype", QTYPES)
