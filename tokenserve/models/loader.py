@@ -384,13 +384,13 @@ def resolve_quantization(quantization: str, model: str | None,
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "int8":
         return "int8"
-    if quantization == "auto" and quant_isa is None and max_batch_size is not None \
-            and max_batch_size > AUTO_GGUF_MAX_BATCH:
-        quant_isa = this_cpu_quant_isa(load_kernels())
-    if quantization == "none" or (quantization == "auto" and (
-            dtype != torch.bfloat16
-            or (max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH
-                and quant_isa != "avx512vnni"))):
+    if quantization == "auto":
+        large = max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH
+        if large and quant_isa is None:
+            quant_isa = this_cpu_quant_isa(load_kernels())
+        if dtype != torch.bfloat16 or (large and quant_isa != "avx512vnni"):
+            return "none"
+    if quantization == "none":
         return "none"
     src = gguf_source(model)
     if quantization == "gguf" and src is None:
