@@ -166,8 +166,9 @@ void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, AfterRow&& afte
 // results bit-identical.
 //
 // Measured (Zen 5, 2 threads, the 30 layers + lm_head of a batch-1 step on their own
-// weights, bench/kernels_quant.py at M = 1, four runs each): 2.75-3.19 ms with contiguous
-// ranges vs 3.02-4.67 ms with the previous interleaved batches of units/16.
+// weights, bench/kernels_quant.py at M = 1, the two builds alternated four times):
+// 3.27-3.76 ms with these ranges vs 3.78-4.64 ms with the previous interleaved batches of
+// units / 16 (bench/README.md "One default weight path on AMD Zen 5").
 template <class Fn>
 void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
   constexpr int64_t GPU = kQuantGroupsPerUnit;
