@@ -1,6 +1,6 @@
 """Batch invariance of a served model over HTTP (issue 20's equality checks, on the server a
-user runs): the generated token ids of a request, greedy and seeded sampled, must be
-identical
+user runs): the generated tokens, text and logprobs of a request, greedy and seeded
+sampled, must be identical
 
 * alone vs among 63 other concurrent requests (random prompts, lengths, sampling),
 * with whole-prompt prefill vs chunked prefill (a second server with a small token budget
