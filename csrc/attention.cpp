@@ -335,6 +335,17 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
     const int64_t off = (blk * P.Hkv + it.kvh) * head_elems * P.esize;
     const void* K = P.k_cache + off;
     const void* V = P.v_cache + off;
+#ifdef TS_X86
+    // The block's K rows to L1 and V rows to L2 before they are read: a block of a (block,
+    // kv head) is one contiguous run ([nk, D]) in a cache scattered over ~1 GiB, whose 4 KB
+    // pages the hardware prefetchers do not cross, so without this the reads wait on one
+    // miss after another. Decode at 64 rows, context 80, 30 layers' own caches (Intel
+    // Sapphire Rapids, 2 threads, bench/README.md): 9.0-11.7 -> 6.8-7.0 ms per step.
+    for (int64_t o = 0, bytes = int64_t(nk) * D * int64_t(P.esize); o < bytes; o += 64) {
+      _mm_prefetch(static_cast<const char*>(K) + o, _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(V) + o, _MM_HINT_T1);
+    }
+#endif
     int ldkv = D;
     bool kv_bf16 = P.bf16;
     if (stage) {
