@@ -1,4 +1,5 @@
-"""Micro-benchmark of the quantised GEMM (``csrc/quant.cpp``) against our bf16 GEMM.
+"""Micro-benchmark of the quantised GEMMs (``csrc/quant.cpp``, ``csrc/quant_amx.cpp``) against
+our bf16 GEMM.
 
     python bench/kernels_quant.py [--ms 1,16,64] [--qtype q4_1] [--fixed-cost]
     python -m bench.kernels quant
@@ -7,8 +8,10 @@ One decode step's GEMMs of SmolLM2-135M with the default GGUF's formats: 30 laye
 [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]) in ``--qtype`` (Q4_1 in the
 file) plus the tied lm_head [49152, 576] in Q8_0 (fp32 logits), against the same shapes as
 bf16 ``gemm``. Every layer has its own weights, so the step streams them from memory as a
-real one does (92 MB quantised, 270 MB bf16). Times are the best of several runs (the host
-is shared; the minimum is the least noisy). Weights are random, quantised with
+real one does (92 MB quantised, 270 MB bf16). On a CPU with AMX tiles another row per M
+times the same step on ``quant_amx_gemm`` (the default there, t16 layout) against the VNNI
+tiles (``ms_ref``). Times are the best of several runs (the host is shared; the minimum is
+the least noisy). Weights are random, quantised with
 ``gguf.quants.quantize`` (llama.cpp's reference quantisers).
 """
 
@@ -20,8 +23,9 @@ import time
 import torch
 
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.linear import amx_available
 from tokenserve.ops.quant import quantize_ref, repack_x8
-from tokenserve.ops.quant_blocks import QTYPE_IDS
+from tokenserve.ops.quant_blocks import QTYPE_IDS, repack_t16
 
 LAYER_SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
 VOCAB, HIDDEN, LAYERS = 49152, 576, 30
@@ -48,6 +52,7 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
         raise RuntimeError("tokenserve._C with quant_gemm and gemm is not built")
     g = torch.Generator().manual_seed(0)
     vnni = bool(c.cpu_features().get("avx512vnni")) and hasattr(c, "_quant_force_avx2")
+    amx = amx_available(c)
     # the bf16 layout the server uses on this CPU: k pairs (vdpbf16ps) where it has
     # AVX512_BF16, else the FMA chain's panels
     pairs = bool(c.cpu_features().get("avx512bf16"))
@@ -55,13 +60,16 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
     def rand(n: int, k: int) -> torch.Tensor:
         return torch.randn(n, k, generator=g) * k ** -0.5
 
-    q_layers, b_layers = [], []
+    q_layers, b_layers, t_layers = [], [], []
     for _ in range(LAYERS):
         ws = [(rand(n, k), n) for _, n, k in LAYER_SHAPES]
         q_layers.append([(repack_x8(quantize_ref(w, qtype)), n) for w, n in ws])
+        if amx:
+            t_layers.append([(repack_t16(w), n) for w, n in q_layers[-1]])
         b_layers.append([(c.gemm_prepack(w.bfloat16(), pairs), n) for w, n in ws])
     head = rand(VOCAB, HIDDEN)
     q_head = repack_x8(quantize_ref(head, "q8_0"))
+    t_head = repack_t16(q_head) if amx else None
     b_head = c.gemm_prepack(head.bfloat16(), pairs)
     q_bytes = sum(w.nbytes for layer in q_layers for w, _ in layer) + q_head.nbytes
     b_bytes = sum(p.numel() * 2 for layer in b_layers for p, _ in layer) + b_head.numel() * 2
@@ -96,6 +104,17 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
             rows.append({"name": "step avx512vnni vs avx2 tiles",
                          "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tq,
                          "ms_ref": ta, "ratio": ta / tq})
+        if amx:  # the AMX tiles (the default on this CPU) against the VNNI tiles
+            def t_step(x=x, ins=ins) -> None:
+                for layer in t_layers:
+                    for (w, n), xi in zip(layer, ins):
+                        c.quant_amx_gemm(xi, w.data, QTYPE_IDS[w.qtype], n, None, None)
+                c.quant_amx_gemm(x, t_head.data, QTYPE_IDS["q8_0"], VOCAB, None, torch.float32)
+
+            tt = _best_ms(t_step)
+            rows.append({"name": "step amx vs avx512vnni tiles",
+                         "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tt,
+                         "ms_ref": tq, "ratio": tq / tt})
     return rows
 
 
@@ -130,6 +149,10 @@ def main() -> None:
         print(f"quant_gemm M=1 N=64 K={HIDDEN} {args.qtype}: {fixed_cost_us(args.qtype):.2f} us/call")
         return
     for r in bench(tuple(int(v) for v in args.ms.split(",")), args.qtype):
+        if "ms_bf16" not in r:
+            print(f"M={r['shape'][0]:<3} {r['name']}: {r['ms_ours']:.2f} ms vs {r['ms_ref']:.2f} ms, "
+                  f"{r['ratio']:.2f}x")
+            continue
         print(f"M={r['shape'][0]:<3} {r['shape'][1]}: quantised {r['ms_ours']:.2f} ms "
               f"({r['MB_ours']:.0f} MB), bf16 {r['ms_bf16']:.2f} ms ({r['MB_bf16']:.0f} MB), "
               f"bf16/quantised {r['ratio']:.2f}x")

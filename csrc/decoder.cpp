@@ -29,11 +29,11 @@ namespace tokenserve {
 namespace {
 
 // How a projection is computed (tokenserve.ops.linear.Linear.c_spec gives these).
-enum ProjKind : int64_t { kGemm = 0, kQuantGemm = 1, kInt8Gemm = 2, kQuantKGemm = 3 };
+enum ProjKind : int64_t { kGemm = 0, kQuantGemm = 1, kInt8Gemm = 2, kQuantKGemm = 3, kQuantAmxGemm = 4 };
 
 struct Proj {
   int64_t kind;
-  torch::Tensor w;                    // packed panels / x8 GGUF blocks / int8 panels / k8 blocks
+  torch::Tensor w;                    // packed panels / x8 or t16 GGUF blocks / int8 panels / k8 blocks
   torch::Tensor scale;                // int8 only: fp32 per-row scales
   int64_t qtype;                      // quant only
   int64_t N;                          // out features
@@ -44,6 +44,7 @@ struct Proj {
       case kGemm: return gemm(x, w, N, bias, std::nullopt);
       case kQuantGemm: return quant_gemm(x, w, qtype, N, bias, std::nullopt);
       case kQuantKGemm: return quant_k_gemm(x, w, qtype, N, bias, std::nullopt);
+      case kQuantAmxGemm: return quant_amx_gemm(x, w, qtype, N, bias, std::nullopt);
       default: return int8_gemm(x, w, scale, N, bias, std::nullopt);
     }
   }
@@ -58,7 +59,7 @@ Proj make_proj(pybind11::tuple spec) {
   TORCH_CHECK(spec.size() == 6, "Decoder: a projection spec is (kind, w, scale, qtype, N, bias)");
   Proj p;
   p.kind = spec[0].cast<int64_t>();
-  TORCH_CHECK(p.kind >= kGemm && p.kind <= kQuantKGemm, "Decoder: unknown projection kind ", p.kind);
+  TORCH_CHECK(p.kind >= kGemm && p.kind <= kQuantAmxGemm, "Decoder: unknown projection kind ", p.kind);
   p.w = spec[1].cast<torch::Tensor>();
   if (!spec[2].is_none()) p.scale = spec[2].cast<torch::Tensor>();
   p.qtype = spec[3].cast<int64_t>();
@@ -136,7 +137,7 @@ TOKENSERVE_REGISTER(decoder) {
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
       .def("add_layer", &tokenserve::Decoder::add_layer,
            "add_layer(qkv, o, gate_up, down, ln1, ln2): projections as (kind 0 gemm | 1 quant_gemm | "
-           "2 int8_gemm | 3 quant_k_gemm, weight, int8 scale or None, qtype, N, fp32 bias or None); norms [hidden].")
+           "2 int8_gemm | 3 quant_k_gemm | 4 quant_amx_gemm, weight, int8 scale or None, qtype, N, fp32 bias or None); norms [hidden].")
       .def("set_final_norm", &tokenserve::Decoder::set_final_norm)
       .def_property_readonly("num_layers", &tokenserve::Decoder::num_layers)
       .def("forward", &tokenserve::Decoder::forward, tokenserve::ReleaseGil(),

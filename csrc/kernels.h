@@ -14,6 +14,10 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t 
 // quant.cpp: y = x @ W^T (+ bias) on x8-packed GGUF blocks (qtype 0 Q4_0, 1 Q4_1, 2 Q8_0).
 torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                          const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+// quant_amx.cpp: the same on t16-packed GGUF blocks (qtype 0..2) on AMX tiles (bf16 dequantised
+// weights and activations: other bits than quant_gemm's).
+torch::Tensor quant_amx_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                             const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
 // quant_k.cpp: the same on k8-packed k-quant super-blocks (qtype 12 Q4_K, 13 Q5_K, 14 Q6_K).
 torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                            const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype);

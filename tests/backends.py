@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.linear import amx_available
 
 
 def _features() -> dict[str, bool]:
@@ -28,15 +29,20 @@ def weight_paths() -> list:
     """pytest params, one per weight path, with ``skip`` marks where this CPU lacks it."""
     f = _features()
     built = bool(f)
+    amx = built and amx_available(load_kernels())
     paths = [
         ("bf16-avx512bf16", "c", "none",
          None if f.get("avx512bf16") else "bf16 pair-dot GEMM: this CPU has no AVX512_BF16"
          if built else "tokenserve._C not built"),
         ("bf16-fma", "c-fma", "none", None if built else "tokenserve._C not built"),
         # the block GEMM's AVX-512 VNNI and AVX2 tiles give the same bits (unit tests:
-        # tests/unit/test_kernel_quant.py), so the id names the one this CPU runs
-        (f"gguf-{'avx512vnni' if f.get('avx512vnni') else 'avx2'}", "c", "gguf",
+        # tests/unit/test_kernel_quant.py), so the id names the one this CPU runs; c-vnni
+        # keeps them on an AMX CPU, whose default is the AMX path below
+        (f"gguf-{'avx512vnni' if f.get('avx512vnni') else 'avx2'}", "c-vnni", "gguf",
          None if built else "tokenserve._C not built"),
+        ("gguf-amx", "c", "gguf",
+         None if amx else "AMX block GEMM: this CPU (or OS) has no AMX-BF16 tiles"
+         if built else "tokenserve._C not built"),
     ]
     return [pytest.param((gemm, quant), id=name,
                          marks=[pytest.mark.skip(reason=why)] if why else [])

@@ -34,8 +34,8 @@ from tokenserve.engine.engine import AsyncEngine
 from tokenserve.messages import GenerateRequest
 from tokenserve.models.llama import LlamaForCausalLM
 from tokenserve.models.loader import (
-    ModelConfig,
     BLOCKS_CACHE,
+    ModelConfig,
     _load_gguf_blocks,
     default_gguf_path,
     load_weights,
@@ -43,6 +43,7 @@ from tokenserve.models.loader import (
     resolve_quantization,
 )
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.linear import amx_available
 from tokenserve.ops.quant import dequantize_ref
 from tokenserve.ops.quant_blocks import QuantWeight
 from tokenserve.ops.quant_int8 import Int8Weight
@@ -115,7 +116,9 @@ def test_loader_keeps_blocks_and_model_is_smaller():
     assert isinstance(q, QuantWeight) and q.qtype == "q4_1"
     assert sd["model.norm.weight"].dtype == torch.bfloat16
     model = LlamaForCausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
-    assert model.lm_head.backend == "tokenserve.quant_gemm"
+    # the block GEMM this CPU runs: AMX tiles (t16) where the OS grants them, else VNNI/AVX2 (x8)
+    assert model.lm_head.backend in ("tokenserve.quant_gemm", "tokenserve.quant_amx")
+    assert model.lm_head.qweight.layout == ("t16" if amx_available(load_kernels()) else "x8")
     assert model.lm_head.qweight is model.w["embed"]  # tied: one copy of the table
     assert model.layers[0]["qkv"].qweight.shape == (
         (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)

@@ -251,7 +251,9 @@ def test_dequant_rows_equals_reference(qtype, out_dtype):
 def test_linear_picks_quant_backend_or_dequantises(qtype, monkeypatch):
     _, qw = _weight(17, 64, qtype)
     x = _x(3, 64, torch.bfloat16)
+    monkeypatch.setenv("TOKENSERVE_GEMM", "c-vnni")  # these tiles, also on an AMX CPU
     lin = Linear(qw, out_dtype=torch.float32)
+    monkeypatch.delenv("TOKENSERVE_GEMM")
     if C is not None and hasattr(C, "quant_gemm"):
         assert lin.backend == "tokenserve.quant_gemm" and lin.qweight.layout == "x8"
         assert lin.nbytes == lin.qweight.nbytes <= qw.nbytes * 24 // 17  # N padded to 8

@@ -67,7 +67,7 @@ class LlamaForCausalLM:
             if self.kernels.c is None:  # torch references
                 weights["embed"] = dequantize_ref(embed).to(dt)
             elif weights["lm_head"] is embed and self.lm_head.qweight is not None:
-                weights["embed"] = self.lm_head.qweight  # tied: one (x8) copy of the table
+                weights["embed"] = self.lm_head.qweight  # tied: one (x8 or t16) copy of the table
             else:
                 weights["embed"] = repack_x8(embed)
         # the GEMMs hold their own (packed or quantised) copies of the projections

@@ -127,8 +127,9 @@ class Kernels:
         :func:`tokenserve.ops.quant.dequantize_rows_ref` does."""
         if not isinstance(weight, QuantWeight):
             return F.embedding(input_ids, weight)
-        rows = self.op("quant_dequant_rows")
-        if rows is not None and weight.layout == "x8":
+        rows = self.op({"x8": "quant_dequant_rows", "t16": "quant_t16_dequant_rows"}.get(
+            weight.layout, ""))
+        if rows is not None:
             return rows(input_ids, weight.data, QTYPE_IDS[weight.qtype], weight.shape[0],
                         weight.shape[1], dtype)
         return dequantize_rows_ref(input_ids, weight, dtype)

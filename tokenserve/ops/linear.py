@@ -30,6 +30,15 @@ says which, for the start-up log):
     VNNI where the CPU has it, else AVX2, the same bits):
     activations quantised to int16 per 32-block, exact integer block dots, fp32
     accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
+``"tokenserve.quant_amx"``
+    the same GGUF blocks (Q4_0 / Q4_1 / Q8_0, regrouped 16 rows per block once:
+    ``repack_t16``) on Intel AMX tiles (``csrc/quant_amx.cpp``), the default for those
+    formats on a CPU whose OS grants the AMX tile state (Sapphire Rapids and later): each
+    16 x 32 weight tile is dequantised to bf16 in L1 right before its tile products, the
+    activations stay bf16, fp32 accumulation. At 16 and 64 rows it is 1.8-3x the AVX-512
+    VNNI tiles, at one row ~0.45x (bench/README.md, issue 20). Other bits than
+    ``tokenserve.quant_gemm``'s, so a machine runs one of the two (``TOKENSERVE_GEMM=c-vnni``
+    keeps the VNNI tiles); row-invariant like it.
 ``"tokenserve.quant_k_gemm"``
     the same for the k-quants Q4_K / Q5_K / Q6_K (``csrc/quant_k.cpp``, layout ``repack_k8``:
     8 rows interleaved per 256-weight super-block; one fp32 fma per 32- or 16-weight
@@ -54,7 +63,8 @@ and weight always use one. ``F.linear`` through MKL/oneDNN is NOT row-invariant 
 kernel and blocking depend on M).
 
 ``TOKENSERVE_GEMM`` forces a backend where it can run (for experiments): ``c`` (ours, the
-default), ``c-fma`` (ours, FMA chain even where AVX512_BF16 exists), ``onednn``, ``torch``.
+default), ``c-fma`` (ours, FMA chain even where AVX512_BF16 exists), ``c-vnni`` (ours, the
+GGUF blocks on ``tokenserve.quant_gemm`` even where AMX exists), ``onednn``, ``torch``.
 """
 
 from __future__ import annotations
@@ -67,16 +77,18 @@ import torch.nn.functional as F
 from tokenserve.config import env
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.quant import dequantize_ref, repack_x8
-from tokenserve.ops.quant_blocks import K_QTYPES, QTYPE_IDS, QuantWeight
+from tokenserve.ops.quant_blocks import K_QTYPES, QTYPE_IDS, QuantWeight, repack_t16
 
 log = logging.getLogger("tokenserve.ops")
 
-BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_k_gemm",
-            "tokenserve.int8_gemm", "torch")
+BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_amx",
+            "tokenserve.quant_k_gemm", "tokenserve.int8_gemm", "torch")
 # the backends whose rows never depend on the batch (see the module doc)
-INVARIANT_BACKENDS = ("tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_k_gemm",
-                      "tokenserve.int8_gemm")
-FORCE_VALUES = ("", "c", "c-fma", "onednn", "torch")
+INVARIANT_BACKENDS = ("tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_amx",
+                      "tokenserve.quant_k_gemm", "tokenserve.int8_gemm")
+FORCE_VALUES = ("", "c", "c-fma", "c-vnni", "onednn", "torch")
+#: the GGUF formats ``tokenserve.quant_amx`` takes
+AMX_QTYPES = ("q4_0", "q4_1", "q8_0")
 
 
 def forced_backend() -> str:
@@ -103,6 +115,12 @@ def quant_isa(c) -> str:
     if c is not None and c.cpu_features().get("avx512vnni", False):
         return "avx512vnni"
     return vector_isa(c)
+
+
+def amx_available(c) -> bool:
+    """True when this CPU has AMX-BF16 (with AVX512-VBMI) and the OS granted the process the
+    tile state (``quant_amx_available`` asks it once)."""
+    return c is not None and hasattr(c, "quant_amx_available") and bool(c.quant_amx_available())
 
 
 def pair_dot_available(c) -> bool:
@@ -153,13 +171,13 @@ class Linear:
 
     Attributes:
         backend: ``"onednn"``, ``"tokenserve.gemm"``, ``"tokenserve.quant_gemm"``,
-            ``"tokenserve.quant_k_gemm"``, ``"tokenserve.int8_gemm"`` or ``"torch"`` (see
-            the module doc).
+            ``"tokenserve.quant_amx"``, ``"tokenserve.quant_k_gemm"``,
+            ``"tokenserve.int8_gemm"`` or ``"torch"`` (see the module doc).
         weight, bias, out_dtype: as given (``weight`` is None on ``tokenserve.quant_gemm``,
             the dequantised weight on ``"torch"`` for a quantised one).
         qweight: the packed :class:`~tokenserve.ops.quant_blocks.QuantWeight` on
-            ``tokenserve.quant_gemm`` (x8), ``tokenserve.quant_k_gemm`` (k8) or
-            ``tokenserve.int8_gemm`` (x16), else None.
+            ``tokenserve.quant_gemm`` (x8), ``tokenserve.quant_amx`` (t16),
+            ``tokenserve.quant_k_gemm`` (k8) or ``tokenserve.int8_gemm`` (x16), else None.
     """
 
     def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
@@ -173,15 +191,20 @@ class Linear:
             c = kernels.c
             op = ("int8_gemm" if weight.qtype == "int8" else
                   "quant_k_gemm" if weight.qtype in K_QTYPES else "quant_gemm")
-            if kernels.op(op) is not None and force in ("", "c", "c-fma"):
-                # GGUF blocks -> x8 (k-quants: k8) groups; Int8Weight -> x16 panels
-                self.qweight, self.bias, self.out_dtype = repack_x8(weight), bias, out_dtype
+            if kernels.op(op) is not None and force in ("", "c", "c-fma", "c-vnni"):
+                amx = (op == "quant_gemm" and weight.qtype in AMX_QTYPES and force != "c-vnni"
+                       and amx_available(c))
+                # GGUF blocks -> t16 tiles (AMX) or x8 (k-quants: k8) groups; Int8Weight ->
+                # x16 panels
+                self.qweight = repack_t16(weight) if amx else repack_x8(weight)
+                self.bias, self.out_dtype = bias, out_dtype
                 self.weight = None
                 self.out_features, self.in_features = weight.shape
                 self._c, self._packed = c, None
                 self._bias_f32 = None if bias is None else bias.float().contiguous()
-                self.backend = f"tokenserve.{op}"
-                self.isa = quant_isa(c) if op == "quant_gemm" else vector_isa(c)
+                self.backend = "tokenserve.quant_amx" if amx else f"tokenserve.{op}"
+                self.isa = ("amx_bf16" if amx else quant_isa(c) if op == "quant_gemm"
+                            else vector_isa(c))
                 return
             weight = dequantize_ref(weight).to(fallback_dtype)
         if weight.dim() != 2:
@@ -227,7 +250,8 @@ class Linear:
                 y = self._c.int8_gemm(x2, q.data, q.scale, self.out_features, self._bias_f32,
                                       self.out_dtype or x.dtype)
             else:
-                op = self._c.quant_k_gemm if q.qtype in K_QTYPES else self._c.quant_gemm
+                op = (self._c.quant_amx_gemm if q.layout == "t16" else
+                      self._c.quant_k_gemm if q.qtype in K_QTYPES else self._c.quant_gemm)
                 y = op(x2, q.data, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32,
                        self.out_dtype or x.dtype)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -264,7 +288,7 @@ class Linear:
         """This projection for ``csrc/decoder.cpp``: ``(kind, weight, scale, qtype, N,
         bias)`` with kind 0 ``gemm`` (prepacked panels), 1 ``quant_gemm`` (x8 GGUF blocks),
         2 ``int8_gemm`` (int8 panels + fp32 scales), 3 ``quant_k_gemm`` (k8 k-quant
-        super-blocks); bias fp32 [N] or None. None when the projection does not run on
+        super-blocks), 4 ``quant_amx_gemm`` (t16 GGUF blocks); bias fp32 [N] or None. None when the projection does not run on
         one of those kernels or has its own out dtype."""
         if self.out_dtype is not None:
             return None
@@ -273,6 +297,8 @@ class Linear:
             return (2, q.data, q.scale, 0, self.out_features, self._bias_f32)
         if q is not None and self.backend == "tokenserve.quant_gemm":
             return (1, q.data, None, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32)
+        if q is not None and self.backend == "tokenserve.quant_amx":
+            return (4, q.data, None, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32)
         if q is not None and self.backend == "tokenserve.quant_k_gemm":
             return (3, q.data, None, QTYPE_IDS[q.qtype], self.out_features, self._bias_f32)
         if q is None and self.backend == "tokenserve.gemm":

@@ -17,7 +17,9 @@ The rest is the pure-torch oracle of ``csrc/quant.cpp`` and ``csrc/quant_k.cpp``
 * :func:`quant_linear_ref` emulates the kernel's arithmetic (exact integer block dots, one
   fp32 fma per block) and :func:`quant_linear_fp32_ref` is the "true" product with the
   dequantised weight in fp32 (what the kernel approximates to the activation rounding);
-* :func:`quant_k_linear_ref` does the same for the k-quants (layouts: the "k-quants"
+* :func:`quant_amx_linear_ref` is the reference of ``csrc/quant_amx.cpp`` (the weight
+  dequantised to bf16, :func:`dequantize_bf16_ref`, times bf16 activations);
+* :func:`quant_k_linear_ref` is :func:`quant_linear_ref` for the k-quants (layouts: the "k-quants"
   section of ``tokenserve/ops/quant_blocks.py``).
 """
 
@@ -159,6 +161,35 @@ def quant_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None 
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
+
+
+def dequantize_bf16_ref(w: QuantWeight) -> torch.Tensor:
+    """The bf16 ``[N, K]`` weight ``quant_amx_gemm`` multiplies: per element
+    ``bf16(fl(fma(q, d, m)))`` (Q4_0: ``m = -8 d``; Q8_0: ``fl(q * d)``), one fp32 rounding
+    (the product and sum are exact in fp64: fp16 d, m and a 4- or 8-bit q) then one to bf16,
+    as the kernel's ``vfmadd`` and ``vcvtne2ps2bf16`` do."""
+    d, m, q = _block_parts(w)
+    v = torch.addcmul(m.double().unsqueeze(-1), q.double(), d.double().unsqueeze(-1)).float()
+    return v.to(torch.bfloat16).reshape(w.shape)
+
+
+def quant_amx_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference of ``quant_amx_gemm`` (``csrc/quant_amx.cpp``): ``bf16(x) @
+    dequantize_bf16_ref(W).T (+ b)`` with fp32 accumulation. The kernel adds its bf16 pair
+    products in AMX's own order (one ``tdpbf16ps`` per 32-block), so the two agree to fp32
+    rounding, not bit for bit; the kernel's own bits are checked for invariance instead.
+
+    Args:
+        x: [M, K] float. w: the weight (any layout). bias: [N] or None.
+        out_dtype: result dtype (None: x's dtype).
+
+    Returns:
+        [M, N] in ``out_dtype``.
+    """
+    y = torch.nn.functional.linear(x.to(torch.bfloat16).double(), dequantize_bf16_ref(w).double(),
+                                   None if bias is None else bias.double())
+    return y.float().to(out_dtype or x.dtype)
 
 
 def quant_linear_fp32_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,

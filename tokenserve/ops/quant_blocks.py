@@ -44,6 +44,9 @@ QTYPE_IDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_k": 12, "q5_k": 13, "q6_k": 14
 FROM_GGML = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0",
              "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 RG = 8  #: rows per group in the x8 and k8 layouts
+NT = 16  #: rows per tile in the t16 layout (``csrc/quant_amx.cpp``)
+#: bytes per (tile of 16 rows, block) in the t16 layout: fp16 d[16], (Q4_1) fp16 m[16], quants
+T16_BYTES = {"q4_0": 288, "q4_1": 320, "q8_0": 544}
 #: bytes per (group of 8 rows, block) in the x8 layout, (group, super-block) in k8
 GROUP_BYTES = {"q4_0": 144, "q4_1": 160, "q8_0": 272, "q4_k": 1152, "q5_k": 1408, "q6_k": 1680}
 
@@ -57,10 +60,12 @@ class QuantWeight:
             row n's blocks in k order, exactly the bytes of the GGUF tensor; layout ``"x8"``
             (Q4_0 / Q4_1 / Q8_0): uint8 ``[ceil(N / 8), K // 32, GROUP_BYTES[qtype]]``
             (:func:`repack_x8`); layout ``"k8"`` (k-quants): uint8
-            ``[ceil(N / 8), K // 256, GROUP_BYTES[qtype]]`` (:func:`repack_k8`). Contiguous.
+            ``[ceil(N / 8), K // 256, GROUP_BYTES[qtype]]`` (:func:`repack_k8`); layout
+            ``"t16"`` (Q4_0 / Q4_1 / Q8_0, the AMX kernel's): uint8
+            ``[ceil(N / 16), K // 32, T16_BYTES[qtype]]`` (:func:`repack_t16`). Contiguous.
         qtype: ``"q4_0"``, ``"q4_1"``, ``"q8_0"``, ``"q4_k"``, ``"q5_k"`` or ``"q6_k"``.
         shape: ``(N, K)``; K a multiple of ``BLOCK_ELEMS[qtype]`` (32, or 256 for k-quants).
-        layout: ``"rows"``, ``"x8"`` or ``"k8"``.
+        layout: ``"rows"``, ``"x8"``, ``"k8"`` or ``"t16"``.
 
     Raises:
         ValueError: an unknown format or layout, K not a multiple of the block, or data of
@@ -84,6 +89,8 @@ class QuantWeight:
             want = (n, k // qk * BLOCK_BYTES[self.qtype])
         elif self.layout == ("k8" if kquant else "x8"):
             want = ((n + RG - 1) // RG, k // qk, GROUP_BYTES[self.qtype])
+        elif self.layout == "t16" and self.qtype in T16_BYTES:
+            want = ((n + NT - 1) // NT, k // qk, T16_BYTES[self.qtype])
         else:
             raise ValueError(f"unknown layout {self.layout!r} for {self.qtype}")
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
@@ -101,7 +108,7 @@ class QuantWeight:
             sub = unpack_k8(QuantWeight(g, self.qtype, (g.shape[0] * RG, self.shape[1]), "k8"))
             rows = sub.data.view(g.shape[0], RG, -1)[torch.arange(idx.numel()), idx % RG]
             return QuantWeight(rows.contiguous(), self.qtype, (int(idx.numel()), self.shape[1]))
-        w = unpack_x8(self) if self.layout == "x8" else self
+        w = unpack_x8(self) if self.layout in ("x8", "t16") else self
         return QuantWeight(w.data.index_select(0, idx).contiguous(), self.qtype,
                            (int(idx.numel()), self.shape[1]))
 
@@ -123,6 +130,17 @@ def _head_bytes(qtype: str) -> int:
     return 4 if qtype == "q4_1" else 2
 
 
+def _row_groups(w: QuantWeight, rows: int) -> torch.Tensor:
+    """The GGUF blocks of ``w`` (layout ``"rows"``) as uint8 ``[ceil(N / rows), K // 32, rows,
+    block_bytes]``: groups of ``rows`` output rows per block, rows past N zero."""
+    n, k = w.shape
+    nb, bb = k // QK, BLOCK_BYTES[w.qtype]
+    g = (n + rows - 1) // rows
+    blocks = torch.zeros(g * rows, nb, bb, dtype=torch.uint8)
+    blocks[:n] = w.data.view(n, nb, bb)
+    return blocks.view(g, rows, nb, bb).permute(0, 2, 1, 3)
+
+
 def repack_blocks(w: QuantWeight) -> QuantWeight:
     """GGUF blocks in the kernel's layout: 8 rows interleaved per block (``csrc/quant.cpp``
     header); a k-quant in its ``"k8"`` layout (:func:`repack_k8`).
@@ -135,12 +153,9 @@ def repack_blocks(w: QuantWeight) -> QuantWeight:
         return repack_k8(w)
     if w.layout == "x8":
         return w
-    n, k = w.shape
-    nb, bb, h = k // QK, BLOCK_BYTES[w.qtype], _head_bytes(w.qtype)
-    g = (n + RG - 1) // RG
-    blocks = torch.zeros(g * RG, nb, bb, dtype=torch.uint8)
-    blocks[:n] = w.data.view(n, nb, bb)
-    blocks = blocks.view(g, RG, nb, bb).permute(0, 2, 1, 3)  # [g, nb, 8, bb]
+    blocks = _row_groups(w, RG)  # [g, nb, 8, bb]
+    g, nb, _, bb = blocks.shape
+    h = _head_bytes(w.qtype)
     parts = [blocks[..., 0:2].reshape(g, nb, 16)]  # d of the 8 rows
     if w.qtype == "q4_1":
         parts.append(blocks[..., 2:4].reshape(g, nb, 16))
@@ -150,11 +165,14 @@ def repack_blocks(w: QuantWeight) -> QuantWeight:
 
 
 def unpack_x8(w: QuantWeight) -> QuantWeight:
-    """Inverse of :func:`repack_blocks` (and of :func:`repack_k8`): the GGUF rows again."""
+    """Inverse of :func:`repack_blocks` (and of :func:`repack_k8`, :func:`repack_t16`): the
+    GGUF rows again."""
     if w.layout == "rows":
         return w
     if w.layout == "k8":
         return unpack_k8(w)
+    if w.layout == "t16":
+        return unpack_t16(w)
     n, k = w.shape
     nb, bb, h = k // QK, BLOCK_BYTES[w.qtype], _head_bytes(w.qtype)
     g = w.data.shape[0]
@@ -167,6 +185,44 @@ def unpack_x8(w: QuantWeight) -> QuantWeight:
     qs = w.data[..., off:].reshape(g, nb, (bb - h) // 2, RG, 2).permute(0, 1, 3, 2, 4)
     parts.append(qs.reshape(g, nb, RG, bb - h))
     blocks = torch.cat(parts, dim=-1).permute(0, 2, 1, 3).reshape(g * RG, nb * bb)
+    return QuantWeight(blocks[:n].contiguous(), w.qtype, w.shape)
+
+
+def repack_t16(w: QuantWeight) -> QuantWeight:
+    """Q4_0 / Q4_1 / Q8_0 blocks in the AMX kernel's layout (``csrc/quant_amx.cpp`` header):
+    per (tile t of 16 rows, block b), the 16 rows' fp16 ``d`` (32 bytes), for Q4_1 their
+    fp16 ``m`` (32 bytes), then each row's GGUF quants in row order (16 x 16 bytes, Q8_0
+    16 x 32): the file's bytes regrouped, as many as in the file. Rows past N are zeros.
+
+    Raises:
+        ValueError: a k-quant or int8 weight (no t16 layout).
+    """
+    if w.qtype not in T16_BYTES:
+        raise ValueError(f"no t16 layout for {w.qtype}")
+    if w.layout == "t16":
+        return w
+    blocks = _row_groups(unpack_x8(w), NT)  # [t, nb, 16, bb]
+    t, nb, _, bb = blocks.shape
+    h = _head_bytes(w.qtype)
+    parts = [blocks[..., 0:2].reshape(t, nb, 2 * NT)]  # d of the 16 rows
+    if w.qtype == "q4_1":
+        parts.append(blocks[..., 2:4].reshape(t, nb, 2 * NT))
+    parts.append(blocks[..., h:].reshape(t, nb, NT * (bb - h)))
+    return QuantWeight(torch.cat(parts, dim=-1).contiguous(), w.qtype, w.shape, "t16")
+
+
+def unpack_t16(w: QuantWeight) -> QuantWeight:
+    """Inverse of :func:`repack_t16`: the GGUF rows again."""
+    n, k = w.shape
+    nb, bb, h = k // QK, BLOCK_BYTES[w.qtype], _head_bytes(w.qtype)
+    t = w.data.shape[0]
+    parts = [w.data[..., 0:2 * NT].reshape(t, nb, NT, 2)]
+    off = 2 * NT
+    if w.qtype == "q4_1":
+        parts.append(w.data[..., off:off + 2 * NT].reshape(t, nb, NT, 2))
+        off += 2 * NT
+    parts.append(w.data[..., off:].reshape(t, nb, NT, bb - h))
+    blocks = torch.cat(parts, dim=-1).permute(0, 2, 1, 3).reshape(t * NT, nb * bb)
     return QuantWeight(blocks[:n].contiguous(), w.qtype, w.shape)
 
 
