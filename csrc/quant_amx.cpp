@@ -243,17 +243,18 @@ TS_TARGET_AMX void run_tiles(const Problem& p, int64_t t0, int64_t ntl, uint16_t
   }
 }
 
-// x [M, K] bf16 -> [nmt][nb][16 k-pairs][16 rows] of bf16 pairs (uint32), rows past M zero.
+// x [M, K] bf16 -> xb [nmt][nb][16 k-pairs][16 rows] of bf16 pairs (uint32); xb's rows past
+// M are left as they are (the caller zeroes them).
 void pack_x(const uint32_t* x, int64_t M, int64_t K, uint32_t* xb) {
   const int64_t nb = K / QK, nmt = (M + 15) / 16, kp_row = K / 2;
-  at::parallel_for(0, nmt * nb, std::max<int64_t>(1, 4096 / 16), [&](int64_t u0, int64_t u1) {
+  at::parallel_for(0, nmt * nb, 256, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t mt = u / nb, b = u % nb;
       uint32_t* o = xb + u * 256;
-      for (int mm = 0; mm < 16; ++mm) {
-        const int64_t m = 16 * mt + mm;
-        const uint32_t* src = x + m * kp_row + b * 16;
-        for (int kp = 0; kp < 16; ++kp) o[kp * 16 + mm] = m < M ? src[kp] : 0u;
+      const int64_t rows = std::min<int64_t>(16, M - 16 * mt);
+      for (int64_t mm = 0; mm < rows; ++mm) {
+        const uint32_t* src = x + (16 * mt + mm) * kp_row + b * 16;
+        for (int kp = 0; kp < 16; ++kp) o[kp * 16 + mm] = src[kp];
       }
     }
   });
@@ -289,7 +290,7 @@ torch::Tensor quant_amx_gemm(const torch::Tensor& x, const torch::Tensor& w, int
 #ifdef TS_HAVE_AMX
   const auto xbf = x.to(at::kBFloat16).contiguous();
   const int64_t nb = K / QK, nmt = (M + 15) / 16, ntiles = (N + NT - 1) / NT;
-  // 64-byte aligned scratch: the packed activations
+  // 64-byte aligned scratch: the packed activations (zeroed: the rows past M)
   std::vector<uint32_t> xbuf(nmt * nb * 256 + 16);
   uint32_t* xb = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(xbuf.data()) + 63) & ~uintptr_t(63));
   pack_x(reinterpret_cast<const uint32_t*>(xbf.data_ptr()), M, K, xb);
@@ -298,8 +299,12 @@ torch::Tensor quant_amx_gemm(const torch::Tensor& x, const torch::Tensor& w, int
                   io.dtype == at::kBFloat16};
   const int64_t npairs = (ntiles + 1) / 2;
   const int64_t abuf_elems = (nmt <= 2 ? 2 : nb) * 1024;
-  at::parallel_for(0, npairs, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint16_t> abv(abuf_elems + 32);
+  // at least ~256 weight-tile pairs of blocks per thread (~10 us at M = 1): a parallel
+  // region costs a few microseconds, and a small GEMM ran slower on 2 threads than on 1
+  const int64_t grain = std::max<int64_t>(1, 256 / (nb * std::min<int64_t>(nmt, 4)));
+  at::parallel_for(0, npairs, grain, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint16_t> abv;  // the dequantised weight tiles
+    if (abv.size() < size_t(abuf_elems + 32)) abv.resize(abuf_elems + 32);
     uint16_t* abuf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(abv.data()) + 63) & ~uintptr_t(63));
     alignas(64) float cbuf[2 * 256];
     tiles_configure();
