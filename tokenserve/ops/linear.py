@@ -35,8 +35,9 @@ says which, for the start-up log):
     ``repack_t16``) on Intel AMX tiles (``csrc/quant_amx.cpp``), the default for those
     formats on a CPU whose OS grants the AMX tile state (Sapphire Rapids and later): each
     16 x 32 weight tile is dequantised to bf16 in L1 right before its tile products, the
-    activations stay bf16, fp32 accumulation. At 16 and 64 rows it is 1.8-3x the AVX-512
-    VNNI tiles, at one row ~0.45x (bench/README.md, issue 20). Other bits than
+    activations stay bf16, fp32 accumulation. A decode step's GEMMs take 1.7x / 2.7x less
+    time than on the AVX-512 VNNI tiles at 16 / 64 rows and 2x more at one row
+    (bench/README.md "AMX tiles for the GGUF blocks", issue 20). Other bits than
     ``tokenserve.quant_gemm``'s, so a machine runs one of the two (``TOKENSERVE_GEMM=c-vnni``
     keeps the VNNI tiles); row-invariant like it.
 ``"tokenserve.quant_k_gemm"``
