@@ -1,5 +1,5 @@
-"""Micro-benchmark of the quantised GEMMs (``csrc/quant.cpp``, ``csrc/quant_amx.cpp``) against
-our bf16 GEMM.
+"""Micro-benchmark of the quantised GEMMs (``csrc/quant.cpp`` with ``csrc/quant_amx_int.cpp``,
+``csrc/quant_amx.cpp``) against our bf16 GEMM.
 
     python bench/kernels_quant.py [--ms 1,16,64] [--qtype q4_1] [--fixed-cost]
     python -m bench.kernels quant
@@ -8,9 +8,10 @@ One decode step's GEMMs of SmolLM2-135M with the default GGUF's formats: 30 laye
 [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]) in ``--qtype`` (Q4_1 in the
 file) plus the tied lm_head [49152, 576] in Q8_0 (fp32 logits), against the same shapes as
 bf16 ``gemm``. Every layer has its own weights, so the step streams them from memory as a
-real one does (92 MB quantised, 270 MB bf16). On a CPU with AMX tiles another row per M
-times the same step on ``quant_amx_gemm`` (the default there, t16 layout) against the VNNI
-tiles (``ms_ref``). Times are the best of several runs (the host is shared; the minimum is
+real one does (92 MB quantised, 270 MB bf16). On a CPU with AMX-INT8 tiles a row per M
+times the default step (``quant_gemm``: AMX-INT8 tiles from 16 rows) against the VNNI tiles
+alone (``ms_ref``; the same bits), and with AMX-BF16 another the step on ``quant_amx_gemm``
+(opt-in, t16 layout, other bits) against the default. Times are the best of several runs (the host is shared; the minimum is
 the least noisy). Weights are random, quantised with
 ``gguf.quants.quantize`` (llama.cpp's reference quantisers).
 """
@@ -53,6 +54,7 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
     g = torch.Generator().manual_seed(0)
     vnni = bool(c.cpu_features().get("avx512vnni")) and hasattr(c, "_quant_force_avx2")
     amx = amx_available(c)
+    amx_int = hasattr(c, "quant_amx_int_available") and bool(c.quant_amx_int_available())
     # the bf16 layout the server uses on this CPU: k pairs (vdpbf16ps) where it has
     # AVX512_BF16, else the FMA chain's panels
     pairs = bool(c.cpu_features().get("avx512bf16"))
@@ -95,16 +97,20 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
         rows.append({"name": "step", "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tq,
                      "ms_bf16": tb, "ratio": tb / tq, "MB_ours": q_bytes / 1e6,
                      "MB_bf16": b_bytes / 1e6})
-        if vnni:  # the AVX-512 VNNI tiles against the AVX2 tiles they replaced (same bits)
-            old = c._quant_force_avx2(True)
-            try:
-                ta = _best_ms(q_step)
-            finally:
-                c._quant_force_avx2(old)
-            rows.append({"name": "step avx512vnni vs avx2 tiles",
-                         "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tq,
-                         "ms_ref": ta, "ratio": ta / tq})
-        if amx:  # the AMX tiles (the default on this CPU) against the VNNI tiles
+        # the default (AVX-512 VNNI tiles, AMX-INT8 from 16 rows) against the AVX2 tiles and
+        # against the VNNI tiles alone (test hooks; the same bits)
+        for on, hook, value, name in ((vnni, "_quant_force_avx2", True, "default vs avx2 tiles"),
+                                      (amx_int, "_quant_amx_rows", 1 << 40,
+                                       "vnni+amx_int8 vs avx512vnni tiles")):
+            if on:
+                old = getattr(c, hook)(value)
+                try:
+                    tr = _best_ms(q_step)
+                finally:
+                    getattr(c, hook)(old)
+                rows.append({"name": f"step {name}", "shape": (m, f"{qtype}+q8_0 head", HIDDEN),
+                             "ms_ours": tq, "ms_ref": tr, "ratio": tr / tq})
+        if amx:  # the opt-in AMX-BF16 tiles (other bits) against the default
             def t_step(x=x, ins=ins) -> None:
                 for layer in t_layers:
                     for (w, n), xi in zip(layer, ins):
@@ -112,7 +118,7 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
                 c.quant_amx_gemm(x, t_head.data, QTYPE_IDS["q8_0"], VOCAB, None, torch.float32)
 
             tt = _best_ms(t_step)
-            rows.append({"name": "step amx vs avx512vnni tiles",
+            rows.append({"name": "step amx_bf16 vs default",
                          "shape": (m, f"{qtype}+q8_0 head", HIDDEN), "ms_ours": tt,
                          "ms_ref": tq, "ratio": tq / tt})
     return rows

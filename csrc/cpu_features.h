@@ -3,6 +3,11 @@
 
 #include <atomic>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tokenserve {
 
 struct CpuFeatures {
@@ -11,6 +16,7 @@ struct CpuFeatures {
   bool avx512bf16 = false;   // AVX-512 BF16 (vdpbf16ps)
   bool avx512vnni = false;   // AVX-512 F + BW + VNNI (vpdpwssd: the block-quantised GEMMs)
   bool amx_bf16 = false;     // AMX tiles with bf16
+  bool amx_int8 = false;     // AMX tiles with int8 (and AVX-512 VBMI, which its kernels use)
 };
 
 inline const CpuFeatures& cpu_features() {
@@ -25,11 +31,27 @@ inline const CpuFeatures& cpu_features() {
 #if defined(__GNUC__) && __GNUC__ >= 12
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     c.amx_bf16 = __builtin_cpu_supports("amx-bf16");
+    c.amx_int8 = __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi") && c.avx512vnni;
 #endif
 #endif
     return c;
   }();
   return f;
+}
+
+// The OS grants this process the AMX tile state (Linux >= 5.16 asks each process to request
+// it, arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), before its first tile
+// instruction); asked once, false off Linux/x86-64 or where refused.
+inline bool amx_tiles_permitted() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
 }
 
 // A kernel's AVX2 + FMA path is on: the CPU has it and the kernel's test hook (force_portable,

@@ -14,7 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["avx512bf16"] = f.avx512bf16;
     d["avx512vnni"] = f.avx512vnni;
     d["amx_bf16"] = f.amx_bf16;
+    d["amx_int8"] = f.amx_int8;
     return d;
-  }, "The CPU features the kernels dispatch on: {avx2_fma, avx512f, avx512bf16, avx512vnni, amx_bf16}.");
+  }, "The CPU features the kernels dispatch on: {avx2_fma, avx512f, avx512bf16, avx512vnni, amx_bf16, amx_int8}.");
   for (auto fn : tokenserve::registry()) fn(m);
 }

@@ -14,12 +14,14 @@
 // Rows past N are zero (d = 0). Widened to int16, a chunk is 8 rows x 2 elements, so
 // vpmaddwd against a broadcast activation pair gives 8 rows' dot products at once.
 //
-// Activations are quantised per row and 32-block to int16 (d = amax / 32767,
-// q = round_half_even(x / d), s = d * sum(q)). llama.cpp uses int8; on the default Q4_1
-// model that turns the README's chat answer into French word salad (as llama.cpp's own
-// output on the file does), int16 keeps the bf16 answer at no cost here (vpmaddwd either way).
+// Activations are quantised per row and 32-block to int12, stored as int16 (d = amax / 2047,
+// q = round_half_even(x / d), s = d * sum(q); csrc/quant_act.h). llama.cpp uses int8; on the
+// default Q4_1 model that turns the README's chat answer into French word salad (as
+// llama.cpp's own output on the file does); 12 bits keep the bf16 answer (mean KL 0.00069 vs
+// int16's 0.00065 nats) and let the AMX-INT8 tiles compute the same block dots exactly.
 //
-// Per output element y[m, n], in every path (AVX2 tiles of any shape, the portable code),
+// Per output element y[m, n], in every path (AVX2 and AVX-512 VNNI tiles of any shape, the
+// portable code, and from kAmxIntMinRows rows the AMX-INT8 tiles of csrc/quant_amx_int.cpp),
 // whatever the batch and thread partition (batch invariance):
 //
 //     w = dw * qw + mw      (Q4_0: qw = nibble 0..15, mw = -8 dw; Q4_1: mw = m; Q8_0: mw = 0)
@@ -29,8 +31,8 @@
 //                        summ = fma(mw_b, sx_b, summ)           (Q4 formats only)
 //     y = round(acc + summ (+ b[n]))
 //
-// float(isum) is exact for Q4 (|isum| <= 32 * 15 * 32767 < 2^24) and correctly rounded for
-// Q8_0; either way a fixed function of the row's own data.
+// float(isum) is exact (|isum| <= 32 * 15 * 2047 for Q4, 32 * 128 * 2047 for Q8_0, < 2^24);
+// a fixed function of the row's own data.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -45,6 +47,7 @@
 
 #include "cpu_features.h"
 #include "quant_act.h"
+#include "quant_amx_int.h"
 #include "kernels.h"
 #include "registry.h"
 #include "simd.h"
@@ -55,12 +58,15 @@ namespace {
 
 constexpr int64_t QK = 32;  // weights per GGUF block
 static_assert(QK == QB, "a weight block is one activation block (csrc/tiles.h)");
-enum QType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-constexpr int64_t kGroupBytes[3] = {144, 160, 272};
-constexpr int64_t kQuantOffset[3] = {16, 32, 16};  // where the quants start in a group-block
+using x8::kGroupBytes;  // the layout's sizes: csrc/quant_amx_int.h
+using x8::kQuantOffset;
+using x8::Q4_0;
+using x8::Q4_1;
+using x8::Q8_0;
 
 std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
+std::atomic<int64_t> g_amx_min_rows{kAmxIntMinRows};  // test hook: rows from which AMX-INT8 runs
 
 using qact::fp16_to_f32;  // csrc/quant_act.h
 
@@ -377,6 +383,10 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const bool ybf = odt == at::kBFloat16;
+  if (avx512 && M >= g_amx_min_rows.load() && quant_amx_int_available()) {
+    quant_amx_int_gemm(int(qtype), qp, dp, M, K, wp, N, bp, yp, ybf);  // the same bits
+    return y;
+  }
   qact::run_units(M, N, K, avx512 ? kQuantMrAvx512 : kQuantMr,
                   [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
 #ifdef TS_X86
@@ -438,6 +448,11 @@ TOKENSERVE_REGISTER(quant) {
         "Tensor[T, K]: an embedding lookup on a quantised table.");
   m.def("_quant_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
         "Test hook: True forces the portable (non-AVX2) path of quant_gemm; returns the old value.");
+  m.def("_quant_amx_rows", [](int64_t rows) { return tokenserve::g_amx_min_rows.exchange(rows); },
+        "Test hook: quant_gemm runs on the AMX-INT8 tiles (where available) from this many rows "
+        "(default kAmxIntMinRows); returns the old value.");
+  m.def("quant_amx_int_available", [] { return tokenserve::quant_amx_int_available(); },
+        "True when this CPU has AMX-INT8 (with AVX-512 VBMI and VNNI) and the OS granted the tile state.");
   m.def("_quant_force_avx2", [](bool on) { return tokenserve::g_no_avx512.exchange(on); },
         "Test hook: True keeps quant_gemm on its AVX2 tiles on an AVX-512 VNNI CPU; returns the old value.");
 }

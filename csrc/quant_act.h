@@ -1,9 +1,12 @@
-// Shared helpers of the block-quantised GEMMs: fp16 decoding and the int16 activation
-// quantiser (per row and 32-element block). Pure-torch oracle:
+// Shared helpers of the block-quantised GEMMs: fp16 decoding and the int12 activation
+// quantiser (per row and 32-element block, stored as int16). Pure-torch oracle:
 // tokenserve.ops.quant.quantize_act_ref.
 //
-// Per 32-block of a row: d = amax / 32767 (fp32), q = round_half_even(x * (1 / d)) (0 where
-// d = 0), s = d * float(sum q). The scalar and AVX2 versions give the same bits.
+// Per 32-block of a row: d = amax / 2047 (fp32), q = round_half_even(x * (1 / d)) (0 where
+// d = 0; |q| <= 2047), s = d * float(sum q). The scalar and AVX2 versions give the same bits.
+// 12 bits, not 16: q = 16 h + l with h a signed byte and l = 0..15, so an AMX-INT8 tile
+// product gives the exact block dot (csrc/quant_amx_int.cpp); mean KL against the fp32
+// reference 0.00069 nats vs 0.00065 with int16 (bench/README.md, issue 24).
 //
 // Used by csrc/quant.cpp (Q4_0/Q4_1/Q8_0) and csrc/quant_k.cpp (k-quants), which also
 // share run_units below: how a GEMM's output is cut into work units and handed to threads.
@@ -25,6 +28,8 @@
 
 namespace tokenserve {
 namespace qact {
+
+constexpr int kActQMax = 2047;  // |q| of the int12 activations
 
 // QB (the activation block), RG (weight rows per group) and the tile sizes: csrc/tiles.h
 
@@ -61,7 +66,7 @@ inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds) {
     for (int i = 0; i < QB; ++i) xb[i] = load1(x + b * QB + i);
     float amax = 0.f;
     for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
+    const float db = amax / float(kActQMax), inv = db > 0.f ? 1.f / db : 0.f;
     int sum = 0;
     for (int i = 0; i < QB; ++i) {
       const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
@@ -84,7 +89,7 @@ TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t
     __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
     const float amax = hmax8(mx);
-    const float db = amax / 32767.f, inv = db > 0.f ? 1.f / db : 0.f;
+    const float db = amax / float(kActQMax), inv = db > 0.f ? 1.f / db : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
     __m256i iv[4];
     for (int i = 0; i < 4; ++i)

@@ -37,11 +37,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "cpu_features.h"
 #include "kernels.h"
 #include "quant_act.h"
@@ -66,16 +61,10 @@ constexpr int64_t kQuantOffset[3] = {32, 64, 32};
 // Blocks ahead of the one being dequantised whose bytes the fused loop prefetches.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// The OS must grant a process the AMX tile state before its first tile instruction
-// (Linux >= 5.16: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); once per process.
+// AMX-BF16 on the CPU (with AVX-512 VBMI, for the nibble permutes) and granted by the OS.
 bool amx_permitted() {
 #ifdef TS_HAVE_AMX
-  static const bool ok = [] {
-    if (!cpu_features().amx_bf16 || !__builtin_cpu_supports("avx512vbmi")) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  return cpu_features().amx_bf16 && __builtin_cpu_supports("avx512vbmi") && amx_tiles_permitted();
 #else
   return false;
 #endif

@@ -22,8 +22,8 @@
 //       bits 2t..2t+1 = hi2(q[2c + j + 8t]), t = 0..3.
 // Rows past N are zero (d = 0).
 //
-// Activations: int16 per row and 32-block, exactly as csrc/quant.cpp (csrc/quant_act.h:
-// d = amax / 32767, q = round_half_even(x / d), s = d * sum q). The 32-block is the Q4_K /
+// Activations: int12 per row and 32-block, exactly as csrc/quant.cpp (csrc/quant_act.h:
+// d = amax / 2047, q = round_half_even(x / d), s = d * sum q). The 32-block is the Q4_K /
 // Q5_K sub-block; a Q6_K 32-block holds two 16-weight sub-blocks (their own scales, the
 // same activation d). Q6_K's "q - 32" is applied as isum - 32 * sum16(qx) (exact integers;
 // sum16 per row and 16-block, computed once per row).
@@ -38,8 +38,8 @@
 //             summ = fma(mw_s, sx_b, summ)                             (Q4_K / Q5_K only)
 //     y = round(acc + summ (+ b[n]))
 //
-// float(isum) is exact for Q4_K (|isum| <= 32 * 15 * 32767 < 2^24) and Q6_K (16 * 32 *
-// 32767 < 2^24), correctly rounded for Q5_K; either way a fixed function of the row's data.
+// float(isum) is exact for Q4_K (|isum| <= 32 * 15 * 2047 < 2^24), Q5_K (32 * 31 * 2047) and
+// Q6_K (16 * 32 * 2047); a fixed function of the row's data.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

@@ -25,23 +25,29 @@ def _features() -> dict[str, bool]:
     return {} if c is None or not hasattr(c, "cpu_features") else dict(c.cpu_features())
 
 
+def _block_isa(f: dict[str, bool], amx_int: bool) -> str:
+    if f.get("avx512vnni"):
+        return "avx512vnni-amxint8" if amx_int else "avx512vnni"
+    return "avx2"
+
+
 def weight_paths() -> list:
     """pytest params, one per weight path, with ``skip`` marks where this CPU lacks it."""
     f = _features()
     built = bool(f)
     amx = built and amx_available(load_kernels())
+    amx_int = built and bool(load_kernels().quant_amx_int_available())
     paths = [
         ("bf16-avx512bf16", "c", "none",
          None if f.get("avx512bf16") else "bf16 pair-dot GEMM: this CPU has no AVX512_BF16"
          if built else "tokenserve._C not built"),
         ("bf16-fma", "c-fma", "none", None if built else "tokenserve._C not built"),
-        # the block GEMM's AVX-512 VNNI and AVX2 tiles give the same bits (unit tests:
-        # tests/unit/test_kernel_quant.py), so the id names the one this CPU runs; c-vnni
-        # keeps them on an AMX CPU, whose default is the AMX path below
-        (f"gguf-{'avx512vnni' if f.get('avx512vnni') else 'avx2'}", "c-vnni", "gguf",
-         None if built else "tokenserve._C not built"),
-        ("gguf-amx", "c", "gguf",
-         None if amx else "AMX block GEMM: this CPU (or OS) has no AMX-BF16 tiles"
+        # the block GEMM's AVX-512 VNNI, AVX2 and AMX-INT8 tiles give the same bits (unit
+        # tests: tests/unit/test_kernel_quant.py, test_kernel_quant_amx_int.py), so the id
+        # names the ones this CPU runs: alone on the VNNI/AVX2 tiles, 16+ rows on AMX-INT8
+        (f"gguf-{_block_isa(f, amx_int)}", "c", "gguf", None if built else "tokenserve._C not built"),
+        ("gguf-amx-bf16", "amx-bf16", "gguf",
+         None if amx else "AMX-BF16 block GEMM: this CPU (or OS) has no AMX-BF16 tiles"
          if built else "tokenserve._C not built"),
     ]
     return [pytest.param((gemm, quant), id=name,

@@ -102,8 +102,8 @@ class _Rig:
 
 def _expect_path(line: str, gemm: str, quant: str) -> None:
     """The layers really run on the path under test (``line``: ``describe_gemms``)."""
-    if quant == "gguf":  # c-vnni: the VNNI/AVX2 block tiles; c: the AMX path (gguf-amx)
-        kernel = "quant_gemm" if gemm == "c-vnni" else "quant_amx"
+    if quant == "gguf":  # c: the block GEMM (VNNI/AVX2, AMX-INT8 tiles from 16 rows); amx-bf16
+        kernel = "quant_amx" if gemm == "amx-bf16" else "quant_gemm "
         assert kernel in line and "bf16 →" not in line, line
     elif gemm == "c-fma":
         assert line.startswith("bf16 → tokenserve.gemm avx2") or "portable" in line, line

@@ -43,7 +43,7 @@ from tokenserve.models.loader import (
     resolve_quantization,
 )
 from tokenserve.ops.dispatch import load_kernels
-from tokenserve.ops.linear import amx_available
+from tokenserve.ops.linear import quant_isa
 from tokenserve.ops.quant import dequantize_ref
 from tokenserve.ops.quant_blocks import QuantWeight
 from tokenserve.ops.quant_int8 import Int8Weight
@@ -93,6 +93,13 @@ def test_auto_resolution():
     assert resolve_quantization("auto", None, torch.bfloat16, 200, quant_isa="avx2") == "none"
     assert resolve_quantization("auto", None, torch.bfloat16, 200,
                                 quant_isa="avx512vnni") == "gguf"
+    assert resolve_quantization("auto", None, torch.bfloat16, 200,
+                                quant_isa="avx512vnni+amx_int8") == "gguf"
+    # and on this CPU, whatever it is, the server's own default batch size: the same
+    # choice as its block GEMM's inner loop says
+    isa = quant_isa(load_kernels())
+    want = "gguf" if isa.startswith("avx512vnni") else "none"
+    assert resolve_quantization("auto", None, torch.bfloat16, 256) == want
     assert resolve_quantization("gguf", None, torch.bfloat16, 200) == "gguf"
     assert resolve_quantization("auto", None, torch.float32) == "none"
     assert resolve_quantization("none", None) == "none"
@@ -116,9 +123,9 @@ def test_loader_keeps_blocks_and_model_is_smaller():
     assert isinstance(q, QuantWeight) and q.qtype == "q4_1"
     assert sd["model.norm.weight"].dtype == torch.bfloat16
     model = LlamaForCausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
-    # the block GEMM this CPU runs: AMX tiles (t16) where the OS grants them, else VNNI/AVX2 (x8)
-    assert model.lm_head.backend in ("tokenserve.quant_gemm", "tokenserve.quant_amx")
-    assert model.lm_head.qweight.layout == ("t16" if amx_available(load_kernels()) else "x8")
+    # the block GEMM, on every CPU (VNNI/AVX2 tiles, AMX-INT8 from 16 rows: the same bits)
+    assert model.lm_head.backend == "tokenserve.quant_gemm"
+    assert model.lm_head.qweight.layout == "x8"
     assert model.lm_head.qweight is model.w["embed"]  # tied: one copy of the table
     assert model.layers[0]["qkv"].qweight.shape == (
         (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)

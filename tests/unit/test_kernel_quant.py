@@ -77,7 +77,7 @@ def test_quantize_act_ref_bounds():
     q, d, s = quantize_act_ref(x)
     back = (q.float().reshape(5, 3, 32) * d.unsqueeze(-1)).reshape(5, 96)
     assert ((back - x).abs() <= (d.repeat_interleave(32, 1) / 2) * 1.001 + 1e-6).all()
-    assert q.dtype == torch.int16 and q.abs().max() <= 32767
+    assert q.dtype == torch.int16 and q.abs().max() <= 2047
     assert torch.allclose(s, d * q.reshape(5, 3, 32).float().sum(-1))
 
 
@@ -251,9 +251,7 @@ def test_dequant_rows_equals_reference(qtype, out_dtype):
 def test_linear_picks_quant_backend_or_dequantises(qtype, monkeypatch):
     _, qw = _weight(17, 64, qtype)
     x = _x(3, 64, torch.bfloat16)
-    monkeypatch.setenv("TOKENSERVE_GEMM", "c-vnni")  # these tiles, also on an AMX CPU
     lin = Linear(qw, out_dtype=torch.float32)
-    monkeypatch.delenv("TOKENSERVE_GEMM")
     if C is not None and hasattr(C, "quant_gemm"):
         assert lin.backend == "tokenserve.quant_gemm" and lin.qweight.layout == "x8"
         assert lin.nbytes == lin.qweight.nbytes <= qw.nbytes * 24 // 17  # N padded to 8

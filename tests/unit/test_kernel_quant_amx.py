@@ -7,7 +7,7 @@ against the pure-torch reference of tokenserve/ops/quant.py.
   sums) to fp32 rounding, for every format, N and M tail, bias, fp32 or bf16 in and out;
 * a row's result is the same bits alone, in any batch (1..70 rows: the fused and the
   panel loop), in reverse order, at 1 and 2 threads;
-* ``Linear`` picks it on an AMX CPU (``TOKENSERVE_GEMM=c-vnni`` keeps the VNNI tiles).
+* ``Linear`` picks it on an AMX CPU with ``TOKENSERVE_GEMM=amx-bf16`` (never by default).
 
 The kernel tests skip, with the reason, on a CPU or OS without AMX; the layout tests run
 everywhere.
@@ -129,16 +129,16 @@ def test_releases_gil():
 
 
 @needs_amx
-def test_linear_picks_amx_and_c_vnni_keeps_vnni():
+def test_linear_picks_amx_bf16_only_when_asked():
     qw = _weight(48, 64, "q4_1")
     x = activations(3, 64, torch.bfloat16)
-    lin = Linear(qw)
+    default = Linear(qw)
+    assert default.backend == "tokenserve.quant_gemm" and default.qweight.layout == "x8"
+    with gemm_env("amx-bf16"):
+        lin = Linear(qw)
     assert lin.backend == "tokenserve.quant_amx" and lin.qweight.layout == "t16"
     assert lin.c_spec()[0] == 4
     assert torch.equal(lin(x), _gemm(x, qw, out_dtype=torch.bfloat16))
-    with gemm_env("c-vnni"):
-        vnni = Linear(qw)
-    assert vnni.backend == "tokenserve.quant_gemm" and vnni.qweight.layout == "x8"
 
 
 @needs_amx

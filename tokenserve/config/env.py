@@ -51,7 +51,7 @@ TOKENSERVE_CACHE = EnvVar(
     "TOKENSERVE_CACHE", "directory", "~/.cache/tokenserve",
     "where GGUF models are converted to (Hugging Face layout)", "models.loader")
 TOKENSERVE_GEMM = EnvVar(
-    "TOKENSERVE_GEMM", "c | c-fma | c-vnni | onednn | torch", "the backend is chosen per layer",
+    "TOKENSERVE_GEMM", "c | c-fma | amx-bf16 | onednn | torch", "the backend is chosen per layer",
     "force one GEMM backend (another value: ValueError)", "ops.linear")
 TOKENSERVE_DISABLE_C = EnvVar(
     "TOKENSERVE_DISABLE_C", "flag: set and not 0", "off",

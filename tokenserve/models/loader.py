@@ -372,7 +372,7 @@ def resolve_quantization(quantization: str, model: str | None,
 
     ``auto`` -> ``gguf`` for a GGUF model served at the default bfloat16 where the block
     GEMM's inner loop (``quant_isa``; None: this CPU's, :func:`tokenserve.ops.linear.quant_isa`)
-    is ``avx512vnni``, or else with at most :data:`AUTO_GGUF_MAX_BATCH` running requests
+    is ``avx512vnni`` (with or without ``+amx_int8``), or else with at most :data:`AUTO_GGUF_MAX_BATCH` running requests
     (``max_batch_size``; None: not limited here); ``none`` for a Hugging Face directory, an
     explicit ``float32`` (asked-for precision gets the dequantised weights) or larger batches
     on AVX2. ``gguf`` needs a GGUF model.
@@ -388,7 +388,7 @@ def resolve_quantization(quantization: str, model: str | None,
         large = max_batch_size is not None and max_batch_size > AUTO_GGUF_MAX_BATCH
         if large and quant_isa is None:
             quant_isa = this_cpu_quant_isa(load_kernels())
-        if dtype != torch.bfloat16 or (large and quant_isa != "avx512vnni"):
+        if dtype != torch.bfloat16 or (large and not quant_isa.startswith("avx512vnni")):
             return "none"
     if quantization == "none":
         return "none"

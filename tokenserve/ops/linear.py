@@ -26,20 +26,22 @@ says which, for the start-up log):
     it is not batch-invariant and is never the default.
 ``"tokenserve.quant_gemm"``
     a :class:`~tokenserve.ops.quant_blocks.QuantWeight` (the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks,
-    regrouped 8 rows per block once: ``repack_x8``) on our kernel (``csrc/quant.cpp``; AVX-512
-    VNNI where the CPU has it, else AVX2, the same bits):
-    activations quantised to int16 per 32-block, exact integer block dots, fp32
-    accumulation; any out dtype. Row-invariant like ``tokenserve.gemm``.
+    regrouped 8 rows per block once: ``repack_x8``) on our kernel (``csrc/quant.cpp``):
+    activations quantised to int12 per 32-block, exact integer block dots, fp32
+    accumulation; any out dtype. The default for those formats on every CPU, with one
+    arithmetic and so the same bits everywhere: AVX-512 VNNI tiles where the CPU has them,
+    else AVX2 or portable code, and from 16 rows on Intel AMX-INT8 tiles where the CPU and
+    OS allow (``csrc/quant_amx_int.cpp``: the 12-bit activations split into two bytes, so
+    the int8 tile product is the exact block dot). Row-invariant like ``tokenserve.gemm``,
+    and a row's bits do not depend on which of those tiles ran it.
 ``"tokenserve.quant_amx"``
-    the same GGUF blocks (Q4_0 / Q4_1 / Q8_0, regrouped 16 rows per block once:
-    ``repack_t16``) on Intel AMX tiles (``csrc/quant_amx.cpp``), the default for those
-    formats on a CPU whose OS grants the AMX tile state (Sapphire Rapids and later): each
+    the same GGUF blocks (regrouped 16 rows per block once: ``repack_t16``) on Intel AMX-BF16
+    tiles (``csrc/quant_amx.cpp``), only when asked for (``TOKENSERVE_GEMM=amx-bf16``): each
     16 x 32 weight tile is dequantised to bf16 in L1 right before its tile products, the
-    activations stay bf16, fp32 accumulation. A decode step's GEMMs take 1.7x / 2.7x less
-    time than on the AVX-512 VNNI tiles at 16 / 64 rows and 2x more at one row
-    (bench/README.md "AMX tiles for the GGUF blocks", issue 20). Other bits than
-    ``tokenserve.quant_gemm``'s, so a machine runs one of the two (``TOKENSERVE_GEMM=c-vnni``
-    keeps the VNNI tiles); row-invariant like it.
+    activations stay bf16, fp32 accumulation. Served on a 2-core Sapphire Rapids it gave
+    ~1.3x the default's output under load (16 and 64 concurrent) and ~0.6x alone
+    (bench/README.md, issue 24). Other bits than ``tokenserve.quant_gemm``'s (a server runs
+    one of the two); row-invariant like it.
 ``"tokenserve.quant_k_gemm"``
     the same for the k-quants Q4_K / Q5_K / Q6_K (``csrc/quant_k.cpp``, layout ``repack_k8``:
     8 rows interleaved per 256-weight super-block; one fp32 fma per 32- or 16-weight
@@ -64,8 +66,8 @@ and weight always use one. ``F.linear`` through MKL/oneDNN is NOT row-invariant 
 kernel and blocking depend on M).
 
 ``TOKENSERVE_GEMM`` forces a backend where it can run (for experiments): ``c`` (ours, the
-default), ``c-fma`` (ours, FMA chain even where AVX512_BF16 exists), ``c-vnni`` (ours, the
-GGUF blocks on ``tokenserve.quant_gemm`` even where AMX exists), ``onednn``, ``torch``.
+default), ``c-fma`` (ours, FMA chain even where AVX512_BF16 exists), ``amx-bf16`` (the GGUF
+blocks on ``tokenserve.quant_amx`` where AMX-BF16 exists), ``onednn``, ``torch``.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ BACKENDS = ("onednn", "tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.qu
 # the backends whose rows never depend on the batch (see the module doc)
 INVARIANT_BACKENDS = ("tokenserve.gemm", "tokenserve.quant_gemm", "tokenserve.quant_amx",
                       "tokenserve.quant_k_gemm", "tokenserve.int8_gemm")
-FORCE_VALUES = ("", "c", "c-fma", "c-vnni", "onednn", "torch")
+FORCE_VALUES = ("", "c", "c-fma", "amx-bf16", "onednn", "torch")
 #: the GGUF formats ``tokenserve.quant_amx`` takes
 AMX_QTYPES = ("q4_0", "q4_1", "q8_0")
 
@@ -111,10 +113,12 @@ def vector_isa(c) -> str:
 
 
 def quant_isa(c) -> str:
-    """The inner loop of ``quant_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpwssd`` on two
-    8-row groups per zmm), ``"avx2"`` or ``"portable"``; all three give the same bits."""
+    """The inner loops of ``quant_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpwssd`` on two
+    8-row groups per zmm), with ``"+amx_int8"`` where 16+ rows run on AMX-INT8 tiles,
+    ``"avx2"`` or ``"portable"``; all of them give the same bits."""
     if c is not None and c.cpu_features().get("avx512vnni", False):
-        return "avx512vnni"
+        amx = hasattr(c, "quant_amx_int_available") and bool(c.quant_amx_int_available())
+        return "avx512vnni+amx_int8" if amx else "avx512vnni"
     return vector_isa(c)
 
 
@@ -192,8 +196,8 @@ class Linear:
             c = kernels.c
             op = ("int8_gemm" if weight.qtype == "int8" else
                   "quant_k_gemm" if weight.qtype in K_QTYPES else "quant_gemm")
-            if kernels.op(op) is not None and force in ("", "c", "c-fma", "c-vnni"):
-                amx = (op == "quant_gemm" and weight.qtype in AMX_QTYPES and force != "c-vnni"
+            if kernels.op(op) is not None and force in ("", "c", "c-fma", "amx-bf16"):
+                amx = (op == "quant_gemm" and weight.qtype in AMX_QTYPES and force == "amx-bf16"
                        and amx_available(c))
                 # GGUF blocks -> t16 tiles (AMX) or x8 (k-quants: k8) groups; Int8Weight ->
                 # x16 panels

@@ -11,8 +11,8 @@ either kind, GGUF blocks (``tokenserve/ops/quant_blocks.py``) or weight-only int
 
 The rest is the pure-torch oracle of ``csrc/quant.cpp`` and ``csrc/quant_k.cpp``:
 
-* :func:`quantize_act_ref` quantises activations per row and 32-block to int16, as the kernel
-  does before its integer dot products (llama.cpp's Q8_1 activations, with 16 bits instead of
+* :func:`quantize_act_ref` quantises activations per row and 32-block to int12, as the kernel
+  does before its integer dot products (llama.cpp's Q8_1 activations, with 12 bits instead of
   8, see ``csrc/quant.cpp`` and bench/README.md "Quantised weights");
 * :func:`quant_linear_ref` emulates the kernel's arithmetic (exact integer block dots, one
   fp32 fma per block) and :func:`quant_linear_fp32_ref` is the "true" product with the
@@ -101,10 +101,13 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
 
 
 def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activations -> int16 blocks, the kernel's first step (row by row, 32-block by 32-block).
+    """Activations -> int12 blocks (stored as int16), the kernel's first step (row by row,
+    32-block by 32-block; ``csrc/quant_act.h``).
 
-    ``d = amax / 32767`` (fp32), ``q = round_half_even(x * (1/d))`` (0 where d = 0), and
-    ``s = d * sum(q)`` (as llama.cpp's Q8_1 ``s``, for the Q4 offset term).
+    ``d = amax / 2047`` (fp32), ``q = round_half_even(x * (1/d))`` (0 where d = 0,
+    ``|q| <= 2047``), and ``s = d * sum(q)`` (as llama.cpp's Q8_1 ``s``, for the Q4 offset
+    term). 12 bits so that ``q = 16 h + l`` (``h`` a signed byte, ``l`` 0..15) and an
+    AMX-INT8 tile product is the exact block dot (``csrc/quant_amx_int.cpp``).
 
     Args:
         x: [M, K] any float dtype (used as fp32), K a multiple of 32.
@@ -114,7 +117,7 @@ def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """
     m, k = x.shape
     xb = x.float().reshape(m, k // QK, QK)
-    d = xb.abs().amax(-1) / 32767.0
+    d = xb.abs().amax(-1) / 2047.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int32)
     s = d * q.sum(-1).float()
@@ -308,7 +311,7 @@ def quant_k_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Bit-exact emulation of ``quant_k_gemm`` (``csrc/quant_k.cpp``): ``y = x @ W.T (+ b)``.
 
-    Activations as :func:`quantize_act_ref` (int16 per 32-block: q, dx, sx = dx * sum q).
+    Activations as :func:`quantize_act_ref` (int12 per 32-block: q, dx, sx = dx * sum q).
     Per output element, sub-blocks s in k order (Q4_K / Q5_K: 32 weights, activation block
     b = s; Q6_K: 16 weights, b = s // 2)::
 
