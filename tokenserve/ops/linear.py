@@ -39,7 +39,7 @@ says which, for the start-up log):
     tiles (``csrc/quant_amx.cpp``), only when asked for (``TOKENSERVE_GEMM=amx-bf16``): each
     16 x 32 weight tile is dequantised to bf16 in L1 right before its tile products, the
     activations stay bf16, fp32 accumulation. Served on a 2-core Sapphire Rapids it gave
-    ~1.3x the default's output under load (16 and 64 concurrent) and ~0.6x alone
+    1.2-1.3x the default's output under load (16 and 64 concurrent) and 0.57x alone
     (bench/README.md, issue 24). Other bits than ``tokenserve.quant_gemm``'s (a server runs
     one of the two); row-invariant like it.
 ``"tokenserve.quant_k_gemm"``
