@@ -12,8 +12,11 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="Python < 3.11: no tomllib to read pyproject.toml")
 
 ROOT = Path(__file__).resolve().parents[2]
 # distribution name -> the module it installs, where the two differ
