@@ -11,8 +11,8 @@ bf16 ``gemm``. Every layer has its own weights, so the step streams them from me
 real one does (92 MB quantised, 270 MB bf16). On a CPU with AMX-INT8 tiles a row per M
 times the default step (``quant_gemm``: AMX-INT8 tiles from 16 rows) against the VNNI tiles
 alone (``ms_ref``; the same bits), and with AMX-BF16 another the step on ``quant_amx_gemm``
-(opt-in, t16 layout, other bits) against the default. Times are the best of several runs (the host is shared; the minimum is
-the least noisy). Weights are random, quantised with
+(opt-in, t16 layout, other bits) against the default. Times are the best of several runs (the
+host is shared; the minimum is the least noisy). Weights are random, quantised with
 ``gguf.quants.quantize`` (llama.cpp's reference quantisers).
 """
 
@@ -24,7 +24,7 @@ import time
 import torch
 
 from tokenserve.ops.dispatch import load_kernels
-from tokenserve.ops.linear import amx_available
+from tokenserve.ops.linear import amx_available, amx_int8_available
 from tokenserve.ops.quant import quantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import QTYPE_IDS, repack_t16
 
@@ -54,7 +54,7 @@ def bench(ms: tuple[int, ...] = MS, qtype: str = "q4_1") -> list[dict]:
     g = torch.Generator().manual_seed(0)
     vnni = bool(c.cpu_features().get("avx512vnni")) and hasattr(c, "_quant_force_avx2")
     amx = amx_available(c)
-    amx_int = hasattr(c, "quant_amx_int_available") and bool(c.quant_amx_int_available())
+    amx_int = amx_int8_available(c)
     # the bf16 layout the server uses on this CPU: k pairs (vdpbf16ps) where it has
     # AVX512_BF16, else the FMA chain's panels
     pairs = bool(c.cpu_features().get("avx512bf16"))

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -53,6 +54,15 @@ inline bool amx_tiles_permitted() {
   return false;
 #endif
 }
+
+// The 64-byte operand of ldtilecfg (palette 1): per tile register its rows and bytes per row
+// (csrc/quant_amx.cpp, csrc/quant_amx_int.cpp).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
 // A kernel's AVX2 + FMA path is on: the CPU has it and the kernel's test hook (force_portable,
 // set through its _<kernel>_force_portable binding) has not forced the portable code.

@@ -71,13 +71,6 @@ bool amx_permitted() {
 }
 
 #ifdef TS_HAVE_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C (16 x 16 fp32); 4, 5: A (two 16-row weight tiles); 6, 7: B (two 16-row
 // activation tiles). All 16 rows x 64 bytes.
 TS_TARGET_AMX void tiles_configure() {

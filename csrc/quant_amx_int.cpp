@@ -77,13 +77,6 @@ constexpr int64_t QK = 32;
 constexpr int64_t kMtChunk = 8;  // 16-row slices of x per work unit (their B tiles built once)
 constexpr int64_t kPrefetchBlocks = 8;  // weight blocks ahead in each group stream
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 TS_TARGET_AMX_INT void tiles_configure(int qt) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from tokenserve.ops.dispatch import load_kernels
-from tokenserve.ops.linear import amx_available
+from tokenserve.ops.linear import amx_available, amx_int8_available
 
 
 def _features() -> dict[str, bool]:
@@ -36,7 +36,7 @@ def weight_paths() -> list:
     f = _features()
     built = bool(f)
     amx = built and amx_available(load_kernels())
-    amx_int = built and bool(load_kernels().quant_amx_int_available())
+    amx_int = built and amx_int8_available(load_kernels())
     paths = [
         ("bf16-avx512bf16", "c", "none",
          None if f.get("avx512bf16") else "bf16 pair-dot GEMM: this CPU has no AVX512_BF16"

@@ -21,6 +21,17 @@ def activations(M: int, K: int, dtype: torch.dtype = torch.float32, seed: int = 
     return x.to(dtype)
 
 
+def quant_weight(N: int, K: int, qtype: str, seed: int = 0):
+    """A random [N, K] weight quantised to ``qtype`` (``quantize_ref``), reproducible per
+    (N, K, seed); its first 32-block is shifted by 0.3 (an offset block: Q4_1's m matters)."""
+    from tokenserve.ops.quant import quantize_ref
+
+    g = torch.Generator().manual_seed(seed * 7919 + N * 31 + K)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    w[:, :32] += 0.3
+    return quantize_ref(w, qtype)
+
+
 def assert_rows_invariant(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                           batch_sizes: Sequence[int]) -> None:
     """Bit for bit: each row of ``gemm(x)`` equals that row computed alone, in the first m

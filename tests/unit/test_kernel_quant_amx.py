@@ -19,14 +19,18 @@ import pytest
 import torch
 
 from tests.backends import gemm_env
-from tests.kernel_checks import activations, assert_releases_gil, assert_rows_invariant
+from tests.kernel_checks import (
+    activations,
+    assert_releases_gil,
+    assert_rows_invariant,
+    quant_weight,
+)
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear, amx_available
 from tokenserve.ops.quant import (
     dequantize_bf16_ref,
     dequantize_ref,
     quant_amx_linear_ref,
-    quantize_ref,
 )
 from tokenserve.ops.quant_blocks import (
     QTYPE_IDS,
@@ -42,13 +46,6 @@ needs_amx = pytest.mark.skipif(not amx_available(C),
 QTYPES = ["q4_0", "q4_1", "q8_0"]
 
 
-def _weight(N: int, K: int, qtype: str, seed: int = 0) -> QuantWeight:
-    g = torch.Generator().manual_seed(seed * 7919 + N * 31 + K)
-    w = torch.randn(N, K, generator=g) * K ** -0.5
-    w[:, :32] += 0.3  # a block with an offset (Q4_1's m matters)
-    return quantize_ref(w, qtype)
-
-
 def _gemm(x, qw: QuantWeight, bias=None, out_dtype=torch.float32):
     p = repack_t16(qw)
     return C.quant_amx_gemm(x, p.data, QTYPE_IDS[qw.qtype], qw.shape[0], bias, out_dtype)
@@ -57,7 +54,7 @@ def _gemm(x, qw: QuantWeight, bias=None, out_dtype=torch.float32):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("N", [1, 16, 40])
 def test_t16_round_trip(qtype, N):
-    qw = _weight(N, 96, qtype)
+    qw = quant_weight(N, 96, qtype)
     t = repack_t16(qw)
     assert t.layout == "t16" and tuple(t.data.shape) == ((N + 15) // 16, 3, t.data.shape[2])
     assert torch.equal(unpack_t16(t).data, qw.data)
@@ -73,7 +70,7 @@ def test_t16_rejects_k_quants():
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_bf16_is_fp32_rounded(qtype):
-    qw = _weight(24, 128, qtype)
+    qw = quant_weight(24, 128, qtype)
     assert torch.equal(dequantize_bf16_ref(qw), dequantize_ref(qw).to(torch.bfloat16))
 
 
@@ -82,7 +79,7 @@ def test_dequantize_bf16_is_fp32_rounded(qtype):
 @pytest.mark.parametrize("M,N,K", [(1, 16, 32), (3, 40, 96), (17, 576, 576), (33, 24, 1536),
                                    (70, 200, 64)])
 def test_matches_reference(qtype, M, N, K):
-    qw = _weight(N, K, qtype)
+    qw = quant_weight(N, K, qtype)
     x = activations(M, K, torch.bfloat16)
     y = _gemm(x, qw)
     ref = quant_amx_linear_ref(x, qw, out_dtype=torch.float32)
@@ -94,7 +91,7 @@ def test_matches_reference(qtype, M, N, K):
 @needs_amx
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_bias_fp32_input_and_dtypes(out_dtype):
-    qw = _weight(40, 96, "q4_1")
+    qw = quant_weight(40, 96, "q4_1")
     x = activations(5, 96)  # fp32: rounded to bf16 first
     b = torch.randn(40)
     y = _gemm(x, qw, b, out_dtype)
@@ -107,7 +104,7 @@ def test_bias_fp32_input_and_dtypes(out_dtype):
 @needs_amx
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_invariant(qtype):
-    qw = _weight(72, 192, qtype, seed=3)
+    qw = quant_weight(72, 192, qtype, seed=3)
     p = repack_t16(qw)
     assert_rows_invariant(
         lambda x: C.quant_amx_gemm(x, p.data, QTYPE_IDS[qtype], 72, None, torch.float32),
@@ -116,21 +113,21 @@ def test_rows_invariant(qtype):
 
 @needs_amx
 def test_bad_weight_shape_is_rejected():
-    qw = _weight(16, 64, "q4_1")
+    qw = quant_weight(16, 64, "q4_1")
     with pytest.raises(RuntimeError, match="repack_t16"):
         C.quant_amx_gemm(activations(1, 64, torch.bfloat16), repack_blocks(qw).data, 1, 16, None, None)
 
 
 @needs_amx
 def test_releases_gil():
-    qw = repack_t16(_weight(4096, 1536, "q4_1"))
+    qw = repack_t16(quant_weight(4096, 1536, "q4_1"))
     x = activations(4096, 1536, torch.bfloat16)  # ~47 ms on 2 Sapphire Rapids cores: over twice the 20 it needs
     assert_releases_gil(lambda: C.quant_amx_gemm(x, qw.data, 1, 4096, None, None))
 
 
 @needs_amx
 def test_linear_picks_amx_bf16_only_when_asked():
-    qw = _weight(48, 64, "q4_1")
+    qw = quant_weight(48, 64, "q4_1")
     x = activations(3, 64, torch.bfloat16)
     default = Linear(qw)
     assert default.backend == "tokenserve.quant_gemm" and default.qweight.layout == "x8"
@@ -145,7 +142,7 @@ def test_linear_picks_amx_bf16_only_when_asked():
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_embedding_rows_match_the_x8_lookup(qtype, out_dtype):
-    qw = _weight(40, 96, qtype)
+    qw = quant_weight(40, 96, qtype)
     ids = torch.tensor([0, 39, 17, 17, 5])
     got = C.quant_t16_dequant_rows(ids, repack_t16(qw).data, QTYPE_IDS[qtype], 40, 96, out_dtype)
     want = C.quant_dequant_rows(ids, repack_blocks(qw).data, QTYPE_IDS[qtype], 40, 96, out_dtype)

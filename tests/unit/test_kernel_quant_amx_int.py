@@ -21,25 +21,24 @@ import itertools
 import pytest
 import torch
 
-from tests.kernel_checks import activations, assert_releases_gil, assert_rows_invariant
+from tests.kernel_checks import (
+    activations,
+    assert_releases_gil,
+    assert_rows_invariant,
+    quant_weight,
+)
 from tokenserve.ops.dispatch import load_kernels
-from tokenserve.ops.quant import quant_linear_ref, quantize_ref, repack_x8
-from tokenserve.ops.quant_blocks import QTYPE_IDS, QuantWeight
+from tokenserve.ops.linear import amx_int8_available
+from tokenserve.ops.quant import quant_linear_ref, repack_x8
+from tokenserve.ops.quant_blocks import QTYPE_IDS
 
 C = load_kernels()
 needs_amx_int = pytest.mark.skipif(
-    C is None or not hasattr(C, "quant_amx_int_available") or not C.quant_amx_int_available(),
+    not amx_int8_available(C),
     reason="no AMX-INT8 tiles on this CPU/OS (or tokenserve._C not built)")
 pytestmark = needs_amx_int
 QTYPES = ["q4_0", "q4_1", "q8_0"]
 NEVER = 1 << 40
-
-
-def _weight(N: int, K: int, qtype: str, seed: int = 0) -> QuantWeight:
-    g = torch.Generator().manual_seed(seed * 7919 + N * 31 + K)
-    w = torch.randn(N, K, generator=g) * K ** -0.5
-    w[:, :32] += 0.3  # a block with an offset (Q4_1's m matters)
-    return quantize_ref(w, qtype)
 
 
 def _x(M: int, K: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -68,7 +67,7 @@ def test_default_bound():
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("N,K", [(8, 32), (24, 96), (40, 64), (72, 576), (48, 1536)])
 def test_same_bits_as_the_vnni_tiles(qtype, N, K):
-    w = repack_x8(_weight(N, K, qtype)).data
+    w = repack_x8(quant_weight(N, K, qtype)).data
     bias = torch.randn(N)
     for M, dtype, out_dtype, b in itertools.product(
             [1, 15, 16, 17, 33, 64], [torch.bfloat16, torch.float32],
@@ -81,7 +80,7 @@ def test_same_bits_as_the_vnni_tiles(qtype, N, K):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_equals_the_reference(qtype):
-    qw = _weight(40, 96, qtype)
+    qw = quant_weight(40, 96, qtype)
     x = _x(20, 96, torch.float32)
     b = torch.randn(40)
     got = _gemm(x, repack_x8(qw).data, qtype, 40, b, amx_rows=1)
@@ -91,7 +90,7 @@ def test_equals_the_reference(qtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_invariant_across_both_tiles(qtype):
     """Alone a row runs on the VNNI tiles, in a batch of 16+ on the AMX-INT8 tiles."""
-    qw = _weight(72, 96, qtype)
+    qw = quant_weight(72, 96, qtype)
     w = repack_x8(qw).data
     x = _x(70, 96)
     assert_rows_invariant(lambda xs: _gemm(xs, w, qtype, 72), x, [2, 15, 16, 17, 31, 32, 33, 64, 70])
@@ -99,12 +98,12 @@ def test_rows_invariant_across_both_tiles(qtype):
 
 def test_rejects_nothing_new():
     """The AMX path is chosen after quant_gemm's own checks: bad shapes still raise."""
-    qw = _weight(16, 64, "q4_1")
+    qw = quant_weight(16, 64, "q4_1")
     with pytest.raises(RuntimeError, match="multiple of 32"):
         _gemm(activations(32, 48, torch.bfloat16), repack_x8(qw).data, "q4_1", 16, amx_rows=1)
 
 
 def test_releases_gil():
-    w = repack_x8(_weight(4096, 1536, "q4_1")).data
+    w = repack_x8(quant_weight(4096, 1536, "q4_1")).data
     x = activations(4096, 1536, torch.bfloat16)  # ~62 ms on 2 Sapphire Rapids cores
     assert_releases_gil(lambda: _gemm(x, w, "q4_1", 4096))

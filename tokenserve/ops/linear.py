@@ -117,8 +117,7 @@ def quant_isa(c) -> str:
     8-row groups per zmm), with ``"+amx_int8"`` where 16+ rows run on AMX-INT8 tiles,
     ``"avx2"`` or ``"portable"``; all of them give the same bits."""
     if c is not None and c.cpu_features().get("avx512vnni", False):
-        amx = hasattr(c, "quant_amx_int_available") and bool(c.quant_amx_int_available())
-        return "avx512vnni+amx_int8" if amx else "avx512vnni"
+        return "avx512vnni+amx_int8" if amx_int8_available(c) else "avx512vnni"
     return vector_isa(c)
 
 
@@ -126,6 +125,13 @@ def amx_available(c) -> bool:
     """True when this CPU has AMX-BF16 (with AVX512-VBMI) and the OS granted the process the
     tile state (``quant_amx_available`` asks it once)."""
     return c is not None and hasattr(c, "quant_amx_available") and bool(c.quant_amx_available())
+
+
+def amx_int8_available(c) -> bool:
+    """True when ``quant_gemm`` runs 16+ rows on AMX-INT8 tiles here: the CPU has them (with
+    AVX512-VBMI and VNNI) and the OS granted the tile state (``quant_amx_int_available``)."""
+    return (c is not None and hasattr(c, "quant_amx_int_available")
+            and bool(c.quant_amx_int_available()))
 
 
 def pair_dot_available(c) -> bool:
