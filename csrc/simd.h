@@ -1,6 +1,6 @@
 // SIMD and bf16 helpers shared by the kernels: the target attribute of each ISA level, bf16
 // <-> fp32 conversions (scalar and 8 lanes), loads and stores of fp32 / bf16 / fp16 rows,
-// horizontal reductions, exp8.
+// horizontal reductions, exp8; their 16-lane AVX-512 twins (load16, store16, exp16).
 //
 // Nothing here needs a -m flag: every vector helper carries its ISA level's target attribute,
 // so one build for generic x86-64 serves every CPU and the kernels pick their code path at
@@ -28,6 +28,8 @@
 #define TS_TARGET_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 // AVX-512 with the bf16 pair dot product (vdpbf16ps).
 #define TS_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+// AVX-512 foundation (with AVX2 + FMA): 16-lane versions of the AVX2 helpers (load16, store16, exp16).
+#define TS_TARGET_AVX512 __attribute__((target("avx2,fma,avx512f")))
 // AVX-512 with the int16 pair dot product (vpdpwssd), F16C and FMA: the block-quantised GEMMs.
 #define TS_TARGET_AVX512VNNI \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -195,6 +197,57 @@ TS_TARGET_AVX2 inline __m256 exp8(__m256 x0) {
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
   y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x0, hi, _CMP_GT_OQ));
   return _mm256_blendv_ps(y, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q));
+}
+
+// ------------------------------------------------------------------------- AVX-512
+// The AVX2 helpers on 16 lanes, lane for lane the same operations (so the same bits): a
+// kernel's AVX-512 path gives what its AVX2 path gives.
+
+TS_TARGET_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TS_TARGET_AVX512 inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+TS_TARGET_AVX512 inline __m512 load16(const at::BFloat16* p) {
+  return load16(reinterpret_cast<const uint16_t*>(p));
+}
+
+// fp32 bits -> bf16 bits in the low 16 of each 32-bit lane (as bf16_bits).
+TS_TARGET_AVX512 inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+TS_TARGET_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+TS_TARGET_AVX512 inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+TS_TARGET_AVX512 inline void store16(at::BFloat16* p, __m512 v) {
+  store16(reinterpret_cast<uint16_t*>(p), v);
+}
+
+// exp8 on 16 lanes: the same operations in the same order.
+TS_TARGET_AVX512 inline __m512 exp16(__m512 x0) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  __m512 x = _mm512_min_ps(_mm512_max_ps(x0, lo), hi);
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i n = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x0, hi, _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q), x0);
 }
 #endif  // TS_X86
 

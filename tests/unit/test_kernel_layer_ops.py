@@ -27,12 +27,27 @@ DTYPES = [torch.bfloat16, torch.float32]
 EPS = 1e-5
 
 
-@pytest.fixture(params=["vector", "portable"])
+class _Forced:
+    """The layer_ops path forced for a block: "vector" (the machine's best: AVX-512 where it
+    has it), "avx2" (AVX2 even on an AVX-512 machine) or "portable"."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.old = (C._layer_ops_force_portable(self.name == "portable"),
+                    C._layer_ops_force_avx2(self.name == "avx2"))
+
+    def __exit__(self, *exc):
+        C._layer_ops_force_portable(self.old[0])
+        C._layer_ops_force_avx2(self.old[1])
+
+
+@pytest.fixture(params=["vector", "avx2", "portable"])
 def path(request):
-    """Run a test on the machine's best path, then again with the portable one forced."""
-    old = C._layer_ops_force_portable(request.param == "portable")
-    yield request.param
-    C._layer_ops_force_portable(old)
+    """Run a test on the machine's best path, then with the AVX2 and the portable one forced."""
+    with _Forced(request.param):
+        yield request.param
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -118,18 +133,33 @@ def test_rms_norm_paths_bit_identical(dtype):
     x = _rows(17, 576 + 13, dtype, seed=5, scale=2.0)
     w = _weight(576 + 13, dtype, 5)
     outs = []
-    for portable in (False, True):
-        old = C._layer_ops_force_portable(portable)
-        try:
+    for name in ("vector", "avx2", "portable"):
+        with _Forced(name):
             o = torch.empty_like(x)
             C.rms_norm(o, x, w, EPS)
             xx, rr = x.clone(), x.flip(0).contiguous()
             C.fused_add_rms_norm(xx, rr, w, EPS)
             outs.append((o, xx, rr))
-        finally:
-            C._layer_ops_force_portable(old)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_avx512_is_avx2(dtype):
+    """The AVX-512 path is the AVX2 one on 16 lanes (exp16 = exp8 lane for lane): the same
+    bits, body and tail (I = 1536 + 13), NaN, inf and large |g| included."""
+    x = _rows(9, 2 * (1536 + 13), dtype, seed=11, scale=6.0)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0])
+    x[1, 1536 + 13: 1536 + 17] = torch.tensor([-100.0, 90.0, -90.0, 0.0])
+    outs = []
+    for name in ("vector", "avx2"):
+        with _Forced(name):
+            o = torch.empty(9, 1536 + 13, dtype=dtype)
+            C.silu_and_mul(o, x)
+            outs.append(o)
+    assert torch.equal(outs[0].view(-1).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       outs[1].view(-1).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
 def test_rms_norm_in_place_and_nan():

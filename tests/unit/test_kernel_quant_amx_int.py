@@ -5,7 +5,8 @@
 
 * the AMX-INT8 tiles give the VNNI tiles' output for every format, N tail (one 8-row
   group in the last tile, rows past N), M tail, K, bias and in/out dtype, also with
-  activation outliers (the int12 quantiser's extremes, -2047 and 2047);
+  activation outliers (the int12 quantiser's extremes, -2047 and 2047), and across the
+  loop's slice chunks and thread splits;
 * both equal ``quant_linear_ref``, the pure-torch emulation of the block formula;
 * with the default bound, a row's bits are the same alone (VNNI) and in any batch (AMX
   from 16 rows), in reverse order and at 1 and 2 threads;
@@ -76,6 +77,24 @@ def test_same_bits_as_the_vnni_tiles(qtype, N, K):
         vnni = _gemm(x, w, qtype, N, b, out_dtype, amx_rows=NEVER)
         amx = _gemm(x, w, qtype, N, b, out_dtype, amx_rows=1)
         assert torch.equal(amx, vnni), (M, dtype, out_dtype, b is not None)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_same_bits_across_slice_chunks_and_threads(qtype):
+    """Work units of up to 8 slices of 16 rows x one weight tile: M across slice chunks
+    and tails (130 rows: 8 + 1 slices, the last 2 rows), N = 129 tiles (the last half a
+    tile), each thread count (the split falls between units of both chunks)."""
+    N, K = 16 * 128 + 8, 7 * 32
+    w = repack_x8(quant_weight(N, K, qtype)).data
+    old_threads = torch.get_num_threads()
+    try:
+        for threads, M in itertools.product([1, 2], [16, 64, 65, 130]):
+            torch.set_num_threads(threads)
+            x = _x(M, K)
+            vnni = _gemm(x, w, qtype, N, amx_rows=NEVER)
+            assert torch.equal(_gemm(x, w, qtype, N, amx_rows=1), vnni), (threads, M)
+    finally:
+        torch.set_num_threads(old_threads)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

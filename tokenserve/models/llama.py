@@ -32,6 +32,7 @@ from tokenserve.config import env
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.loader import ModelConfig, rope_inv_freq
 from tokenserve.ops.dispatch import Kernels
+from tokenserve.ops.host_memory import zeros_on_huge_pages
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import QuantWeight
@@ -194,10 +195,15 @@ class LlamaForCausalLM:
         """Per layer (k_cache, v_cache), each [num_blocks, Hkv, block_size, D], zeroed.
 
         All layers are views of one contiguous region ``[layers, 2, num_blocks, Hkv,
-        block_size, D]`` (one registration for a KV transfer engine).
+        block_size, D]`` (one registration for a KV transfer engine); on the CPU it lies on
+        transparent huge pages (:mod:`tokenserve.ops.host_memory`): a decode step reads its
+        blocks scattered over the region.
         """
         shape = (num_blocks, self.cfg.num_kv_heads, block_size, self.cfg.head_dim)
-        region = torch.zeros((self.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            region = zeros_on_huge_pages((self.num_layers, 2, *shape), self.dtype)
+        else:
+            region = torch.zeros((self.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
         return [(region[i, 0], region[i, 1]) for i in range(self.num_layers)]
 
     @torch.inference_mode()

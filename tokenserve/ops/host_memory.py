@@ -1,0 +1,55 @@
+"""Large host (CPU) buffers on transparent huge pages.
+
+The KV cache is one region of ~1 GiB read at scattered blocks every decode step; on 4 KB
+pages each block is a few page-table walks the hardware prefetchers do not cross. Linux's
+transparent huge pages in ``madvise`` mode (the common default: ``/sys/kernel/mm/
+transparent_hugepage/enabled``) back only regions that ask for them with
+``madvise(MADV_HUGEPAGE)`` (``man 2 madvise``), which a ``torch.zeros`` allocation does not.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20  # bytes (x86-64 PMD size)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed contiguous CPU tensor on 2 MiB-aligned anonymous memory advised for huge pages.
+
+    Args:
+        shape: the tensor's shape (elements).
+        dtype: its dtype.
+
+    Returns:
+        the tensor (not a view: ``._base`` is None), every page touched (resident, like
+        ``torch.zeros``); its storage keeps the mapping alive. Where ``mmap.MADV_HUGEPAGE`` does not exist (not Linux) or the kernel refuses
+        the advice, the same zeroed memory on normal pages. Batch results do not depend on
+        it: only where the bytes live.
+
+    Raises:
+        ValueError: a negative dimension.
+    """
+    if any(int(s) < 0 for s in shape):
+        raise ValueError(f"negative dimension in {tuple(shape)}")
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            region.madvise(advice)
+        except OSError:  # THP off in this kernel: normal pages
+            pass
+    storage = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()  # owns the mapping
+    start = (-storage.data_ptr()) % HUGE_PAGE
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # a tensor of its own on the storage (not a view: callers such as the C++ decoder find
+    # the region of their views through ._base)
+    t = torch.empty(0, dtype=dtype).set_(storage, start // itemsize, tuple(shape),
+                                         torch.empty(tuple(shape), device="meta").stride())
+    t.zero_()  # fault every page in now (anonymous memory reads as zero already)
+    return t
