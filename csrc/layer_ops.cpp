@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "cpu_features.h"
 #include "kernels.h"
@@ -69,6 +68,12 @@ template <typename T> TS_TARGET_AVX2 inline __m256 round8(__m256 v);
 template <> TS_TARGET_AVX2 inline __m256 round8<float>(__m256 v) { return v; }
 template <> TS_TARGET_AVX2 inline __m256 round8<BFloat16>(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+}
+// The same on 16 lanes (the AVX-512 paths).
+template <typename T> TS_TARGET_AVX512 inline __m512 round16(__m512 v);
+template <> TS_TARGET_AVX512 inline __m512 round16<float>(__m512 v) { return v; }
+template <> TS_TARGET_AVX512 inline __m512 round16<BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
 }
 #endif
 
@@ -153,12 +158,8 @@ TS_TARGET_AVX512 float sumsq_avx512(const T* x, T* res, int64_t n) {
   for (; i + 32 <= n; i += 32) {
     __m512 r0, r1;
     if constexpr (FUSED) {
-      r0 = _mm512_add_ps(load16(res + i), load16(x + i));
-      r1 = _mm512_add_ps(load16(res + i + 16), load16(x + i + 16));
-      if constexpr (!std::is_same_v<T, float>) {  // round to the dtype and back
-        r0 = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(r0), 16));
-        r1 = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(r1), 16));
-      }
+      r0 = round16<T>(_mm512_add_ps(load16(res + i), load16(x + i)));
+      r1 = round16<T>(_mm512_add_ps(load16(res + i + 16), load16(x + i + 16)));
       store16(res + i, r0);
       store16(res + i + 16, r1);
     } else {
@@ -177,11 +178,8 @@ template <typename T>
 TS_TARGET_AVX512 void normalize_avx512(T* out, const T* r, const T* w, int64_t n, float inv) {
   const __m512 vinv = _mm512_set1_ps(inv);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_mul_ps(load16(r + i), vinv);
-    if constexpr (!std::is_same_v<T, float>) v = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
-    store16(out + i, _mm512_mul_ps(load16(w + i), v));
-  }
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(r + i), vinv))));
   if (i < n) normalize_scalar(out + i, r + i, w + i, n - i, inv);  // same exact ops
 }
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from tokenserve.ops.dispatch import load_kernels
-from tokenserve.ops.linear import amx_available, amx_int8_available
+from tokenserve.ops.linear import amx_available, quant_isa
 
 
 def _features() -> dict[str, bool]:
@@ -25,18 +25,11 @@ def _features() -> dict[str, bool]:
     return {} if c is None or not hasattr(c, "cpu_features") else dict(c.cpu_features())
 
 
-def _block_isa(f: dict[str, bool], amx_int: bool) -> str:
-    if f.get("avx512vnni"):
-        return "avx512vnni-amxint8" if amx_int else "avx512vnni"
-    return "avx2"
-
-
 def weight_paths() -> list:
     """pytest params, one per weight path, with ``skip`` marks where this CPU lacks it."""
     f = _features()
     built = bool(f)
     amx = built and amx_available(load_kernels())
-    amx_int = built and amx_int8_available(load_kernels())
     paths = [
         ("bf16-avx512bf16", "c", "none",
          None if f.get("avx512bf16") else "bf16 pair-dot GEMM: this CPU has no AVX512_BF16"
@@ -45,7 +38,8 @@ def weight_paths() -> list:
         # the block GEMM's AVX-512 VNNI, AVX2 and AMX-INT8 tiles give the same bits (unit
         # tests: tests/unit/test_kernel_quant.py, test_kernel_quant_amx_int.py), so the id
         # names the ones this CPU runs: alone on the VNNI/AVX2 tiles, 16+ rows on AMX-INT8
-        (f"gguf-{_block_isa(f, amx_int)}", "c", "gguf", None if built else "tokenserve._C not built"),
+        (f"gguf-{quant_isa(load_kernels()).replace('+amx_int8', '-amxint8')}", "c", "gguf",
+         None if built else "tokenserve._C not built"),
         ("gguf-amx-bf16", "amx-bf16", "gguf",
          None if amx else "AMX-BF16 block GEMM: this CPU (or OS) has no AMX-BF16 tiles"
          if built else "tokenserve._C not built"),

@@ -25,8 +25,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
     Returns:
         the tensor (not a view: ``._base`` is None), every page touched (resident, like
-        ``torch.zeros``); its storage keeps the mapping alive. Where ``mmap.MADV_HUGEPAGE`` does not exist (not Linux) or the kernel refuses
-        the advice, the same zeroed memory on normal pages. Batch results do not depend on
+        ``torch.zeros``); its storage keeps the mapping alive. Where ``mmap.MADV_HUGEPAGE``
+        does not exist (not Linux) or the kernel refuses the advice, the same zeroed memory
+        on normal pages. Batch results do not depend on
         it: only where the bytes live.
 
     Raises:
@@ -34,7 +35,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """
     if any(int(s) < 0 for s in shape):
         raise ValueError(f"negative dimension in {tuple(shape)}")
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -46,7 +48,6 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
             pass
     storage = torch.frombuffer(region, dtype=torch.uint8).untyped_storage()  # owns the mapping
     start = (-storage.data_ptr()) % HUGE_PAGE
-    itemsize = torch.empty((), dtype=dtype).element_size()
     # a tensor of its own on the storage (not a view: callers such as the C++ decoder find
     # the region of their views through ._base)
     t = torch.empty(0, dtype=dtype).set_(storage, start // itemsize, tuple(shape),
