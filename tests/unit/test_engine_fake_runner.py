@@ -241,3 +241,29 @@ async def test_stop_engine_ends_open_requests():
     await e.stop()
     outs = [o async for o in handle]
     assert outs[-1].finish_reason is FinishReason.ERROR
+
+
+async def test_event_loop_held_until_the_model_thread_takes_the_step(monkeypatch):
+    """ExecutorActor.run holds the loop until the worker thread has started the step, so
+    the tasks that run next (a step's stream writes) do not take the core it needs: the
+    step starts before a callback already queued on the loop runs."""
+    from tokenserve.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "START_WAIT_S", 30.0)  # no timeout on a loaded host
+    order: list[str] = []
+
+    class Runner:
+        def step(self, plan: StepPlan) -> StepResult:
+            order.append("step")
+            return StepResult(plan.step_id, {}, 0.0)
+
+    ex = model_runner.ExecutorActor(Runner())
+    try:
+        for i in range(5):
+            order.clear()
+            asyncio.get_running_loop().call_soon(order.append, "loop")
+            assert (await ex.run(StepPlan(i, ()))).step_id == i
+            await asyncio.sleep(0)
+            assert order == ["step", "loop"], i
+    finally:
+        ex.close()
