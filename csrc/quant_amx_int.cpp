@@ -375,7 +375,10 @@ void quant_amx_int_gemm(int qt, const int16_t* xq, const float* xds, int64_t M, 
   assert(quant_amx_int_available() && K % QK == 0 && qt >= 0 && qt <= 2);
 #ifdef TS_HAVE_AMX_INT
   const int64_t nb = K / QK, nmt = (M + 15) / 16, nnt = (N + 15) / 16;
-  std::vector<int8_t> xbuf(size_t(nmt * nb * 1024 + 64));
+  // the packed activations, per calling thread, grown and reused (pack_a writes every byte;
+  // a fresh zeroed vector cost a memset of up to 200 KB a call)
+  thread_local std::vector<int8_t> xbuf;
+  if (xbuf.size() < size_t(nmt * nb * 1024 + 64)) xbuf.resize(size_t(nmt * nb * 1024 + 64));
   int8_t* xa = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xbuf.data()) + 63) & ~uintptr_t(63));
   // ~100 ns per 16 x 32 block: a parallel region (a barrier, and a wait for a descheduled
   // worker on a shared host) only pays off for long prompts
