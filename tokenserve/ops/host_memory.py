@@ -27,15 +27,14 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         the tensor (not a view: ``._base`` is None), every page touched (resident, like
         ``torch.zeros``); its storage keeps the mapping alive. Where ``mmap.MADV_HUGEPAGE``
         does not exist (not Linux) or the kernel refuses the advice, the same zeroed memory
-        on normal pages. Batch results do not depend on
-        it: only where the bytes live.
+        on normal pages. Batch results do not depend on it: only where the bytes live.
 
     Raises:
         ValueError: a negative dimension.
     """
     if any(int(s) < 0 for s in shape):
         raise ValueError(f"negative dimension in {tuple(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = torch.Size(shape).numel() * itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
