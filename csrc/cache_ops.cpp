@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "parallel.h"
 #include "kernels.h"
 #include "registry.h"
 #include "simd.h"
@@ -102,7 +103,7 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
   const int64_t work = (H + 2 * Hkv) * D;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(work, 1));
 
-  at::parallel_for(0, T_, grain, [&](int64_t begin, int64_t end) {
+  parallel_for_stealing(T_, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv_p + t * row_stride;
       const float* cos = cs + pos[t] * D;

@@ -22,6 +22,7 @@
 #include <cstring>
 
 #include "cpu_features.h"
+#include "parallel.h"
 #include "kernels.h"
 #include "registry.h"
 #include "simd.h"
@@ -198,7 +199,7 @@ void rms_norm_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* 
                    int64_t res_stride, const T* w, int64_t rows, int64_t n, float eps) {
   const bool avx2 = use_avx2(), avx512 = use_avx512();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_for_stealing(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
       T* rr = FUSED ? res + t * res_stride : nullptr;
@@ -338,7 +339,7 @@ void silu_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                        int64_t n) {
   const bool avx2 = use_avx2(), avx512 = use_avx512();
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_for_stealing(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* g = x + t * x_stride;
 #ifdef TS_X86

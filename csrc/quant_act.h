@@ -15,14 +15,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "tiles.h"
 
@@ -109,7 +108,8 @@ TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t
 
 // Quantises the M rows of x [M, K] (fp32 or bf16, T = float | at::BFloat16) to q int16
 // [M, K] and ds fp32 [M, K / 32, 2], then calls after_row(m) for each row (e.g. extra
-// per-row sums). One task per thread from 16K elements, serial below (a batch-1 GEMV: a
+// per-row sums). The rows shared over the threads from 16K elements (csrc/parallel.h: a
+// range per thread, the idle one taking the other's rows), serial below (a batch-1 GEMV: a
 // parallel region's barrier costs more than its ~1 us of quantising). Measured (Sapphire
 // Rapids, 2 threads, a 64-row GEMM with N = 16, so mostly this): 22 -> 18.5 us at K = 576,
 // 56 -> 44.5 us at K = 1536 against serial up to 4M elements; ~0.7 ms of a 64-row step.
@@ -118,18 +118,13 @@ template <class T, class AfterRow>
 void quantize_rows(const T* x, int64_t M, int64_t K, bool avx2, int16_t* q, float* ds,
                    AfterRow&& after_row) {
   const int64_t nb = K / QB;
-  const int64_t nt = std::max(1, at::get_num_threads());
-  const int64_t grain = M * K >= (int64_t{1} << 14) ? (M + nt - 1) / nt : M;
-  at::parallel_for(0, M, grain,
-                   [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
+  parallel_units(M, M * K >= (int64_t{1} << 14) ? at::get_num_threads() : 1, [&](int64_t m) {
 #ifdef TS_X86
-      if (avx2) quantize_row_avx2(x + m * K, K, q + m * K, ds + m * nb * 2);
-      else
+    if (avx2) quantize_row_avx2(x + m * K, K, q + m * K, ds + m * nb * 2);
+    else
 #endif
-        quantize_row_scalar(x + m * K, K, q + m * K, ds + m * nb * 2);
-      after_row(m);
-    }
+      quantize_row_scalar(x + m * K, K, q + m * K, ds + m * nb * 2);
+    after_row(m);
   });
 }
 
@@ -168,8 +163,8 @@ void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, AfterRow&& afte
 // unit u = (chunk u / groups, group pair u % groups). Each task owns a contiguous range of
 // units and walks it in order, so at small M (where the GEMM streams its weights from
 // memory) each thread reads one long sequential run of weight bytes that the prefetchers
-// follow; a task that finishes its range takes units from the others' ranges (each range
-// has its own cursor), so a descheduled thread does not hold the others back. Small GEMMs
+// follow; a task that finishes its range takes units from the others' ranges
+// (csrc/parallel.h), so a descheduled thread does not hold the others back. Small GEMMs
 // stay on one thread (a unit of work below ~64K multiply-adds is not worth a barrier).
 // Which thread computes a unit never changes its arithmetic, so the partition leaves
 // results bit-identical.
@@ -193,26 +188,7 @@ void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
     const int64_t chunk = u / ngroups, gi = u % ngroups;
     fn(chunk * M / nchunks, (chunk + 1) * M / nchunks, gi * GPU, std::min(NG, (gi + 1) * GPU));
   };
-  if (ntasks == 1) {
-    for (int64_t u = 0; u < units; ++u) unit(u);
-    return;
-  }
-  struct alignas(64) Range {
-    std::atomic<int64_t> next;
-    int64_t end;
-  };
-  std::unique_ptr<Range[]> ranges(new Range[size_t(ntasks)]);
-  for (int64_t t = 0; t < ntasks; ++t) {
-    ranges[t].next.store(t * units / ntasks, std::memory_order_relaxed);
-    ranges[t].end = (t + 1) * units / ntasks;
-  }
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t k = 0; k < ntasks; ++k) {  // its own range first, then the others'
-        Range& r = ranges[(t + k) % ntasks];
-        for (int64_t u; (u = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) unit(u);
-      }
-  });
+  parallel_units(units, ntasks, unit);
 }
 
 // The body of a work unit, shared by csrc/quant.cpp and csrc/quant_k.cpp: activation rows

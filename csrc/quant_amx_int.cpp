@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "parallel.h"
 #include "simd.h"
 
 #if defined(TS_X86) && defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 12
@@ -335,9 +336,10 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, const BTables& t, int64_t nt, 
   }
 }
 
-// Work units [u0, u1) (unit u: chunk u / nnt of 16-row slices x weight tile u % nnt) on the
-// calling thread, its tiles configured for the call and released after it.
-TS_TARGET_AMX_INT void run_units(const Problem& p, int64_t u0, int64_t u1) {
+// Task t's share of the work units (unit u: chunk u / nnt of 16-row slices x weight tile
+// u % nnt; its own range first, then what is left of the others', csrc/parallel.h), its
+// tiles configured for the call and released after it.
+TS_TARGET_AMX_INT void run_task(const Problem& p, StealingRanges& ranges, int64_t t) {
   const int64_t nb = p.nb;
   thread_local std::vector<uint8_t> scratch;
   const size_t need = size_t(nb) * (1024 + 128) + 2048 * 2 + 128;
@@ -346,23 +348,24 @@ TS_TARGET_AMX_INT void run_units(const Problem& p, int64_t u0, int64_t u1) {
   float* dwv = reinterpret_cast<float*>(base + nb * 1024);
   float* mwv = dwv + 16 * nb;
   int32_t* cbuf = reinterpret_cast<int32_t*>(mwv + 16 * nb);
-  const BTables t = make_tables();
+  const BTables tb = make_tables();
   tiles_configure(p.qt);
   const int64_t NG = (p.N + 7) / 8;
-  for (int64_t u = u0; u < u1; ++u) {
+  for (int64_t k = 0, u, end; (u = ranges.claim(t, k, &end)) >= 0;) {
     const int64_t chunk = u / p.nnt, nt = u % p.nnt;
     const int64_t mt0 = chunk * kMtChunk, mt1 = std::min(p.nmt, (chunk + 1) * kMtChunk);
-    // the next unit's weight groups (the next tile's, or the first tile's for the next chunk)
+    // the weight groups of the range's next unit (the next tile's, or the first tile's for
+    // the next chunk), most likely this thread's next
     const uint8_t* next = nullptr;
     int64_t next_bytes = 0;
-    if (u + 1 < u1) {
+    if (u + 1 < end) {
       const int64_t g = 2 * ((u + 1) % p.nnt);
       next = p.w + g * p.gstride;
       next_bytes = (std::min<int64_t>(NG, g + 2) - g) * p.gstride;
     }
-    if (p.qt == Q4_0) run_tile<Q4_0>(p, t, nt, mt0, mt1, base, dwv, mwv, cbuf, next, next_bytes);
-    else if (p.qt == Q4_1) run_tile<Q4_1>(p, t, nt, mt0, mt1, base, dwv, mwv, cbuf, next, next_bytes);
-    else run_tile<Q8_0>(p, t, nt, mt0, mt1, base, dwv, mwv, cbuf, next, next_bytes);
+    if (p.qt == Q4_0) run_tile<Q4_0>(p, tb, nt, mt0, mt1, base, dwv, mwv, cbuf, next, next_bytes);
+    else if (p.qt == Q4_1) run_tile<Q4_1>(p, tb, nt, mt0, mt1, base, dwv, mwv, cbuf, next, next_bytes);
+    else run_tile<Q8_0>(p, tb, nt, mt0, mt1, base, dwv, mwv, cbuf, next, next_bytes);
   }
   _tile_release();  // back to the init state: a context switch saves no tile data
 }
@@ -393,10 +396,15 @@ void quant_amx_int_gemm(int qt, const int16_t* xq, const float* xds, int64_t M, 
   }
   const Problem p{qt, xa, xds, M, N, nb, nmt, nnt, w, nb * kGroupBytes[qt], bias, y, y_bf16};
   // work units: (chunk of up to kMtChunk 16-row slices, weight tile), weight tiles inner; a
-  // unit builds its weight tile's B once for its slices
+  // unit builds its weight tile's B once for its slices. A range per thread, the idle one
+  // taking the others' units (csrc/parallel.h)
   const int64_t units = (nmt + kMtChunk - 1) / kMtChunk * nnt;
   const int64_t grain = std::max<int64_t>(1, 64 / (nb * std::min<int64_t>(nmt, kMtChunk)));
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) { run_units(p, u0, u1); });
+  const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
+  StealingRanges ranges(units, ntasks);
+  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run_task(p, ranges, t);
+  });
 #else
   (void)xq; (void)xds; (void)M; (void)w; (void)N; (void)bias; (void)y; (void)y_bf16;
 #endif

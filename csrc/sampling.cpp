@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "parallel.h"
 #include "registry.h"
 #include "simd.h"
 
@@ -550,10 +551,7 @@ torch::Tensor sample(const torch::Tensor& logits,              // [B, V] float32
                 " outside [0, ", V, ")");
   auto out = torch::empty({B}, torch::kInt64);
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
-    Scratch& s = scratch();
-    for (int64_t b = lo; b < hi; ++b) o[b] = sample_row(a, b, s);
-  });
+  parallel_units(B, at::get_num_threads(), [&](int64_t b) { o[b] = sample_row(a, b, scratch()); });
   return out;
 }
 
