@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "cpu_features.h"
-#include "parallel.h"
 #include "kernels.h"
+#include "parallel.h"
 #include "registry.h"
 #include "simd.h"
 

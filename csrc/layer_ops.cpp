@@ -22,8 +22,8 @@
 #include <cstring>
 
 #include "cpu_features.h"
-#include "parallel.h"
 #include "kernels.h"
+#include "parallel.h"
 #include "registry.h"
 #include "simd.h"
 

@@ -4,10 +4,11 @@
 //
 // Why: at::parallel_for hands each thread a fixed share, so the call ends when the slowest
 // thread does. On a shared 2-vCPU host one thread is often slower for a while (descheduled
-// by the event loop or another tenant, or waiting on DRAM), and the other spun at the
-// barrier: `perf` of a 64-row decode step had ~13 % of its samples in libgomp. With the
-// ranges the fast thread finishes the slow one's units. Each task still starts on one long
-// sequential run of units (its weight rows stream in order, the prefetchers follow).
+// by the server's event loop or another tenant, or waiting on DRAM) while the other spins
+// at the barrier. With the ranges the fast thread finishes the slow one's units. Each task
+// still starts on one long sequential run of units (its weight rows stream in order, the
+// prefetchers follow). (Most of the OpenMP worker's spinning in a decode step, ~14 % of its
+// samples, is while the master runs the step's Python: no split of a kernel recovers that.)
 //
 // Which thread computes a unit never changes that unit's arithmetic, so every result is
 // bit-identical whatever the split; the kernels' tests compare across thread counts.
