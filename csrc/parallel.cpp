@@ -10,21 +10,19 @@
 namespace tokenserve {
 namespace {
 
-// For units over ntasks tasks: owner[u] = the task that ran unit u (-1: never ran; a unit
+// For units over ntasks tasks (parallel_tasks clamps ntasks to [1, units]): owner[u] = the task that ran unit u (-1: never ran; a unit
 // run twice is reported as -2). Task 0 sleeps slow_us microseconds per unit (a descheduled
 // thread), so with two threads the other task should run some of task 0's range.
 std::vector<int64_t> parallel_units_owners(int64_t units, int64_t ntasks, int64_t slow_us) {
   TORCH_CHECK(units >= 0 && ntasks >= 1 && slow_us >= 0, "parallel_units_owners: bad arguments");
   std::vector<std::atomic<int64_t>> owner(static_cast<size_t>(units));
   for (auto& o : owner) o.store(-1);
-  StealingRanges ranges(units, ntasks);
-  at::parallel_for(0, ranges.ntasks(), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t k = 0, u; (u = ranges.claim(t, k)) >= 0;) {
-        if (t == 0 && slow_us) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
-        int64_t expect = -1;
-        if (!owner[size_t(u)].compare_exchange_strong(expect, t)) owner[size_t(u)].store(-2);
-      }
+  parallel_tasks(units, ntasks, [&](int64_t t, StealingRanges& ranges) {
+    for (int64_t k = 0, u; (u = ranges.claim(t, k)) >= 0;) {
+      if (t == 0 && slow_us) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
+      int64_t expect = -1;
+      if (!owner[size_t(u)].compare_exchange_strong(expect, t)) owner[size_t(u)].store(-2);
+    }
   });
   std::vector<int64_t> out;
   for (auto& o : owner) out.push_back(o.load());

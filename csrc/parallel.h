@@ -67,18 +67,26 @@ class StealingRanges {
   std::unique_ptr<Range[]> r_;
 };
 
+// task(t, ranges) for t in [0, ntasks) in one parallel region over the units' ranges (ntasks
+// clamped to [1, units]): for a task that claims its units itself (e.g. to set up per-thread
+// state once, or to prefetch the next unit's data).
+template <class Task>
+void parallel_tasks(int64_t units, int64_t ntasks, Task&& task) {
+  StealingRanges ranges(units, std::max<int64_t>(1, std::min(ntasks, units)));
+  at::parallel_for(0, ranges.ntasks(), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) task(t, ranges);
+  });
+}
+
 // fn(u) for every u in [0, units) on up to ntasks threads (serial for one task).
 template <class Fn>
 void parallel_units(int64_t units, int64_t ntasks, Fn&& fn) {
-  ntasks = std::max<int64_t>(1, std::min(ntasks, units));
-  if (ntasks == 1) {
+  if (std::min(ntasks, units) <= 1) {
     for (int64_t u = 0; u < units; ++u) fn(u);
     return;
   }
-  StealingRanges ranges(units, ntasks);
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t k = 0, u; (u = ranges.claim(t, k)) >= 0;) fn(u);
+  parallel_tasks(units, ntasks, [&](int64_t t, StealingRanges& ranges) {
+    for (int64_t k = 0, u; (u = ranges.claim(t, k)) >= 0;) fn(u);
   });
 }
 

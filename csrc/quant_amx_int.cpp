@@ -400,11 +400,8 @@ void quant_amx_int_gemm(int qt, const int16_t* xq, const float* xds, int64_t M, 
   // taking the others' units (csrc/parallel.h)
   const int64_t units = (nmt + kMtChunk - 1) / kMtChunk * nnt;
   const int64_t grain = std::max<int64_t>(1, 64 / (nb * std::min<int64_t>(nmt, kMtChunk)));
-  const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
-  StealingRanges ranges(units, ntasks);
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) run_task(p, ranges, t);
-  });
+  parallel_tasks(units, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain),
+                 [&](int64_t t, StealingRanges& ranges) { run_task(p, ranges, t); });
 #else
   (void)xq; (void)xds; (void)M; (void)w; (void)N; (void)bias; (void)y; (void)y_bf16;
 #endif
