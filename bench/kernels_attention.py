@@ -16,6 +16,8 @@ block size 128, per layer:
   is_causal=True, enable_gqa=True)`` on the fresh ``[1, H, L, D]`` views (the engine's path).
 - decode step (64 rows, context 80, 30 layers): the 30 calls on their own caches, as in the
   server, vs on one cache reused: what the KV reads cost beyond the arithmetic.
+- decode step on the int8 KV cache (the server's default on a CPU: rows of int8 and an fp32
+  scale, ``quantize_kv_rows``) vs the same step on the bf16 cache.
 
 Blocks of each sequence are scattered in random order. Times are the best of several runs
 (the host is shared; the minimum is the least noisy).
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.layer_ref import quantize_kv_rows
 
 H, HKV, D, BS = 9, 3, 64, 128
 DTYPE = torch.bfloat16
@@ -126,12 +129,10 @@ def bench_prefill(C, L: int) -> dict:
     return r
 
 
-def bench_decode_step(C, batch: int = 64, ctx: int = 80, layers: int = 30) -> dict:
-    """One decode step's attention as the server runs it: ``layers`` calls, each on its own
-    layer's caches (blocks scattered over ~``layers`` x 32 MB, as in the server's 1 GiB
-    KV), against the same calls on one cache reused (kept hot in the caches): ``ms_hot`` is
-    the arithmetic alone, the difference the wait on KV reads (what the per-block K/V
-    prefetch in ``csrc/attention.cpp`` shortens)."""
+def _step_case(batch: int, ctx: int, layers: int) -> tuple[list, list, tuple]:
+    """A decode step's inputs: per layer K and V caches of ~32 MB (bf16, random), and
+    ``(q, out, block_tables, query_start_loc, context_lens, scale)`` for ``batch`` rows of
+    context ``ctx`` whose blocks are scattered in random order."""
     g = torch.Generator().manual_seed(1)
     nbk = 32 * 2**20 // (2 * HKV * BS * D * 2)  # blocks per layer: ~32 MB of K and V
     ks = [torch.randn(nbk, HKV, BS, D, generator=g).to(DTYPE) for _ in range(layers)]
@@ -139,9 +140,17 @@ def bench_decode_step(C, batch: int = 64, ctx: int = 80, layers: int = 30) -> di
     nb = -(-ctx // BS)
     bt = torch.randperm(nbk, generator=g)[: batch * nb].view(batch, nb).to(torch.int32)
     q = torch.randn(batch, H, D, generator=g).to(DTYPE)
-    out = torch.empty_like(q)
-    qsl = torch.arange(0, batch + 1, dtype=torch.int32)
-    ctx_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    return ks, vs, (q, torch.empty_like(q), bt, torch.arange(0, batch + 1, dtype=torch.int32),
+                    torch.full((batch,), ctx, dtype=torch.int32), D ** -0.5)
+
+
+def bench_decode_step(C, batch: int = 64, ctx: int = 80, layers: int = 30) -> dict:
+    """One decode step's attention as the server runs it: ``layers`` calls, each on its own
+    layer's caches (blocks scattered over ~``layers`` x 32 MB, as in the server's 1 GiB
+    KV), against the same calls on one cache reused (kept hot in the caches): ``ms_hot`` is
+    the arithmetic alone, the difference the wait on KV reads (what the per-block K/V
+    prefetch in ``csrc/attention.cpp`` shortens)."""
+    ks, vs, args = _step_case(batch, ctx, layers)
     r = {"name": "decode step", "shape": f"{layers} layers x batch={batch} ctx={ctx} bs={BS} bf16"}
     if C is None:
         return {**r, "ms_ours": None, "ms_hot": None, "speedup": None}
@@ -149,11 +158,31 @@ def bench_decode_step(C, batch: int = 64, ctx: int = 80, layers: int = 30) -> di
     def step(hot: bool) -> None:
         for i in range(layers):
             j = 0 if hot else i
-            C.paged_attention(out, q, ks[j], vs[j], bt, qsl, ctx_lens, D ** -0.5)
+            C.paged_attention(args[1], args[0], ks[j], vs[j], *args[2:])
 
     r["ms_ours"] = _time_ms(lambda: step(False))
     r["ms_hot"] = _time_ms(lambda: step(True))
     r["speedup"] = round(r["ms_hot"] / r["ms_ours"], 2)
+    return r
+
+
+def bench_decode_step_int8(C, batch: int = 64, ctx: int = 80, layers: int = 30) -> dict:
+    """:func:`bench_decode_step`'s step (each layer on its own caches) on int8 caches against
+    the same step on bf16 caches holding the same values: what halving the K/V bytes gains."""
+    ks, vs, args = _step_case(batch, ctx, layers)
+    k8, v8 = [quantize_kv_rows(k) for k in ks], [quantize_kv_rows(v) for v in vs]
+    r = {"name": "decode step int8 KV",
+         "shape": f"{layers} layers x batch={batch} ctx={ctx} bs={BS} int8 rows vs bf16"}
+    if C is None:
+        return {**r, "ms_ours": None, "ms_bf16_cache": None, "speedup": None}
+
+    def step(kc, vc) -> None:
+        for i in range(layers):
+            C.paged_attention(args[1], args[0], kc[i], vc[i], *args[2:])
+
+    r["ms_ours"] = _time_ms(lambda: step(k8, v8))
+    r["ms_bf16_cache"] = _time_ms(lambda: step(ks, vs))
+    r["speedup"] = round(r["ms_bf16_cache"] / r["ms_ours"], 2)
     return r
 
 
@@ -168,13 +197,15 @@ def bench() -> list[dict]:
         ours still bf16), ``max_abs_diff`` vs the baseline,
         ``gbps_ours`` (decode: K/V bytes read per second / 1e9) or ``gflops_ours``; the
         last row (:func:`bench_decode_step`): a step's 30 calls on their own caches vs
-        ``ms_hot`` (one cache reused), ``speedup`` = hot / cold.
+        ``ms_hot`` (one cache reused), ``speedup`` = hot / cold; then
+        :func:`bench_decode_step_int8`: ``ms_bf16_cache``, ``speedup`` = bf16 / int8.
     """
     C = load_kernels()
     C = C if C is not None and hasattr(C, "paged_attention") else None
     rows = [bench_decode(C, b, c) for b, c in DECODES]
     rows.append(bench_prefill(C, PREFILL))
     rows.append(bench_decode_step(C))
+    rows.append(bench_decode_step_int8(C))
     return rows
 
 
@@ -186,10 +217,11 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     print(f"# threads={torch.get_num_threads()}  ms = best run; speedup = baseline / ours")
     for r in bench():
-        base = r.get("ms_gather_sdpa", r.get("ms_sdpa_causal", r.get("ms_hot")))
+        base = r.get("ms_gather_sdpa", r.get("ms_sdpa_causal", r.get("ms_hot",
+                                                                     r.get("ms_bf16_cache"))))
         extra = {k: v for k, v in r.items()
                  if k not in ("name", "shape", "ms_ours", "ms_gather_sdpa", "ms_sdpa_causal", "ms_hot",
-                              "speedup")}
+                              "ms_bf16_cache", "speedup")}
         ours = "-" if r["ms_ours"] is None else f"{r['ms_ours']:.3f}"
         base_s = "-" if base is None else f"{base:.3f}"
         print(f"{r['name']:8s} {r['shape']:44s} ours {ours:>8s} ms  baseline {base_s:>8s} ms  "

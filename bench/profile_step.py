@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--no-c", action="store_true", help="torch references only")
     ap.add_argument("--quantization", default="none", choices=["none", "gguf", "auto"],
                     help="gguf: the default GGUF's own Q4_1/Q8_0 blocks (csrc/quant.cpp)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "model"],
+                    help="the KV cache's rows (LlamaForCausalLM.kv_cache_dtype; auto as the "
+                         "server: int8 on a CPU with the C++ kernels at bfloat16)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     d = resolve_model(None)
@@ -104,13 +107,15 @@ def main() -> None:
     model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, dtype, args.quantization), dtype,
                                              torch.device("cpu"), Kernels(use_c=not args.no_c))
     print(f"# {cpu_summary()}")
-    print(f"# kernels: {model.kernels.describe()}; GEMM: {model.lm_head.backend}; {args.dtype}")
+    kv_dtype = model.kv_cache_dtype(args.kv_cache_dtype)
+    print(f"# kernels: {model.kernels.describe()}; GEMM: {model.lm_head.backend}; {args.dtype}; "
+          f"KV cache {str(kv_dtype).removeprefix('torch.')}")
     bs = args.block_size
     greedy = SamplingParams(do_sample=False, max_new_tokens=1 << 20)
     for batch in (int(b) for b in args.batch.split(",")):
         ctx = args.context + 2 * args.steps + max(args.prefill, 1) + 1  # two timed runs
         per = (ctx + bs - 1) // bs
-        runner = ModelRunner(model, num_blocks=batch * per + 1, block_size=bs)
+        runner = ModelRunner(model, num_blocks=batch * per + 1, block_size=bs, kv_dtype=kv_dtype)
         g = torch.Generator().manual_seed(batch)
         hist = [torch.randint(100, 40000, (args.context,), generator=g).tolist()
                 for _ in range(batch)]

@@ -13,7 +13,10 @@ with the fp32 ones::
 
 averaged over all positions of all prompts. Variants: ``bf16`` (bf16 weights and
 activations), ``int8`` (``--quantization int8``: int8 weights per channel, bf16 activations),
-``gguf`` (``--quantization gguf``: the file's own Q4_1/Q8_0 blocks; GGUF models only). Also
+``gguf`` (``--quantization gguf``: the file's own Q4_1/Q8_0 blocks; GGUF models only),
+``gguf+kv8`` (the default server: those blocks with the int8 KV cache, ``--kv-cache-dtype
+int8``, whose rows the prefill writes and its attention reads back; the other variants keep
+a cache of the model dtype). Also
 reported: the share of positions whose argmax equals fp32's (``top1``), and the worst
 prompt's mean KL.
 
@@ -62,10 +65,12 @@ def _build(model: str | None, dtype: torch.dtype, quantization: str) -> LlamaFor
         torch.device("cpu"))
 
 
-def _prefill(m: LlamaForCausalLM, ids: list[int], kv=None) -> tuple[torch.Tensor, list]:
-    """fp32 logits [len(ids), vocab] of one prefill; returns the KV cache too."""
+def _prefill(m: LlamaForCausalLM, ids: list[int], kv=None, kv_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, list]:
+    """fp32 logits [len(ids), vocab] of one prefill (a new cache of ``kv_dtype``, None: the
+    model dtype, unless ``kv`` is given); returns the KV cache too."""
     nb = (len(ids) + 64 + BLOCK - 1) // BLOCK
-    kv = kv or m.allocate_kv_cache(nb, BLOCK)
+    kv = kv or m.allocate_kv_cache(nb, BLOCK, kv_dtype)
     meta = AttentionMetadata.build(m.kernels, [list(range(nb))], [len(ids)], [0], BLOCK)
     return m.compute_logits(m.forward(torch.tensor(ids), kv, meta)), kv
 
@@ -158,8 +163,10 @@ def run(model: str | None = None, positions: int = 64, n_prompts: int | None = N
     variants: dict[str, object] = {"bf16": _build(model, torch.bfloat16, "none"),
                                    "int8": _build(model, torch.bfloat16, "int8")}
     gguf = gguf_source(model)
+    kv_dtypes = {"gguf+kv8": torch.int8}  # variants with another KV cache than the model dtype
     if gguf is not None:
         variants["gguf"] = _build(model, torch.bfloat16, "gguf")
+        variants["gguf+kv8"] = variants["gguf"]
     if not llamacpp:
         llama_info: str | dict = "not asked for (--no-llamacpp)"
     elif gguf is None:
@@ -185,7 +192,7 @@ def run(model: str | None = None, positions: int = 64, n_prompts: int | None = N
         ref_logits = _prefill(ref, seq)[0][span]
         argmax = {}
         for k, m in variants.items():
-            logits = m(seq) if k == "llamacpp" else _prefill(m, seq)[0]
+            logits = m(seq) if k == "llamacpp" else _prefill(m, seq, kv_dtype=kv_dtypes.get(k))[0]
             kl, same = kl_top1(ref_logits, logits[span])  # [positions]
             argmax[k] = logits[span].argmax(-1)
             kl_sum[k] += float(kl.sum())
@@ -208,7 +215,8 @@ def run(model: str | None = None, positions: int = 64, n_prompts: int | None = N
                 formats="llama.cpp on the GGUF file", top1_vs_gguf=llama_vs_gguf / total)
         else:
             out["variants"][k].update(weights_mib=m.weight_bytes / 2**20,
-                                      formats=m.weight_formats)
+                                      formats=m.weight_formats
+                                      + (", int8 KV cache" if k in kv_dtypes else ""))
     out["llama_cpp"] = llama_info
     if "llamacpp" in out["variants"] and "gguf" in out["variants"]:
         out["gguf_over_llamacpp"] = (out["variants"]["gguf"]["kl_mean"]

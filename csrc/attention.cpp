@@ -3,7 +3,10 @@
 //
 // KV cache layout, one tensor per layer for K and one for V:
 //
-//   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (contiguous)
+//   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (contiguous, q's dtype)
+//   or, int8 cache:   [num_blocks, num_kv_heads, block_size, head_dim + 4] int8: each row is
+//                     the token's head_dim int8 values x_q then its fp32 scale s (4 bytes, little
+//                     endian), x ~ s * x_q (csrc/cache_ops.cpp writes them)
 //
 // Token at position p of sequence s lives in block block_tables[s][p / block_size], row
 // p % block_size; one (block, kv head) is a contiguous [block_size, head_dim] tile.
@@ -21,6 +24,9 @@
 // query heads of the group for each of its rows (M = rows * G query vectors), so each K/V
 // block is read once per tile. Keys are visited block by block in ascending order with an
 // fp32 online softmax (running max / sum, fp32 accumulators), one rounding at the end.
+// An int8 cache's scales enter at fixed points: a score is (dot(q, k_q) * s_k) * scale, and
+// the P.V update adds (p * s_v) * v_q, with the softmax sum over the unscaled p (exact int8 ->
+// fp32 conversions everywhere, so staged and in-place reads give the same bits).
 //
 // Batch invariance: every query vector's arithmetic depends only on its own q, its own key
 // range 0..p, block_size and head_dim: scores are per-(row, key) dot products with a fixed
@@ -53,39 +59,52 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using tokenserve::bf16_to_f32;  // csrc/simd.h
 
+// Element type of the cache rows: fp32, bf16, or int8 with a per-row fp32 scale.
+enum class Kv { F32, BF16, I8 };
+constexpr int kScaleBytes = 4;  // the fp32 scale after an int8 row's head_dim values
+
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // The per-block operations of one code path. Rows are query vectors of the tile's fp32
-// copy of q (row stride ldq); K/V rows are bf16 (kv_bf16) or fp32 with row stride ld.
+// copy of q (row stride ldq); K/V rows are of type kt with row stride ld (elements).
 struct Ops {
-  // S[r * lds + j] = scale * dot(Q[r], K[j]) for r < rows (1..kRowGroup), j < nk (the
-  // vector path also writes j < round_up(nk, 4), from key nk - 1: ignored by callers).
-  void (*qk)(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16, int nk,
-             int Dp, float scale, float* S, int lds);
+  // S[r * lds + j] = dot(Q[r], K[j]) * scale, or (dot(Q[r], K[j]) * ks[j]) * scale when ks is
+  // given (int8 rows), for r < rows (1..kRowGroup), j < nk (the vector path also writes
+  // j < round_up(nk, 4), from key nk - 1 and ks[j]: ignored by callers).
+  void (*qk)(const float* Q, int ldq, int rows, const void* K, int ldk, Kv kt, int nk,
+             int Dp, float scale, const float* ks, float* S, int lds);
   // Online-softmax update of one row from its n valid scores S[0..n): turns S into
   // P = exp(S - m_new), updates *m, *l, and rescales acc[0..Dp) by exp(m_old - m_new).
   void (*softmax)(float* S, int n, float* m, float* l, float* acc, int Dp);
   // acc[r * ldacc + d] += P[r * ldp + k] * V[k][d] for r < rows, k in [k0, k1) ascending.
-  void (*pv)(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16, int k0,
+  void (*pv)(const float* P, int ldp, int rows, const void* V, int ldv, Kv kt, int k0,
              int k1, int Dp, float* acc, int ldacc);
-  // dst[j * Dp + d] = fp32 src[j * D + d] for j < n, d < D; 0 for D <= d < Dp.
-  void (*stage)(const void* src, bool bf16, int n, int D, int Dp, float* dst);
+  // dst[j * Dp + d] = fp32 src[j * ld + d] for j < n, d < D (exact); 0 for D <= d < Dp.
+  void (*stage)(const void* src, Kv kt, int n, int D, int ld, int Dp, float* dst);
+  // One query vector: dst[d] = fp32 src[d] (bf16 or fp32) for d < D, 0 for D <= d < Dp.
+  void (*load_q)(const void* src, bool bf16, int D, int Dp, float* dst);
+  // One output vector: dst[d] = acc[d] / l, rounded once to bf16 (RNE) or kept fp32.
+  void (*store_out)(const float* acc, float l, int D, bool bf16, void* dst);
   bool vector;  // Dp = round_up(D, 8) with K/V staged to padded fp32 when D % 8 != 0
 };
 
 // ---------------------------------------------------------------- portable path
 
-inline float load_kv(const void* p, int64_t i, bool bf16) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+inline float load_kv(const void* p, int64_t i, Kv kt) {
+  switch (kt) {
+    case Kv::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case Kv::I8: return float(static_cast<const int8_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
 }
 
-void qk_scalar(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16, int nk,
-               int Dp, float scale, float* S, int lds) {
+void qk_scalar(const float* Q, int ldq, int rows, const void* K, int ldk, Kv kt, int nk,
+               int Dp, float scale, const float* ks, float* S, int lds) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < nk; ++j) {
       float acc = 0.f;
-      for (int d = 0; d < Dp; ++d) acc += Q[r * ldq + d] * load_kv(K, int64_t(j) * ldk + d, kv_bf16);
-      S[r * lds + j] = acc * scale;
+      for (int d = 0; d < Dp; ++d) acc += Q[r * ldq + d] * load_kv(K, int64_t(j) * ldk + d, kt);
+      S[r * lds + j] = ks ? (acc * ks[j]) * scale : acc * scale;
     }
 }
 
@@ -105,21 +124,30 @@ void softmax_scalar(float* S, int n, float* m, float* l, float* acc, int Dp) {
     for (int d = 0; d < Dp; ++d) acc[d] *= alpha;
 }
 
-void pv_scalar(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16, int k0,
+void pv_scalar(const float* P, int ldp, int rows, const void* V, int ldv, Kv kt, int k0,
                int k1, int Dp, float* acc, int ldacc) {
   for (int r = 0; r < rows; ++r)
     for (int k = k0; k < k1; ++k) {
       const float p = P[r * ldp + k];
-      for (int d = 0; d < Dp; ++d) acc[r * ldacc + d] += p * load_kv(V, int64_t(k) * ldv + d, kv_bf16);
+      for (int d = 0; d < Dp; ++d) acc[r * ldacc + d] += p * load_kv(V, int64_t(k) * ldv + d, kt);
     }
 }
 
-void stage_scalar(const void* src, bool bf16, int n, int D, int Dp, float* dst) {
+void stage_scalar(const void* src, Kv kt, int n, int D, int ld, int Dp, float* dst) {
   for (int j = 0; j < n; ++j)
-    for (int d = 0; d < Dp; ++d) dst[j * Dp + d] = d < D ? load_kv(src, int64_t(j) * D + d, bf16) : 0.f;
+    for (int d = 0; d < Dp; ++d) dst[j * Dp + d] = d < D ? load_kv(src, int64_t(j) * ld + d, kt) : 0.f;
 }
 
-constexpr Ops kScalarOps{qk_scalar, softmax_scalar, pv_scalar, stage_scalar, false};
+void load_q_scalar(const void* src, bool bf16, int D, int Dp, float* dst) {
+  for (int d = 0; d < Dp; ++d) dst[d] = d < D ? load_kv(src, d, bf16 ? Kv::BF16 : Kv::F32) : 0.f;
+}
+
+void store_out_scalar(const float* acc, float l, int D, bool bf16, void* dst) {
+  for (int d = 0; d < D; ++d) store1(dst, d, acc[d] / l, bf16);  // bf16: round to nearest even
+}
+
+constexpr Ops kScalarOps{qk_scalar, softmax_scalar, pv_scalar, stage_scalar, load_q_scalar,
+                         store_out_scalar, false};
 
 // ---------------------------------------------------------------- AVX2 + FMA path
 #ifdef TS_X86
@@ -136,7 +164,7 @@ TS_TARGET_AVX2 inline __m256 tail_mask(int valid) {  // lanes < valid set
 // chain over head_dim chunks, reduced by the same hadd tree whatever its neighbours.
 template <int R, typename KT>
 TS_TARGET_AVX2 void qk_avx2_kernel(const float* Q, int ldq, const KT* K, int ldk, int nk, int Dp,
-                                   float scale, float* S, int lds) {
+                                   float scale, const float* ks, float* S, int lds) {
   const int nc = Dp / 8;
   const __m128 vs = _mm_set1_ps(scale);
   for (int j = 0; j < nk; j += 4) {
@@ -157,16 +185,18 @@ TS_TARGET_AVX2 void qk_avx2_kernel(const float* Q, int ldq, const KT* K, int ldk
       // lane u of the result: ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)) of a[r][u]
       __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
       __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      if (ks) s = _mm_mul_ps(s, _mm_loadu_ps(ks + j));
       _mm_storeu_ps(S + r * lds + j, _mm_mul_ps(s, vs));
     }
   }
 }
 
-TS_TARGET_AVX2 void qk_avx2(const float* Q, int ldq, int rows, const void* K, int ldk, bool kv_bf16,
-                            int nk, int Dp, float scale, float* S, int lds) {
-#define TS_QK(R)                                                                                 \
-  (kv_bf16 ? qk_avx2_kernel<R>(Q, ldq, static_cast<const uint16_t*>(K), ldk, nk, Dp, scale, S, lds) \
-           : qk_avx2_kernel<R>(Q, ldq, static_cast<const float*>(K), ldk, nk, Dp, scale, S, lds))
+TS_TARGET_AVX2 void qk_avx2(const float* Q, int ldq, int rows, const void* K, int ldk, Kv kt,
+                            int nk, int Dp, float scale, const float* ks, float* S, int lds) {
+#define TS_QK(R)                                                                                          \
+  (kt == Kv::BF16 ? qk_avx2_kernel<R>(Q, ldq, static_cast<const uint16_t*>(K), ldk, nk, Dp, scale, ks, S, lds) \
+   : kt == Kv::I8 ? qk_avx2_kernel<R>(Q, ldq, static_cast<const int8_t*>(K), ldk, nk, Dp, scale, ks, S, lds)   \
+                  : qk_avx2_kernel<R>(Q, ldq, static_cast<const float*>(K), ldk, nk, Dp, scale, ks, S, lds))
   switch (rows) {
     case 1: TS_QK(1); break;
     case 2: TS_QK(2); break;
@@ -249,11 +279,12 @@ TS_TARGET_AVX2 void pv_avx2_rows(const float* P, int ldp, const VT* V, int ldv, 
   }
 }
 
-TS_TARGET_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, int ldv, bool kv_bf16,
+TS_TARGET_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, int ldv, Kv kt,
                             int k0, int k1, int Dp, float* acc, int ldacc) {
-#define TS_PV(R)                                                                                      \
-  (kv_bf16 ? pv_avx2_rows<R>(P, ldp, static_cast<const uint16_t*>(V), ldv, k0, k1, Dp, acc, ldacc) \
-           : pv_avx2_rows<R>(P, ldp, static_cast<const float*>(V), ldv, k0, k1, Dp, acc, ldacc))
+#define TS_PV(R)                                                                                               \
+  (kt == Kv::BF16 ? pv_avx2_rows<R>(P, ldp, static_cast<const uint16_t*>(V), ldv, k0, k1, Dp, acc, ldacc) \
+   : kt == Kv::I8 ? pv_avx2_rows<R>(P, ldp, static_cast<const int8_t*>(V), ldv, k0, k1, Dp, acc, ldacc)   \
+                  : pv_avx2_rows<R>(P, ldp, static_cast<const float*>(V), ldv, k0, k1, Dp, acc, ldacc))
   switch (rows) {
     case 1: TS_PV(1); break;
     case 2: TS_PV(2); break;
@@ -262,13 +293,36 @@ TS_TARGET_AVX2 void pv_avx2(const float* P, int ldp, int rows, const void* V, in
 #undef TS_PV
 }
 
-TS_TARGET_AVX2 void stage_avx2(const void* src, bool bf16, int n, int D, int Dp, float* dst) {
-  if (!bf16 || D % 8 != 0) return stage_scalar(src, bf16, n, D, Dp, dst);
-  const uint16_t* s = static_cast<const uint16_t*>(src);
-  for (int64_t i = 0, e = int64_t(n) * D; i < e; i += 8) _mm256_storeu_ps(dst + i, load8(s + i));
+template <typename T>
+TS_TARGET_AVX2 void stage_rows_avx2(const T* s, int n, int D, int ld, float* dst) {
+  for (int j = 0; j < n; ++j)
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + j * D + d, load8(s + int64_t(j) * ld + d));
 }
 
-constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, true};
+TS_TARGET_AVX2 void stage_avx2(const void* src, Kv kt, int n, int D, int ld, int Dp, float* dst) {
+  if (kt == Kv::F32 || D % 8 != 0) return stage_scalar(src, kt, n, D, ld, Dp, dst);
+  if (kt == Kv::BF16) stage_rows_avx2(static_cast<const uint16_t*>(src), n, D, ld, dst);
+  else stage_rows_avx2(static_cast<const int8_t*>(src), n, D, ld, dst);
+}
+
+TS_TARGET_AVX2 void load_q_avx2(const void* src, bool bf16, int D, int Dp, float* dst) {
+  if (!bf16 || D % 8 != 0) return load_q_scalar(src, bf16, D, Dp, dst);
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(s + d));
+}
+
+// The same IEEE division and bf16 rounding as store_out_scalar, 8 lanes at a time.
+TS_TARGET_AVX2 void store_out_avx2(const float* acc, float l, int D, bool bf16, void* dst) {
+  if (D % 8 != 0) return store_out_scalar(acc, l, D, bf16, dst);
+  const __m256 vl = _mm256_set1_ps(l);
+  for (int d = 0; d < D; d += 8) {
+    const __m256 o = _mm256_div_ps(_mm256_loadu_ps(acc + d), vl);
+    if (bf16) store8(static_cast<uint16_t*>(dst) + d, o);
+    else store8(static_cast<float*>(dst) + d, o);
+  }
+}
+
+constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, load_q_avx2, store_out_avx2, true};
 
 #endif  // TS_X86
 
@@ -277,7 +331,7 @@ constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, true};
 struct Problem {
   const char* q;        // [T, H, D] (row stride q_stride0 elements)
   int64_t q_stride0;
-  const char* k_cache;  // [num_blocks, Hkv, bs, D]
+  const char* k_cache;  // [num_blocks, Hkv, bs, ldkv]
   const char* v_cache;
   char* out;            // [T, H, D] contiguous
   const int32_t* bt;    // [S, max_blocks]
@@ -285,8 +339,11 @@ struct Problem {
   const int32_t* qsl;   // [S + 1]
   const int32_t* ctx;   // [S]
   int H, Hkv, G, D, bs;
-  size_t esize;         // bytes per element (2: bf16, 4: fp32)
-  bool bf16;
+  size_t esize;         // bytes per element of q and out (2: bf16, 4: fp32)
+  bool bf16;            // q and out are bf16
+  Kv kv;                // cache row type
+  int ldkv;             // cache row stride, elements (D; int8: D + kScaleBytes)
+  size_t kv_esize;      // bytes per cache element
   float scale;
 };
 
@@ -296,7 +353,7 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> Q, S, acc, m, l, Kst, Vst;
+  std::vector<float> Q, S, acc, m, l, Kst, Vst, ks, vs;
   std::vector<int> nv;
 };
 
@@ -314,25 +371,24 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
 
   for (int m = 0; m < M; ++m) {  // fp32 copy of the tile's queries, zero-padded to Dp
     const int t = q_begin + it.i0 + m / G, h = it.kvh * G + m % G;
-    const char* src = P.q + (int64_t(t) * P.q_stride0 + int64_t(h) * D) * P.esize;
-    for (int d = 0; d < D; ++d)
-      Qf[m * Dp + d] = P.bf16 ? bf16_to_f32(reinterpret_cast<const uint16_t*>(src)[d])
-                              : reinterpret_cast<const float*>(src)[d];
-    for (int d = D; d < Dp; ++d) Qf[m * Dp + d] = 0.f;
-    for (int d = 0; d < Dp; ++d) acc[m * Dp + d] = 0.f;
+    ops.load_q(P.q + (int64_t(t) * P.q_stride0 + int64_t(h) * D) * P.esize, P.bf16, D, Dp, Qf + m * Dp);
     mrow[m] = kNegInf;
     lrow[m] = 0.f;
   }
+  std::memset(acc, 0, sizeof(float) * size_t(M) * Dp);
+  const bool i8 = P.kv == Kv::I8;
+  float* ksc = i8 ? w.ks.data() : nullptr;  // the block's K / V row scales (int8 cache)
+  float* vsc = w.vs.data();
 
   // Stage K/V to fp32 when the vector path needs padding (D % 8) or when many rows reuse
   // the block (prefill tiles): conversion is exact, so results do not depend on it.
-  const bool stage = ops.vector && (D % 8 != 0 || (P.bf16 && M > kRowGroup));
+  const bool stage = ops.vector && (D % 8 != 0 || (P.kv != Kv::F32 && M > kRowGroup));
   const int kend = base + it.i1;  // keys 0..kend-1 are needed by the tile's last row
-  const int64_t head_elems = int64_t(bs) * D;
+  const int64_t head_elems = int64_t(bs) * P.ldkv;
   for (int b = 0, kb0 = 0; kb0 < kend; ++b, kb0 += bs) {
     const int nk = std::min(bs, kend - kb0);
     const int64_t blk = P.bt[it.s * P.bt_stride + b];
-    const int64_t off = (blk * P.Hkv + it.kvh) * head_elems * P.esize;
+    const int64_t off = (blk * P.Hkv + it.kvh) * head_elems * int64_t(P.kv_esize);
     const void* K = P.k_cache + off;
     const void* V = P.v_cache + off;
 #ifdef TS_X86
@@ -341,50 +397,53 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
     // pages the hardware prefetchers do not cross, so without this the reads wait on one
     // miss after another. Decode at 64 rows, context 80, 30 layers' own caches (Intel
     // Sapphire Rapids, 2 threads, bench/README.md): 9.0-11.7 -> 6.8-7.0 ms per step.
-    for (int64_t o = 0, bytes = int64_t(nk) * D * int64_t(P.esize); o < bytes; o += 64) {
+    for (int64_t o = 0, bytes = int64_t(nk) * P.ldkv * int64_t(P.kv_esize); o < bytes; o += 64) {
       _mm_prefetch(static_cast<const char*>(K) + o, _MM_HINT_T0);
       _mm_prefetch(static_cast<const char*>(V) + o, _MM_HINT_T1);
     }
 #endif
-    int ldkv = D;
-    bool kv_bf16 = P.bf16;
+    if (i8) {
+      for (int k = 0; k < nk; ++k) {
+        std::memcpy(ksc + k, static_cast<const int8_t*>(K) + int64_t(k) * P.ldkv + D, sizeof(float));
+        std::memcpy(vsc + k, static_cast<const int8_t*>(V) + int64_t(k) * P.ldkv + D, sizeof(float));
+      }
+      for (int k = nk; k < round_up(nk, 4); ++k) ksc[k] = 0.f;  // read by the vector qk, unused
+    }
+    int ldkv = P.ldkv;
+    Kv kt = P.kv;
     if (stage) {
-      ops.stage(K, P.bf16, nk, D, Dp, w.Kst.data());
-      ops.stage(V, P.bf16, nk, D, Dp, w.Vst.data());
+      ops.stage(K, P.kv, nk, D, P.ldkv, Dp, w.Kst.data());
+      ops.stage(V, P.kv, nk, D, P.ldkv, Dp, w.Vst.data());
       K = w.Kst.data();
       V = w.Vst.data();
       ldkv = Dp;
-      kv_bf16 = false;
+      kt = Kv::F32;
     }
     for (int m = 0; m < M; ++m) nv[m] = std::clamp(base + it.i0 + m / G + 1 - kb0, 0, nk);
 
     for (int r0 = 0; r0 < M; r0 += kRowGroup) {
       const int R = std::min(kRowGroup, M - r0);
       const int nmax = *std::max_element(nv + r0, nv + r0 + R);
-      if (nmax > 0) ops.qk(Qf + r0 * Dp, Dp, R, K, ldkv, kv_bf16, nmax, Dp, P.scale, S + r0 * lds, lds);
+      if (nmax > 0) ops.qk(Qf + r0 * Dp, Dp, R, K, ldkv, kt, nmax, Dp, P.scale, ksc, S + r0 * lds, lds);
     }
     for (int m = 0; m < M; ++m)
-      if (nv[m] > 0) ops.softmax(S + m * lds, nv[m], mrow + m, lrow + m, acc + m * Dp, Dp);
+      if (nv[m] > 0) {
+        ops.softmax(S + m * lds, nv[m], mrow + m, lrow + m, acc + m * Dp, Dp);
+        if (i8)  // p * s_v: the V rows' scales, applied once per (row, key) before P.V
+          for (int k = 0; k < nv[m]; ++k) S[m * lds + k] *= vsc[k];
+      }
     for (int r0 = 0; r0 < M; r0 += kRowGroup) {
       const int R = std::min(kRowGroup, M - r0);
       const int nmin = *std::min_element(nv + r0, nv + r0 + R);
-      if (nmin > 0) ops.pv(S + r0 * lds, lds, R, V, ldkv, kv_bf16, 0, nmin, Dp, acc + r0 * Dp, Dp);
+      if (nmin > 0) ops.pv(S + r0 * lds, lds, R, V, ldkv, kt, 0, nmin, Dp, acc + r0 * Dp, Dp);
       for (int r = r0; r < r0 + R; ++r)  // the rest of each row's own keys, never masked ones
-        if (nv[r] > nmin) ops.pv(S + r * lds, lds, 1, V, ldkv, kv_bf16, nmin, nv[r], Dp, acc + r * Dp, Dp);
+        if (nv[r] > nmin) ops.pv(S + r * lds, lds, 1, V, ldkv, kt, nmin, nv[r], Dp, acc + r * Dp, Dp);
     }
   }
 
   for (int m = 0; m < M; ++m) {
     const int t = q_begin + it.i0 + m / G, h = it.kvh * G + m % G;
-    char* dst = P.out + (int64_t(t) * P.H + h) * D * P.esize;
-    const float l = lrow[m];
-    for (int d = 0; d < D; ++d) {
-      const float o = acc[m * Dp + d] / l;
-      if (P.bf16)
-        reinterpret_cast<c10::BFloat16*>(dst)[d] = c10::BFloat16(o);  // round to nearest even
-      else
-        reinterpret_cast<float*>(dst)[d] = o;
-    }
+    ops.store_out(acc + m * Dp, lrow[m], D, P.bf16, P.out + (int64_t(t) * P.H + h) * D * P.esize);
   }
 }
 
@@ -401,11 +460,14 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention: k_cache and v_cache shapes differ");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "paged_attention: q must be bf16 or fp32");
-  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "paged_attention: out, k_cache and v_cache must have q's dtype");
+  const bool kv_i8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(out.scalar_type() == dtype && (kv_i8 || k_cache.scalar_type() == dtype) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: out must have q's dtype, k_cache and v_cache q's dtype or int8");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "paged_attention: cache head_dim ", k_cache.size(3), " != q's ", D);
+  TORCH_CHECK(k_cache.size(3) == D + (kv_i8 ? kScaleBytes : 0), "paged_attention: cache rows of ",
+              k_cache.size(3), " elements do not fit q's head_dim ", D, kv_i8 ? " + 4 scale bytes" : "");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "paged_attention: H=", H, " not a multiple of Hkv=", Hkv);
   TORCH_CHECK(bs > 0 && D > 0, "paged_attention: block_size and head_dim must be positive");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
@@ -469,6 +531,9 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   P.bs = int(bs);
   P.bf16 = dtype == at::kBFloat16;
   P.esize = P.bf16 ? 2 : 4;
+  P.kv = kv_i8 ? Kv::I8 : P.bf16 ? Kv::BF16 : Kv::F32;
+  P.ldkv = int(k_cache.size(3));
+  P.kv_esize = kv_i8 ? 1 : P.esize;
   P.scale = float(scale);
 
   const Ops* ops = &kScalarOps;
@@ -498,6 +563,8 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
       grow(w.Kst, size_t(bs) * Dp);
       grow(w.Vst, size_t(bs) * Dp);
     }
+    grow(w.ks, size_t(round_up(int(bs), 4)));
+    grow(w.vs, size_t(bs));
     for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
       run_tile(P, *ops, Dp, items[i], w);
   });
@@ -506,7 +573,8 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
 }  // namespace
 
 // out: [T, H, D] contiguous, q's dtype (written); q: [T, H, D] bf16|fp32, stride(2) == 1,
-// stride(1) == D; k_cache, v_cache: [num_blocks, Hkv, block_size, D] contiguous, q's dtype;
+// stride(1) == D; k_cache, v_cache: [num_blocks, Hkv, block_size, D] contiguous, q's dtype,
+// or [num_blocks, Hkv, block_size, D + 4] int8 (rows of int8 values and an fp32 scale);
 // block_tables: int32 [S, max_blocks]; query_start_loc: int32 [S + 1]; context_lens: int32 [S].
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,

@@ -5,6 +5,11 @@
 //
 //   k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 //
+// or an int8 cache, [num_blocks, num_kv_heads, block_size, head_dim + 4] int8: each row is
+// the token's head (rounded to the model dtype first) as int8 x_q = RNE(x * (127 / amax)) in
+// [-127, 127], amax = max |x| over the row, then the fp32 scale amax / 127 (4 bytes, little
+// endian; amax = 0: zeros and scale 0). x ~ scale * x_q (csrc/attention.cpp reads it so).
+//
 // A token at position p of a sequence whose block table is bt lives in block
 // bt[p / block_size], row p % block_size; its flat *slot* is
 // bt[p / block_size] * block_size + p % block_size. Slot < 0 marks padding (no write).
@@ -84,6 +89,43 @@ TS_TARGET_AVX2 void rope_head_avx2(T* x, const float* cos, const float* sin, int
 }
 #endif
 
+constexpr int64_t kScaleBytes = 4;  // an int8 cache row's fp32 scale after its head_dim values
+
+// One head row x[0..D) (model dtype) to an int8 cache row dst[0..D + 4) (see the header).
+template <typename T>
+void quantize_row_scalar(const T* x, int64_t D, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(load1(x + d)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = std::nearbyint(load1(x + d) * inv);  // round half to even
+    dst[d] = int8_t(std::min(127.f, std::max(-127.f, v)));
+  }
+  const float scale = amax / 127.f;
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+
+#ifdef TS_X86
+template <typename T>
+TS_TARGET_AVX2 void quantize_row_avx2(const T* x, int64_t D, int8_t* dst) {
+  if (D % 8 != 0) return quantize_row_scalar(x, D, dst);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) vmax = _mm256_max_ps(_mm256_and_ps(load8(x + d), abs_mask), vmax);
+  const float amax = hmax8(vmax);  // max is exact: the same value as the scalar loop's
+  const __m256 vinv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + d), vinv));  // MXCSR: nearest even
+    q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(w, w));
+  }
+  const float scale = amax / 127.f;
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+#endif
+
 template <typename T>
 void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions,
                         const torch::Tensor& cos_sin, const torch::Tensor& k_cache,
@@ -94,8 +136,11 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
   const int64_t block_size = k_cache.size(2);
   const int64_t half = D / 2;
   T* qkv_p = qkv.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  const bool kv_i8 = k_cache.scalar_type() == at::kChar;
+  const int64_t ld = k_cache.size(3);  // cache row, elements: D, or D + 4 for int8
+  const int64_t row_bytes = ld * int64_t(k_cache.element_size());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   const float* cs = cos_sin.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -123,9 +168,23 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
       const T* k = row + H * D;
       const T* v = row + (H + Hkv) * D;
       for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t off = ((blk * Hkv + h) * block_size + r) * D;
-        std::memcpy(kc + off, k + h * D, D * sizeof(T));
-        std::memcpy(vc + off, v + h * D, D * sizeof(T));
+        const int64_t off = ((blk * Hkv + h) * block_size + r) * row_bytes;
+        if (!kv_i8) {
+          std::memcpy(kc + off, k + h * D, D * sizeof(T));
+          std::memcpy(vc + off, v + h * D, D * sizeof(T));
+          continue;
+        }
+        int8_t* kd = reinterpret_cast<int8_t*>(kc + off);
+        int8_t* vd = reinterpret_cast<int8_t*>(vc + off);
+#ifdef TS_X86
+        if (avx2) {
+          quantize_row_avx2(k + h * D, D, kd);
+          quantize_row_avx2(v + h * D, D, vd);
+          continue;
+        }
+#endif
+        quantize_row_scalar(k + h * D, D, kd);
+        quantize_row_scalar(v + h * D, D, vd);
       }
     }
   });
@@ -138,7 +197,8 @@ namespace tokenserve {
 // qkv:          [T, (H + 2*Hkv) * D]  bf16/fp32, rows contiguous (stride(1) == 1); rotated in place
 // positions:    [T] int64, 0 <= p < max_pos
 // cos_sin:      [max_pos, D] fp32 contiguous; [:, :D/2] = cos(p*inv_freq), [:, D/2:] = sin
-// k/v_cache:    [num_blocks, Hkv, block_size, D] contiguous, qkv's dtype
+// k/v_cache:    [num_blocks, Hkv, block_size, D] contiguous, qkv's dtype, or
+//               [num_blocks, Hkv, block_size, D + 4] int8 (quantised rows, see the header)
 // slot_mapping: [T] int64, slot < num_blocks*block_size, < 0 = skip (padding); the
 //               non-negative slots must be distinct (tokens are written in parallel)
 void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin,
@@ -168,12 +228,15 @@ void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 [T]");
   for (const auto* c : {&k_cache, &v_cache}) {
-    TORCH_CHECK(c->dim() == 4 && c->size(1) == num_kv_heads && c->size(3) == D &&
-                    c->is_contiguous() && c->scalar_type() == qkv.scalar_type() &&
-                    c->device().is_cpu(),
+    const bool i8 = c->scalar_type() == at::kChar;
+    TORCH_CHECK(c->dim() == 4 && c->size(1) == num_kv_heads &&
+                    c->size(3) == D + (i8 ? kScaleBytes : 0) && c->is_contiguous() &&
+                    (i8 || c->scalar_type() == qkv.scalar_type()) && c->device().is_cpu(),
                 "k_cache/v_cache must be contiguous [num_blocks, ", num_kv_heads,
-                ", block_size, ", D, "] of qkv's dtype");
+                ", block_size, ", D, "] of qkv's dtype, or [num_blocks, ", num_kv_heads,
+                ", block_size, ", D + kScaleBytes, "] int8");
   }
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(k_cache.size(2) > 0, "block_size must be > 0");
   const int64_t max_pos = cos_sin.size(0);

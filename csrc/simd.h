@@ -80,6 +80,10 @@ TS_TARGET_AVX2 inline __m256 load8(const uint16_t* p) {
 TS_TARGET_AVX2 inline __m256 load8(const at::BFloat16* p) {
   return load8(reinterpret_cast<const uint16_t*>(p));
 }
+// 8 int8 (the int8 KV cache's rows) as fp32, exact.
+TS_TARGET_AVX2 inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 // 16 bf16 loaded as one vector, two per 32-bit lane (the interleaved panels of csrc/gemm.cpp):
 // the 8 in the low halves (even positions) and the 8 in the high halves (odd), as fp32.

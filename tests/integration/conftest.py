@@ -240,14 +240,14 @@ def pd(tmp_path_factory):
     blocks (long generations get evicted) and a ``mixed`` instance for reference outputs.
     Stopped at the end. (Coordinators are per module: a decode instance serves one
     ``/dresult`` consumer.)"""
-    from tests.integration.pd_cluster import instance
+    from tests.integration.pd_cluster import KV_TOKEN_BYTES, instance
 
     tmp = tmp_path_factory.mktemp("pd")
     procs = {
         "p": instance("p", tmp, "--role", "prefill"),
         "d": instance("d", tmp, "--role", "decode"),
         "d2": instance("d2", tmp, "--role", "decode"),
-        "tiny": instance("tiny", tmp, "--role", "decode", kv_bytes=24 * 16 * 23040),
+        "tiny": instance("tiny", tmp, "--role", "decode", kv_bytes=24 * 16 * KV_TOKEN_BYTES),
         "mixed": instance("mixed", tmp),
     }
     try:

@@ -22,6 +22,9 @@ import httpx
 
 BLOCK = 16
 KV_BYTES = 64 << 20
+#: bytes one token takes in the default model's default (int8) KV cache: K and V, 30 layers,
+#: 3 kv heads, 64 int8 values and a 4-byte scale a row
+KV_TOKEN_BYTES = 2 * 30 * 3 * (64 + 4)
 START_TIMEOUT_S = 180.0
 
 

@@ -77,12 +77,13 @@ def _state_dict(cfg: ModelConfig, quant: str, seed: int = 0) -> dict:
     return sd
 
 
-def _run(model: LlamaForCausalLM, use_decoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(model: LlamaForCausalLM, use_decoder: bool, kv_dtype=None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill of 11 tokens for seq 0 and of 5 for seq 1, then one step with a 6-token
     chunk of seq 0 behind its cached 11 and a decode of seq 1: (last hidden, KV region)."""
     saved, model.decoder = model.decoder, (model.decoder if use_decoder else None)
     try:
-        kv = model.allocate_kv_cache(num_blocks=8, block_size=BLOCK)
+        kv = model.allocate_kv_cache(num_blocks=8, block_size=BLOCK, kv_dtype=kv_dtype)
         tables = [[5, 2, 7], [0, 3]]
         g = torch.Generator().manual_seed(1)
         ids = [torch.randint(3, 96, (17,), generator=g), torch.randint(3, 96, (6,), generator=g)]
@@ -99,13 +100,15 @@ def _run(model: LlamaForCausalLM, use_decoder: bool) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("quant,bias", [("none", False), ("none", True), ("q4_0", False),
                                         ("q4_1", True), ("q8_0", False), ("int8", False),
                                         ("q4_k", False), ("q5_k", True), ("q6_k", False)])
-def test_decoder_equals_python_loop(dtype, quant, bias):
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_decoder_equals_python_loop(dtype, quant, bias, kv_dtype):
     cfg = _cfg(bias, wide=quant in K_QTYPES)
     model = LlamaForCausalLM.from_state_dict(cfg, _state_dict(cfg, quant), dtype,
                                              torch.device("cpu"))
     assert model.decoder is not None and model.decoder.num_layers == cfg.num_layers
-    h_c, kv_c = _run(model, True)
-    h_py, kv_py = _run(model, False)
+    h_c, kv_c = _run(model, True, kv_dtype)
+    h_py, kv_py = _run(model, False, kv_dtype)
+    assert kv_c.dtype == (kv_dtype or dtype)
     assert h_c.dtype == dtype and h_c.shape == (7, cfg.hidden_size)
     assert torch.equal(h_c, h_py)
     assert torch.equal(kv_c, kv_py)

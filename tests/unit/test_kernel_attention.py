@@ -5,7 +5,9 @@ Tolerances: fp32 output within 2e-5 absolute (inputs ~N(0, 1), outputs |o| < 4) 
 1e-5 relative; bf16 output against the fp32 reference computed on the same bf16 inputs
 within 1 bf16 ulp of the output scale (2**(floor(log2 max|ref|) - 7)): the kernel rounds
 once, so its error is half an ulp of the output plus fp32 noise.
-Invariance tests use ``torch.equal`` (bit-exact).
+Invariance tests use ``torch.equal`` (bit-exact). The int8 cache (rows of
+``quantize_kv_rows``) is checked against the reference on the same int8 rows, dequantised:
+the kernel applies the scales after the dot products, so the same tolerances hold.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.layer_ref import KV_SCALE_BYTES, quantize_kv_rows
 from tokenserve.ops.reference import paged_attention_ref
 
 C = load_kernels()
@@ -28,13 +31,16 @@ class Case:
     """A cache holding ``len(ctx_lens)`` sequences' contexts in shuffled blocks."""
 
     def __init__(self, ctx_lens, q_lens, H=9, Hkv=3, D=64, bs=16, dtype=torch.float32,
-                 seed=0, strided_q=False):
+                 seed=0, strided_q=False, kv="model"):
         g = torch.Generator().manual_seed(seed)
         self.H, self.Hkv, self.D, self.bs, self.dtype = H, Hkv, D, bs, dtype
         nblk = [math.ceil(c / bs) for c in ctx_lens]
         num_blocks = sum(nblk) + 2
         self.k_cache = torch.randn(num_blocks, Hkv, bs, D, generator=g).to(dtype)
         self.v_cache = torch.randn(num_blocks, Hkv, bs, D, generator=g).to(dtype)
+        if kv == "int8":  # rows of the model dtype's values, quantised as the write does
+            self.k_cache = quantize_kv_rows(self.k_cache)
+            self.v_cache = quantize_kv_rows(self.v_cache)
         perm = torch.randperm(num_blocks, generator=g)  # non-consecutive, random order
         self.block_tables = torch.full((len(ctx_lens), max(nblk, default=0) + 1), -1,
                                        dtype=torch.int32)
@@ -64,7 +70,9 @@ class Case:
         return out
 
     def ref(self):
-        return paged_attention_ref(self.q.float(), self.k_cache.float(), self.v_cache.float(),
+        int8 = self.k_cache.dtype == torch.int8
+        return paged_attention_ref(self.q.float(), self.k_cache if int8 else self.k_cache.float(),
+                                   self.v_cache if int8 else self.v_cache.float(),
                                    self.block_tables, self.query_start_loc, self.context_lens,
                                    self.scale)
 
@@ -102,14 +110,15 @@ def batches(bs):
     }
 
 
+@pytest.mark.parametrize("kv", ["model", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2)])
 @pytest.mark.parametrize("bs", [5, 16, 128])
 @pytest.mark.parametrize("D", [64, 36])
-def test_matches_reference(dtype, heads, bs, D):
+def test_matches_reference(dtype, heads, bs, D, kv):
     for name, (ctx, ql) in batches(bs).items():
         case = Case(ctx, ql, H=heads[0], Hkv=heads[1], D=D, bs=bs, dtype=dtype,
-                    strided_q=name.startswith("mixed"))
+                    strided_q=name.startswith("mixed"), kv=kv)
         for path in PATHS:
             if path.endswith("portable") and bs == 128 and name == "prefill_long":
                 continue  # slow scalar path; covered at block sizes 5 and 16
@@ -120,10 +129,12 @@ def test_matches_reference(dtype, heads, bs, D):
                 raise AssertionError(f"{name} {path}: {e}") from None
 
 
+@pytest.mark.parametrize("kv", ["model", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [24, 8, 3])
-def test_other_head_dims(dtype, D):
-    case = Case([37, 1, 21], [5, 1, 21], H=4, Hkv=2, D=D, bs=16, dtype=dtype, strided_q=True)
+def test_other_head_dims(dtype, D, kv):
+    case = Case([37, 1, 21], [5, 1, 21], H=4, Hkv=2, D=D, bs=16, dtype=dtype, strided_q=True,
+                kv=kv)
     for path in PATHS:
         assert_matches_ref(case, case.run(path))
 
@@ -153,11 +164,11 @@ def test_rows_of_no_sequence_untouched_and_empty_step():
 
 # ---------------------------------------------------------------- batch invariance
 
-def _invariance(dtype, H, Hkv, D, bs, path, L=70, prefix=23):
+def _invariance(dtype, H, Hkv, D, bs, path, L=70, prefix=23, kv="model"):
     """Rows of one sequence of length L computed as: a whole prefill, a chunk after a
     cached prefix (several chunk splits, so rows sit at other tile positions), decodes
     (one per position, all in one call), and inside a mixed batch with other sequences."""
-    case = Case([L], [L], H=H, Hkv=Hkv, D=D, bs=bs, dtype=dtype, seed=1)
+    case = Case([L], [L], H=H, Hkv=Hkv, D=D, bs=bs, dtype=dtype, seed=1, kv=kv)
     bt, q = case.block_tables, case.q
     full = case.run(path)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
@@ -193,13 +204,15 @@ def _invariance(dtype, H, Hkv, D, bs, path, L=70, prefix=23):
 @pytest.mark.parametrize("heads,D,bs", [((9, 3), 64, 16), ((9, 3), 64, 128), ((4, 4), 36, 5),
                                         ((8, 2), 24, 16)])
 @pytest.mark.parametrize("path", PATHS)
-def test_batch_invariance(dtype, heads, D, bs, path):
-    _invariance(dtype, heads[0], heads[1], D, bs, path)
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_batch_invariance(dtype, heads, D, bs, path, kv):
+    _invariance(dtype, heads[0], heads[1], D, bs, path, kv=kv)
 
 
+@pytest.mark.parametrize("kv", ["model", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_thread_count_invariance(dtype):
-    case = Case([300, 1, 130, 77], [300, 1, 1, 40], bs=16, dtype=dtype, strided_q=True)
+def test_thread_count_invariance(dtype, kv):
+    case = Case([300, 1, 130, 77], [300, 1, 1, 40], bs=16, dtype=dtype, strided_q=True, kv=kv)
     before = torch.get_num_threads()
     try:
         outs = []
@@ -242,3 +255,15 @@ def test_bad_arguments_raise():
         C.paged_attention(torch.empty(2, 4, 64), torch.randn(2, 4, 64), case.k_cache,
                           case.v_cache, case.block_tables, case.query_start_loc,
                           case.context_lens, case.scale)
+
+
+def test_int8_cache_arguments_raise():
+    """An int8 cache needs head_dim + 4 bytes a row and an int8 V cache beside it."""
+    case = Case([10], [2], kv="int8")
+    out = torch.empty(case.q.shape, dtype=case.q.dtype)
+    args = (case.block_tables, case.query_start_loc, case.context_lens, case.scale)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        C.paged_attention(out, case.q, case.k_cache[..., :-KV_SCALE_BYTES].contiguous(),
+                          case.v_cache[..., :-KV_SCALE_BYTES].contiguous(), *args)
+    with pytest.raises(RuntimeError, match="int8"):
+        C.paged_attention(out, case.q, case.k_cache, torch.zeros(case.v_cache.shape), *args)

@@ -3,7 +3,9 @@
 Tolerances: every op here is exact. RoPE is computed in fp32 with separate multiplies and
 adds (no FMA), exactly what the fp32 torch reference does, then rounded once: the kernel
 must equal the reference bit for bit (within 0 ulp, stricter than the 1 ulp allowed), on
-the AVX2 path and on the portable one.
+the AVX2 path and on the portable one. The int8 cache's write (rows quantised with one fp32
+scale each) is exact too: the same fp32 division, multiply and round-half-even as the
+reference, so its bytes equal the reference's.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import torch
 
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.layer_ref import (
+    KV_SCALE_BYTES,
     copy_blocks_ref,
+    dequantize_kv_rows,
     positions_and_slots_ref,
+    quantize_kv_rows,
     rope_cos_sin,
     rotary_embedding_write_kv_ref,
 )
@@ -37,7 +42,7 @@ def _inv_freq(D: int, theta: float = 10000.0) -> torch.Tensor:
     return 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)
 
 
-def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096):
+def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096, kv="model"):
     g = torch.Generator().manual_seed(seed)
     nb = max(4, (T + bs - 1) // bs * 2 + 3)
     qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 3).to(dtype)
@@ -48,6 +53,8 @@ def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096):
         slots[1] = -1  # padding token: not written
     k_cache = torch.randn(nb, Hkv, bs, D, generator=g).to(dtype)
     v_cache = torch.randn(nb, Hkv, bs, D, generator=g).to(dtype)
+    if kv == "int8":
+        k_cache, v_cache = quantize_kv_rows(k_cache), quantize_kv_rows(v_cache)
     cs = rope_cos_sin(_inv_freq(D), max_pos)
     return qkv, positions, cs, k_cache, v_cache, slots
 
@@ -56,8 +63,9 @@ def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096):
 @pytest.mark.parametrize("T", [0, 1, 3, 17, 300])
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 24), (2, 1, 40)])
 @pytest.mark.parametrize("bs", [5, 16, 128])
-def test_rotary_embedding_write_kv_matches_reference(path, dtype, T, H, Hkv, D, bs):
-    args = _rope_case(T, H, Hkv, D, bs, dtype, seed=T * 7 + bs)
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_rotary_embedding_write_kv_matches_reference(path, dtype, T, H, Hkv, D, bs, kv):
+    args = _rope_case(T, H, Hkv, D, bs, dtype, seed=T * 7 + bs, kv=kv)
     mine = [a.clone() for a in args]
     ref = [a.clone() for a in args]
     C.rotary_embedding_write_kv(*mine, H, Hkv)
@@ -67,6 +75,40 @@ def test_rotary_embedding_write_kv_matches_reference(path, dtype, T, H, Hkv, D, 
     if T:  # the op did something: q/k changed, v untouched, cache rows written
         assert not torch.equal(mine[0][:, : (H + Hkv) * D], args[0][:, : (H + Hkv) * D])
         assert torch.equal(mine[0][:, (H + Hkv) * D:], args[0][:, (H + Hkv) * D:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_cache_rows(path, dtype):
+    """The int8 write keeps each row within half a step (scale / 2) of the model-dtype
+    values, its largest magnitude exactly (as +-127), a zero row as zeros with scale 0,
+    and rows with a huge spread (only the largest values survive) without overflow."""
+    T, H, Hkv, D, bs = 9, 9, 3, 64, 16
+    qkv, pos, cs, kc, vc, slots = _rope_case(T, H, Hkv, D, bs, dtype, seed=5, kv="int8")
+    qkv[4, (H + Hkv) * D:] = 0  # token 4's V rows: all zero
+    qkv[6, (H + Hkv) * D:(H + Hkv) * D + 1] = 3e4  # token 6's first V row: one huge value
+    C.rotary_embedding_write_kv(qkv, pos, cs, kc, vc, slots, H, Hkv)
+    bs_ = kc.shape[2]
+    for t in (0, 4, 6):
+        blk, row = int(slots[t]) // bs_, int(slots[t]) % bs_
+        k = qkv[t, H * D:(H + Hkv) * D].view(Hkv, D).float()
+        v = qkv[t, (H + Hkv) * D:].view(Hkv, D).float()
+        for rows, x in ((kc[blk, :, row], k), (vc[blk, :, row], v)):
+            scale = rows[:, -KV_SCALE_BYTES:].flatten().view(torch.float32).view(-1, 1)
+            err = (dequantize_kv_rows(rows) - x).abs()
+            assert torch.all(err <= scale * 0.5 * (1 + 1e-5))  # + the fp32 products
+            assert torch.all(rows[:, :-KV_SCALE_BYTES].abs().amax(-1) == (x.abs().amax(-1) > 0) * 127)
+    blk, row = int(slots[4]) // bs_, int(slots[4]) % bs_
+    assert torch.all(vc[blk, :, row] == 0)
+
+
+def test_rotary_rejects_int8_cache_of_wrong_width():
+    qkv, pos, cs, kc, vc, slots = _rope_case(3, 9, 3, 64, 16, torch.bfloat16, kv="int8")
+    with pytest.raises(RuntimeError, match="int8"):
+        C.rotary_embedding_write_kv(qkv, pos, cs, kc[..., :64].contiguous(),
+                                    vc[..., :64].contiguous(), slots, 9, 3)
+    with pytest.raises(RuntimeError, match="dtypes differ|int8"):
+        C.rotary_embedding_write_kv(qkv, pos, cs, kc, torch.zeros(vc.shape, dtype=torch.bfloat16),
+                                    slots, 9, 3)
 
 
 def test_rotary_matches_fp32_reference_within_one_bf16_ulp():

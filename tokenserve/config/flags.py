@@ -18,6 +18,7 @@ from tokenserve.config.tree import (
     DEVICES,
     DTYPES,
     INFER_MODES,
+    KV_CACHE_DTYPES,
     KV_PROTOCOLS,
     QUANTIZATIONS,
     ROLES,
@@ -175,11 +176,16 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"--dtype weights; default {_ENG.quantization}: gguf for a .gguf model "
                         "(the default model included) at bfloat16 with --max-batch-size <= 8, "
                         "where it is faster, else none (config.json ModelConfig quantization)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="int8: KV cache rows as int8 with one fp32 scale each (half the bytes "
+                        "of bf16); model: the --dtype; default "
+                        f"{_ENG.kv_cache_dtype}: int8 on a CPU with the C++ kernels at bfloat16, "
+                        "else model")
     return p
 
 
 #: serve flags that override EngineConfig fields of the same name
-_ENGINE_FLAGS = ("quantization", "model", "served_model_name", "dtype", "device",
+_ENGINE_FLAGS = ("quantization", "kv_cache_dtype", "model", "served_model_name", "dtype", "device",
                  "max_batch_size",
                  "max_num_batched_tokens", "max_prefill_batch_size", "kv_cache_bytes",
                  "block_size", "max_seq_len", "max_input_len", "max_iter_times",

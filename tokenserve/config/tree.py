@@ -35,6 +35,8 @@ DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 #: weight quantisation choices (``tokenserve.models.loader.resolve_quantization``)
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+#: KV cache element types (``tokenserve.models.llama.LlamaForCausalLM.kv_cache_dtype``)
+KV_CACHE_DTYPES = ("auto", "int8", "model")
 #: PD roles (spec/pd_disaggregation.md §1).
 ROLES = ("prefill", "decode", "flex")
 #: ``PdConfig.infer_mode``: mixed or PD (config.md ``inferMode``).
@@ -212,6 +214,10 @@ class EngineConfig:
             (default) ``gguf`` for a GGUF model at ``bfloat16`` with ``max_batch_size`` <= 8
             (where it is faster) and ``none`` otherwise; ``int8``: weight-only int8 per
             output channel from any model (config.json: ``ModelConfig[0].quantization``).
+        kv_cache_dtype: ``int8``: each (token, kv head) row of the KV cache as int8 with
+            one fp32 scale (half a bf16 cache's bytes, which a decode step reads); ``model``:
+            rows of ``dtype``; ``auto`` (default): int8 on a CPU with the C++ kernels at
+            bfloat16, else ``model``. PD: a prefill and a decode instance must agree.
         kv_trans_timeout_s: PD prefill: seconds a parked request keeps its KV blocks for
             the decode instance to pull: the engine's copy of
             :attr:`PdConfig.kv_trans_timeout_s` (its default), which
@@ -246,6 +252,7 @@ class EngineConfig:
     max_long_partial_prefills: int = 1
     served_model_name: str | None = None
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     kv_trans_timeout_s: float = PdConfig.kv_trans_timeout_s
     speculative_config: SpecConfig | None = None
     grammar_compile_timeout_s: float = 10.0
@@ -256,6 +263,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -134,28 +134,31 @@ class AsyncEngine:
             model = LlamaForCausalLM.from_state_dict(
                 model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization, cfg.model,
                                         cfg.max_batch_size), cfg.torch_dtype, device)
-            per_block = model.kv_bytes_per_token() * cfg.block_size
+            kv_dtype = model.kv_cache_dtype(cfg.kv_cache_dtype)
+            per_block = model.kv_bytes_per_token(kv_dtype) * cfg.block_size
             num_blocks = cfg.kv_cache_bytes // per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV "
                                  f"block ({per_block} bytes)")
-            return ModelRunner(model, num_blocks, cfg.block_size)
+            return ModelRunner(model, num_blocks, cfg.block_size, kv_dtype)
 
         # the model thread loads the model too: it stays the process's only OpenMP master
         # (see model_runner.py)
         executor = ExecutorActor.start(load)
         runner = executor.runner
         model = runner.model
-        per_block = model.kv_bytes_per_token() * cfg.block_size
+        per_token = model.kv_bytes_per_token(runner.kv_dtype)
+        per_block = per_token * cfg.block_size
         num_blocks = runner.num_blocks
         engine = cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name,
                      device=device.type, executor=executor)
         log.info("model %s (%s) loaded on %s as %s in %.1f s", model_cfg.name, model_dir,
                  device, cfg.dtype, time.perf_counter() - t0)
         log.info("kernels: %s; GEMM: %s", model.kernels.describe(), engine.info.gemm)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token)",
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token, %s)",
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
-                 num_blocks * per_block / 2**20, model.kv_bytes_per_token())
+                 num_blocks * per_block / 2**20, per_token,
+                 str(runner.kv_dtype).removeprefix("torch."))
         return engine
 
     # ------------------------------------------------------------------ lifecycle

@@ -61,14 +61,19 @@ class ModelRunner:
         block_size: tokens per block.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        #: the KV cache's element type (None given: the model dtype; ``torch.int8``: rows
+        #: with a scale each, ``LlamaForCausalLM.kv_cache_dtype``)
+        self.kv_dtype = kv_dtype or model.dtype
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, self.kv_dtype)
         #: every layer's K and V in one contiguous tensor ``[layers, 2, num_blocks, Hkv,
-        #: block_size, D]`` (what a KV transfer engine registers, PD)
+        #: block_size, R]`` (what a KV transfer engine registers, PD; R = head_dim, or
+        #: head_dim + 4 for int8)
         self.kv_region = self.kv_caches[0][0]._base
         assert self.kv_region is not None and self.kv_region.is_contiguous()
         #: test hook: called with each (sub-)plan's seqs before its forward pass; raising

@@ -29,10 +29,12 @@ from collections import Counter
 import torch
 
 from tokenserve.config import env
+from tokenserve.config.tree import KV_CACHE_DTYPES
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.loader import ModelConfig, rope_inv_freq
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.host_memory import zeros_on_huge_pages
+from tokenserve.ops.layer_ref import KV_SCALE_BYTES
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import QuantWeight
@@ -50,7 +52,7 @@ class LlamaForCausalLM:
                  device: torch.device, kernels: Kernels | None = None) -> None:
         self.cfg = cfg
         self.device = device
-        self.dtype = weights["norm"].dtype  # activations and KV cache
+        self.dtype = weights["norm"].dtype  # activations (and a KV cache of the model dtype)
         self.w = weights
         # the C++ kernels are CPU kernels; CUDA/NPU run the torch references
         self.kernels = kernels if kernels is not None else Kernels(use_c=device.type == "cpu")
@@ -109,7 +111,7 @@ class LlamaForCausalLM:
 
     def _kv_region(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                    ) -> torch.Tensor | None:
-        """The ``[layers, 2, num_blocks, Hkv, block_size, D]`` tensor ``kv_caches`` are
+        """The ``[layers, 2, num_blocks, Hkv, block_size, R]`` tensor ``kv_caches`` are
         views of (:meth:`allocate_kv_cache`), or None for caches laid out otherwise."""
         base = kv_caches[0][0]._base
         if (base is None or base.dim() != 6 or base.shape[0] != self.num_layers
@@ -186,24 +188,55 @@ class LlamaForCausalLM:
             w[f"{i}.ln2"] = g(p + "post_attention_layernorm.weight")
         return cls(cfg, w, device, kernels)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes across all layers (K and V)."""
-        return 2 * self.num_layers * self.kv_size * self.dtype.itemsize
+    def kv_cache_dtype(self, choice: str = "model") -> torch.dtype:
+        """The KV cache's element type for a ``--kv-cache-dtype`` choice.
+
+        ``model``: the model dtype (bf16 / fp32 rows). ``int8``: each (token, kv head) row
+        as int8 with one fp32 scale (``csrc/cache_ops.cpp``; half the bytes a decode step
+        reads from a bf16 cache). ``auto``: int8 on a CPU with the C++ kernels at bfloat16,
+        else the model dtype (an explicit float32 keeps an fp32 cache).
+
+        Raises:
+            ValueError: an unknown choice.
+        """
+        if choice not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {choice!r}")
+        if choice == "int8" or (choice == "auto" and self.device.type == "cpu"
+                                and self.kernels.c is not None and self.dtype == torch.bfloat16):
+            return torch.int8
+        return self.dtype
+
+    def kv_row_elements(self, kv_dtype: torch.dtype | None = None) -> int:
+        """Elements of one (token, kv head) cache row: head_dim, or head_dim + 4 for int8
+        (the row's fp32 scale as 4 bytes, :data:`~tokenserve.ops.layer_ref.KV_SCALE_BYTES`)."""
+        D = self.cfg.head_dim
+        return D + KV_SCALE_BYTES if kv_dtype == torch.int8 else D
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes of KV cache one token takes across all layers (K and V); ``kv_dtype``
+        None: the model dtype."""
+        dt = kv_dtype or self.dtype
+        return (2 * self.num_layers * self.cfg.num_kv_heads * self.kv_row_elements(dt)
+                * dt.itemsize)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          kv_dtype: torch.dtype | None = None,
                           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k_cache, v_cache), each [num_blocks, Hkv, block_size, D], zeroed.
+        """Per layer (k_cache, v_cache), each [num_blocks, Hkv, block_size, R], zeroed, of
+        ``kv_dtype`` (None: the model dtype; R = :meth:`kv_row_elements`).
 
         All layers are views of one contiguous region ``[layers, 2, num_blocks, Hkv,
-        block_size, D]`` (one registration for a KV transfer engine); on the CPU it lies on
+        block_size, R]`` (one registration for a KV transfer engine); on the CPU it lies on
         transparent huge pages (:mod:`tokenserve.ops.host_memory`): a decode step reads its
         blocks scattered over the region.
         """
-        shape = (num_blocks, self.cfg.num_kv_heads, block_size, self.cfg.head_dim)
+        dt = kv_dtype or self.dtype
+        shape = (num_blocks, self.cfg.num_kv_heads, block_size, self.kv_row_elements(dt))
         if self.device.type == "cpu":
-            region = zeros_on_huge_pages((self.num_layers, 2, *shape), self.dtype)
+            region = zeros_on_huge_pages((self.num_layers, 2, *shape), dt)
         else:
-            region = torch.zeros((self.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+            region = torch.zeros((self.num_layers, 2, *shape), dtype=dt, device=self.device)
         return [(region[i, 0], region[i, 1]) for i in range(self.num_layers)]
 
     @torch.inference_mode()

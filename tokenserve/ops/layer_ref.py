@@ -8,6 +8,10 @@ KV cache layout (per layer, K and V alike, contiguous, model dtype)::
 
     k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 
+or an int8 cache ``[num_blocks, num_kv_heads, block_size, head_dim + 4]``: each row is the
+head's values (rounded to the model dtype) quantised by :func:`quantize_kv_rows`, then their
+fp32 scale as 4 bytes (:data:`KV_SCALE_BYTES`).
+
 Position ``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]``,
 row ``p % block_size``; its flat *slot* is ``bt[p // block_size] * block_size + p % block_size``.
 A step's tokens of sequence ``s`` are the last ``q_len`` of its ``ctx_len`` positions::
@@ -22,6 +26,39 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+KV_SCALE_BYTES = 4  # an int8 cache row's fp32 scale, after its head_dim int8 values
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V head rows to int8 cache rows (the int8 KV cache's write).
+
+    ``x_q = round_half_even(x * (127 / amax))`` clamped to [-127, 127], ``amax = max |x|`` over
+    the row, then the fp32 ``scale = amax / 127`` (an all-zero row: zeros and scale 0);
+    ``x ~ scale * x_q``. Symmetric per-token, per-head int8 (as MindIE's and vLLM's int8 KV
+    caches, with one scale per cache row instead of a calibrated per-channel one).
+
+    Args:
+        x: [..., D] bf16 or fp32 (read as fp32).
+
+    Returns:
+        [..., D + 4] int8: the values, then the scale's 4 bytes (little endian).
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # torch.div of two tensors: one IEEE division (``127.0 / amax`` is reciprocal * 127)
+    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax),
+                      torch.zeros_like(amax))
+    q = (xf * inv).round().clamp(-127, 127).to(torch.int8)
+    scale = torch.div(amax, torch.full_like(amax, 127.0))  # [..., 1] fp32
+    return torch.cat((q, scale.flatten().view(torch.int8).view(*amax.shape[:-1], 4)), dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Int8 cache rows ``[..., D + 4]`` (:func:`quantize_kv_rows`) to fp32 ``[..., D]``:
+    ``scale * x_q``."""
+    scale = rows[..., -KV_SCALE_BYTES:].flatten().view(torch.float32)
+    return rows[..., :-KV_SCALE_BYTES].float() * scale.view(*rows.shape[:-1], 1)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> torch.Tensor:
@@ -50,8 +87,9 @@ def rotary_embedding_write_kv_ref(qkv: torch.Tensor, positions: torch.Tensor,
         qkv: [T, (H + 2*Hkv) * D] bf16/fp32, q | k | v heads; q and k rotated in place.
         positions: [T] int64 absolute positions, < max_pos.
         cos_sin: [max_pos, D] float32 from :func:`rope_cos_sin`.
-        k_cache, v_cache: [num_blocks, Hkv, block_size, D] qkv's dtype; written at each
-            token's slot.
+        k_cache, v_cache: [num_blocks, Hkv, block_size, D] qkv's dtype, or int8
+            ``[num_blocks, Hkv, block_size, D + 4]`` (rows of :func:`quantize_kv_rows`);
+            written at each token's slot.
         slot_mapping: [T] int64 flat slots; < 0 = padding (not written); the others
             distinct (the kernel writes tokens in parallel).
         num_heads, num_kv_heads: H, Hkv.
@@ -73,6 +111,8 @@ def rotary_embedding_write_kv_ref(qkv: torch.Tensor, positions: torch.Tensor,
     blk, row = slots // bs, slots % bs
     k = qkv[keep, H * D: (H + Hkv) * D].view(-1, Hkv, D)
     v = qkv[keep, (H + Hkv) * D:].view(-1, Hkv, D)
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_kv_rows(k), quantize_kv_rows(v)
     k_cache[blk, :, row] = k
     v_cache[blk, :, row] = v
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenserve.ops.layer_ref import dequantize_kv_rows
+
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -25,7 +27,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Args:
         q: [T, H, D] bf16 or fp32 (any strides).
-        k_cache, v_cache: [num_blocks, Hkv, block_size, D], q's dtype.
+        k_cache, v_cache: [num_blocks, Hkv, block_size, D], q's dtype, or int8
+            ``[num_blocks, Hkv, block_size, D + 4]`` (read as ``scale * x_q``,
+            :func:`~tokenserve.ops.layer_ref.dequantize_kv_rows`).
         block_tables: [S, max_blocks] integer.
         query_start_loc: [S + 1] integer, non-decreasing.
         context_lens: [S] integer.
@@ -44,8 +48,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         pos = torch.arange(ctx)
         blk = block_tables[s].long()[pos // bs]
-        k = k_cache[blk, :, pos % bs].float().repeat_interleave(H // Hkv, dim=1)  # [ctx, H, D]
-        v = v_cache[blk, :, pos % bs].float().repeat_interleave(H // Hkv, dim=1)
+        k, v = k_cache[blk, :, pos % bs], v_cache[blk, :, pos % bs]  # [ctx, Hkv, D(+4)]
+        if k.dtype == torch.int8:
+            k, v = dequantize_kv_rows(k), dequantize_kv_rows(v)
+        k = k.float().repeat_interleave(H // Hkv, dim=1)  # [ctx, H, D]
+        v = v.float().repeat_interleave(H // Hkv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
         qpos = torch.arange(ctx - (q1 - q0), ctx)
         scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))

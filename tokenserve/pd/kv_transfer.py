@@ -10,7 +10,8 @@ P's blocks into its own for every layer, K and V, in ONE batched Mooncake read (
 
 The cache is one contiguous tensor (``LlamaForCausalLM.allocate_kv_cache``)::
 
-    kv: [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]   (model dtype)
+    kv: [num_layers, 2, num_blocks, num_kv_heads, block_size, R]   (model dtype, R = head_dim;
+                                                                   int8: R = head_dim + 4)
 
     byte offset of (layer l, kv k, block b) = ((l * 2 + k) * num_blocks + b) * block_bytes
     block_bytes = num_kv_heads * block_size * head_dim * element_size
