@@ -3,7 +3,7 @@
 Modules, one job each::
 
     workload.py     prompts (exact token lengths from the model's tokenizer), output lengths
-    clients.py      one request builder + stream parser per API family, httpx streaming
+    clients.py      one request builder + stream parser per API family, aiohttp streaming
     metrics.py      pure arithmetic: per-request records -> TTFT/TPOT/ITL/E2E/goodput summary
     baseline_hf.py  the same workload through transformers' generate (static batches)
     serving.py      runner, concurrency sweep, modes, ``main(argv)``

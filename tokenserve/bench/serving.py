@@ -335,15 +335,17 @@ async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenize
                    slices: Sequence[Sequence[BenchRequest]],
                    warm: Sequence[BenchRequest], backend_name: str | None = None
                    ) -> list[LevelResult]:
-    """One sweep over HTTP through ``backend_name`` (default ``--backend``)."""
-    import httpx
+    """One sweep over HTTP through ``backend_name`` (default ``--backend``), on one aiohttp
+    session (keep-alive pool of max concurrency + 8 connections; a read may wait up to
+    ``--max-duration-s``)."""
+    import aiohttp
 
     backend = get_backend(backend_name or args.backend)
     count_text = (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     most = max(args.concurrency)
-    limits = httpx.Limits(max_connections=most + 8, max_keepalive_connections=most + 8)
-    timeout = httpx.Timeout(args.max_duration_s, connect=30.0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+    connector = aiohttp.TCPConnector(limit=most + 8)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=args.max_duration_s)
+    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout) as http:
         async def send(req: BenchRequest) -> RequestRecord:
             return await send_http(http, backend, req, model_name, count_text,
                                    ignore_eos=args.ignore_eos,
@@ -351,10 +353,10 @@ async def run_http(args: argparse.Namespace, url: str, model_name: str, tokenize
 
         async def metrics_page() -> str | None:
             try:
-                r = await http.get(path_of("server.metrics"))
-            except httpx.HTTPError:
+                async with http.get(path_of("server.metrics")) as r:
+                    return await r.text() if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 return None
-            return r.text if r.status_code == 200 else None
 
         async def counters() -> tuple[int, int] | None:
             text = await metrics_page()
@@ -575,7 +577,7 @@ def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[Leve
 
 def _check_deps(args: argparse.Namespace) -> None:
     """Fail before the run, not after it, when an optional dependency is missing."""
-    needed = ["httpx"] if not args.engine_only else []
+    needed = ["aiohttp", "httpx"] if not args.engine_only else []
     needed += ["transformers"] if args.baseline == "hf" else []
     needed += ["matplotlib"] if args.plot_dir else []
     missing = []
