@@ -88,7 +88,8 @@ class Decoder {
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // x: [T, hidden] the first layer's normed input; residual: [T, hidden] (updated in place);
-  // kv_region: [layers, 2, num_blocks, Hkv, block_size, D] (LlamaForCausalLM.allocate_kv_cache).
+  // kv_region: [layers, 2, num_blocks, Hkv, block_size, R] (LlamaForCausalLM.allocate_kv_cache;
+  // R = D, or D + 4 for an int8 cache: the kernels read the layout from the tensor).
   // Returns [T, hidden]: the final normed hidden states.
   torch::Tensor forward(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
                         torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor query_start_loc,

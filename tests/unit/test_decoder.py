@@ -158,3 +158,29 @@ def test_decoder_releases_the_gil():
     meta = AttentionMetadata.build(model.kernels, tables, [L] * S, [0] * S, BLOCK)
     ids = torch.randint(3, 96, (S * L,), generator=torch.Generator().manual_seed(0))
     assert_releases_gil(lambda: model.forward(ids, kv, meta))
+
+
+def test_kv_cache_dtype_choices():
+    """``auto`` is int8 on a CPU with the C++ kernels at bfloat16 and the model dtype
+    otherwise; ``model`` / ``int8`` as asked; the bytes a token takes follow the rows."""
+    from tokenserve.config.tree import EngineConfig
+    from tokenserve.ops.dispatch import Kernels
+
+    cfg = _cfg(False)
+    sd = _state_dict(cfg, "none")
+    cpu = torch.device("cpu")
+    bf16 = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.bfloat16, cpu)
+    fp32 = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.float32, cpu)
+    ref = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.bfloat16, cpu, Kernels(use_c=False))
+    assert bf16.kv_cache_dtype("auto") == torch.int8
+    assert fp32.kv_cache_dtype("auto") == torch.float32
+    assert ref.kv_cache_dtype("auto") == torch.bfloat16  # the torch references: model dtype
+    assert bf16.kv_cache_dtype("model") == torch.bfloat16
+    assert fp32.kv_cache_dtype("int8") == torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        bf16.kv_cache_dtype("fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")
+    L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    assert bf16.kv_bytes_per_token() == 2 * L * Hkv * D * 2
+    assert bf16.kv_bytes_per_token(torch.int8) == 2 * L * Hkv * (D + 4)

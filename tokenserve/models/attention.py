@@ -3,7 +3,8 @@
 KV cache layout, one tensor per layer for K and one for V (chosen for the CPU kernel: one
 block of one KV head is a contiguous ``[block_size, head_dim]`` tile)::
 
-    k_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (model dtype)
+    k_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (model dtype; an int8 cache
+             has head_dim + 4 bytes a row: the values and an fp32 scale)
 
 Position ``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]``,
 row ``p % block_size``; its *slot* is ``bt[p // block_size] * block_size + p % block_size``

@@ -15,6 +15,8 @@ some kernels (``tools/dev_kernels.py``) in its place.
 KV cache layout, one tensor per layer for K and one for V::
 
     k_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (model dtype)
+         or  [num_blocks, num_kv_heads, block_size, head_dim + 4] int8 (values + fp32 scale,
+             ``ops.layer_ref.quantize_kv_rows``; ``--kv-cache-dtype``)
 
 Position ``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]``,
 row ``p % block_size``; its flat *slot* is ``bt[p // block_size] * block_size +
@@ -176,7 +178,8 @@ class Kernels:
         Args:
             q: [T, H, D] queries (a strided view of ``qkv`` is fine: stride(2) == 1,
                 stride(1) == D).
-            k_cache, v_cache: [num_blocks, Hkv, block_size, D], this step's K/V written.
+            k_cache, v_cache: [num_blocks, Hkv, block_size, D] (q's dtype) or int8
+                ``[..., D + 4]``, this step's K/V written.
             block_tables, query_start_loc, context_lens: as in :meth:`positions_and_slots`.
             scale: softmax scale (``D ** -0.5``).
 
