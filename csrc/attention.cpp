@@ -61,7 +61,6 @@ using tokenserve::bf16_to_f32;  // csrc/simd.h
 
 // Element type of the cache rows: fp32, bf16, or int8 with a per-row fp32 scale.
 enum class Kv { F32, BF16, I8 };
-constexpr int kScaleBytes = 4;  // the fp32 scale after an int8 row's head_dim values
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -80,9 +79,8 @@ struct Ops {
   void (*pv)(const float* P, int ldp, int rows, const void* V, int ldv, Kv kt, int k0,
              int k1, int Dp, float* acc, int ldacc);
   // dst[j * Dp + d] = fp32 src[j * ld + d] for j < n, d < D (exact); 0 for D <= d < Dp.
+  // Also the tile's fp32 copy of each query vector (n = 1, kt = q's dtype).
   void (*stage)(const void* src, Kv kt, int n, int D, int ld, int Dp, float* dst);
-  // One query vector: dst[d] = fp32 src[d] (bf16 or fp32) for d < D, 0 for D <= d < Dp.
-  void (*load_q)(const void* src, bool bf16, int D, int Dp, float* dst);
   // One output vector: dst[d] = acc[d] / l, rounded once to bf16 (RNE) or kept fp32.
   void (*store_out)(const float* acc, float l, int D, bool bf16, void* dst);
   bool vector;  // Dp = round_up(D, 8) with K/V staged to padded fp32 when D % 8 != 0
@@ -138,16 +136,12 @@ void stage_scalar(const void* src, Kv kt, int n, int D, int ld, int Dp, float* d
     for (int d = 0; d < Dp; ++d) dst[j * Dp + d] = d < D ? load_kv(src, int64_t(j) * ld + d, kt) : 0.f;
 }
 
-void load_q_scalar(const void* src, bool bf16, int D, int Dp, float* dst) {
-  for (int d = 0; d < Dp; ++d) dst[d] = d < D ? load_kv(src, d, bf16 ? Kv::BF16 : Kv::F32) : 0.f;
-}
-
 void store_out_scalar(const float* acc, float l, int D, bool bf16, void* dst) {
   for (int d = 0; d < D; ++d) store1(dst, d, acc[d] / l, bf16);  // bf16: round to nearest even
 }
 
-constexpr Ops kScalarOps{qk_scalar, softmax_scalar, pv_scalar, stage_scalar, load_q_scalar,
-                         store_out_scalar, false};
+constexpr Ops kScalarOps{qk_scalar, softmax_scalar, pv_scalar, stage_scalar, store_out_scalar,
+                         false};
 
 // ---------------------------------------------------------------- AVX2 + FMA path
 #ifdef TS_X86
@@ -305,12 +299,6 @@ TS_TARGET_AVX2 void stage_avx2(const void* src, Kv kt, int n, int D, int ld, int
   else stage_rows_avx2(static_cast<const int8_t*>(src), n, D, ld, dst);
 }
 
-TS_TARGET_AVX2 void load_q_avx2(const void* src, bool bf16, int D, int Dp, float* dst) {
-  if (!bf16 || D % 8 != 0) return load_q_scalar(src, bf16, D, Dp, dst);
-  const uint16_t* s = static_cast<const uint16_t*>(src);
-  for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(s + d));
-}
-
 // The same IEEE division and bf16 rounding as store_out_scalar, 8 lanes at a time.
 TS_TARGET_AVX2 void store_out_avx2(const float* acc, float l, int D, bool bf16, void* dst) {
   if (D % 8 != 0) return store_out_scalar(acc, l, D, bf16, dst);
@@ -322,7 +310,7 @@ TS_TARGET_AVX2 void store_out_avx2(const float* acc, float l, int D, bool bf16, 
   }
 }
 
-constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, load_q_avx2, store_out_avx2, true};
+constexpr Ops kAvx2Ops{qk_avx2, softmax_avx2, pv_avx2, stage_avx2, store_out_avx2, true};
 
 #endif  // TS_X86
 
@@ -342,7 +330,7 @@ struct Problem {
   size_t esize;         // bytes per element of q and out (2: bf16, 4: fp32)
   bool bf16;            // q and out are bf16
   Kv kv;                // cache row type
-  int ldkv;             // cache row stride, elements (D; int8: D + kScaleBytes)
+  int ldkv;             // cache row stride, elements (D; int8: D + kKvScaleBytes)
   size_t kv_esize;      // bytes per cache element
   float scale;
 };
@@ -371,7 +359,8 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
 
   for (int m = 0; m < M; ++m) {  // fp32 copy of the tile's queries, zero-padded to Dp
     const int t = q_begin + it.i0 + m / G, h = it.kvh * G + m % G;
-    ops.load_q(P.q + (int64_t(t) * P.q_stride0 + int64_t(h) * D) * P.esize, P.bf16, D, Dp, Qf + m * Dp);
+    ops.stage(P.q + (int64_t(t) * P.q_stride0 + int64_t(h) * D) * P.esize, P.bf16 ? Kv::BF16 : Kv::F32,
+              1, D, D, Dp, Qf + m * Dp);
     mrow[m] = kNegInf;
     lrow[m] = 0.f;
   }
@@ -466,7 +455,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
               "paged_attention: out must have q's dtype, k_cache and v_cache q's dtype or int8");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D + (kv_i8 ? kScaleBytes : 0), "paged_attention: cache rows of ",
+  TORCH_CHECK(k_cache.size(3) == D + (kv_i8 ? kKvScaleBytes : 0), "paged_attention: cache rows of ",
               k_cache.size(3), " elements do not fit q's head_dim ", D, kv_i8 ? " + 4 scale bytes" : "");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "paged_attention: H=", H, " not a multiple of Hkv=", Hkv);
   TORCH_CHECK(bs > 0 && D > 0, "paged_attention: block_size and head_dim must be positive");

@@ -89,8 +89,6 @@ TS_TARGET_AVX2 void rope_head_avx2(T* x, const float* cos, const float* sin, int
 }
 #endif
 
-constexpr int64_t kScaleBytes = 4;  // an int8 cache row's fp32 scale after its head_dim values
-
 // One head row x[0..D) (model dtype) to an int8 cache row dst[0..D + 4) (see the header).
 template <typename T>
 void quantize_row_scalar(const T* x, int64_t D, int8_t* dst) {
@@ -230,11 +228,11 @@ void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch
   for (const auto* c : {&k_cache, &v_cache}) {
     const bool i8 = c->scalar_type() == at::kChar;
     TORCH_CHECK(c->dim() == 4 && c->size(1) == num_kv_heads &&
-                    c->size(3) == D + (i8 ? kScaleBytes : 0) && c->is_contiguous() &&
+                    c->size(3) == D + (i8 ? kKvScaleBytes : 0) && c->is_contiguous() &&
                     (i8 || c->scalar_type() == qkv.scalar_type()) && c->device().is_cpu(),
                 "k_cache/v_cache must be contiguous [num_blocks, ", num_kv_heads,
                 ", block_size, ", D, "] of qkv's dtype, or [num_blocks, ", num_kv_heads,
-                ", block_size, ", D + kScaleBytes, "] int8");
+                ", block_size, ", D + kKvScaleBytes, "] int8");
   }
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
