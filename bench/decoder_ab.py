@@ -19,8 +19,8 @@ import torch
 
 from bench.profile_step import cpu_summary
 from tokenserve.models.attention import AttentionMetadata
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights, resolve_model
 
 
 def main() -> None:
@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
-    model = LlamaForCausalLM.from_state_dict(
+    cfg = load_config(d)
+    model = CausalLM.from_state_dict(
         cfg, load_weights(d, torch.bfloat16, args.quantization), torch.bfloat16,
         torch.device("cpu"))
     decoder = model.decoder

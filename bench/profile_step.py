@@ -82,8 +82,8 @@ def uninstrument(runner, model) -> None:
 def main() -> None:
     from tokenserve.engine.model_runner import ModelRunner
     from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
-    from tokenserve.models.llama import LlamaForCausalLM
-    from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+    from tokenserve.models.decoder import CausalLM
+    from tokenserve.models.loader import load_config, load_weights, resolve_model
     from tokenserve.ops.dispatch import Kernels
     from tokenserve.sampling_params import SamplingParams
 
@@ -98,13 +98,13 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=["none", "gguf", "auto"],
                     help="gguf: the default GGUF's own Q4_1/Q8_0 blocks (csrc/quant.cpp)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "model"],
-                    help="the KV cache's rows (LlamaForCausalLM.kv_cache_dtype; auto as the "
+                    help="the KV cache's rows (CausalLM.kv_cache_dtype; auto as the "
                          "server: int8 on a CPU with the C++ kernels at bfloat16)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
-    model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, dtype, args.quantization), dtype,
+    cfg = load_config(d)
+    model = CausalLM.from_state_dict(cfg, load_weights(d, dtype, args.quantization), dtype,
                                              torch.device("cpu"), Kernels(use_c=not args.no_c))
     print(f"# {cpu_summary()}")
     kv_dtype = model.kv_cache_dtype(args.kv_cache_dtype)

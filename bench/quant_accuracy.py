@@ -50,22 +50,22 @@ from pathlib import Path
 import torch
 
 from tokenserve.models.attention import AttentionMetadata
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, gguf_source, load_weights, resolve_model
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import gguf_source, load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).resolve().parent / "prompts_accuracy.json"
 BLOCK = 16
 
 
-def _build(model: str | None, dtype: torch.dtype, quantization: str) -> LlamaForCausalLM:
+def _build(model: str | None, dtype: torch.dtype, quantization: str) -> CausalLM:
     d = resolve_model(model)
-    return LlamaForCausalLM.from_state_dict(
-        ModelConfig.from_dir(d), load_weights(d, dtype, quantization, model), dtype,
+    return CausalLM.from_state_dict(
+        load_config(d), load_weights(d, dtype, quantization, model), dtype,
         torch.device("cpu"))
 
 
-def _prefill(m: LlamaForCausalLM, ids: list[int], kv=None, kv_dtype: torch.dtype | None = None
+def _prefill(m: CausalLM, ids: list[int], kv=None, kv_dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, list]:
     """fp32 logits [len(ids), vocab] of one prefill (a new cache of ``kv_dtype``, None: the
     model dtype, unless ``kv`` is given); returns the KV cache too."""
@@ -75,7 +75,7 @@ def _prefill(m: LlamaForCausalLM, ids: list[int], kv=None, kv_dtype: torch.dtype
     return m.compute_logits(m.forward(torch.tensor(ids), kv, meta)), kv
 
 
-def greedy(m: LlamaForCausalLM, ids: list[int], n: int) -> list[int]:
+def greedy(m: CausalLM, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after ``ids`` (prefill, then one decode step per token)."""
     logits, kv = _prefill(m, ids)
     nb = kv[0][0].shape[0]

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights
 
 
-def tiny_llama_pair(d: Path) -> tuple[transformers.LlamaForCausalLM, LlamaForCausalLM]:
+def tiny_llama_pair(d: Path) -> tuple[transformers.LlamaForCausalLM, CausalLM]:
     """Seed 0, save transformers' model under ``d``, load ours from it: (hf, ours)."""
     torch.manual_seed(0)
     hc = transformers.LlamaConfig(
@@ -21,6 +21,6 @@ def tiny_llama_pair(d: Path) -> tuple[transformers.LlamaForCausalLM, LlamaForCau
         rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
     hf = transformers.LlamaForCausalLM(hc).eval().float()
     hf.save_pretrained(d)
-    ours = LlamaForCausalLM.from_state_dict(ModelConfig.from_dir(d), load_weights(d, torch.float32),
+    ours = CausalLM.from_state_dict(load_config(d), load_weights(d, torch.float32),
                                             torch.float32, torch.device("cpu"))
     return hf, ours

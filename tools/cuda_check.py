@@ -40,8 +40,8 @@ from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import GenerateRequest, ScheduledSeq, StepPlan
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights
 from tokenserve.sampling_params import SamplingParams
 
 DEV = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "run" else "cpu"
@@ -95,10 +95,10 @@ def seq(rid, ids, start, n, table, params=None, sample=True):
 @section("logits_vs_transformers")
 def logits():
     hf = transformers.LlamaForCausalLM.from_pretrained(TINY, torch_dtype=torch.float32).to(DEV).eval()
-    cfg = ModelConfig.from_dir(TINY)
+    cfg = load_config(TINY)
     out = {}
     for dt in (torch.float32, torch.bfloat16):
-        ours = LlamaForCausalLM.from_state_dict(cfg, load_weights(TINY, dt), dt, torch.device(DEV))
+        ours = CausalLM.from_state_dict(cfg, load_weights(TINY, dt), dt, torch.device(DEV))
         runner = ModelRunner(ours, num_blocks=64, block_size=16)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(3, 49000, (200,), generator=g).tolist()
@@ -125,8 +125,8 @@ def logits():
 @section("grouped_decode_vs_transformers")
 def grouped():
     hf = transformers.LlamaForCausalLM.from_pretrained(TINY, torch_dtype=torch.float32).to(DEV).eval()
-    cfg = ModelConfig.from_dir(TINY)
-    ours = LlamaForCausalLM.from_state_dict(cfg, load_weights(TINY, torch.float32), torch.float32,
+    cfg = load_config(TINY)
+    ours = CausalLM.from_state_dict(cfg, load_weights(TINY, torch.float32), torch.float32,
                                             torch.device(DEV))
     runner = ModelRunner(ours, num_blocks=256, block_size=16)
     g = torch.Generator().manual_seed(2)
@@ -235,8 +235,8 @@ def make_random():
 @section("step_timings_bf16")
 def timings():
     d = "/tmp/rand135m"
-    cfg = ModelConfig.from_dir(d)
-    m = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, torch.bfloat16), torch.bfloat16,
+    cfg = load_config(d)
+    m = CausalLM.from_state_dict(cfg, load_weights(d, torch.bfloat16), torch.bfloat16,
                                          torch.device(DEV))
     bs = 128
     r = ModelRunner(m, 2000, bs)

@@ -31,8 +31,8 @@ from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import GenerateRequest, ScheduledSeq, SeqStart, StepPlan
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.ops.linear import describe_gemms
 from tokenserve.sampling_params import SamplingParams
@@ -72,7 +72,7 @@ class _Seq:
 class _Rig:
     """Runs steps and records the target's logits rows (captured at compute_logits)."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.runner = ModelRunner(model, num_blocks=256, block_size=BLOCK)
         self._next_block = itertools.count()
@@ -115,9 +115,9 @@ def _expect_path(line: str, gemm: str, quant: str) -> None:
 def bf16_model(request):
     gemm, quant = request.param
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
+    cfg = load_config(d)
     with gemm_env(gemm):
-        model = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, torch.bfloat16, quant),
+        model = CausalLM.from_state_dict(cfg, load_weights(d, torch.bfloat16, quant),
                                                  torch.bfloat16, torch.device("cpu"))
     _expect_path(describe_gemms(model.linears()), gemm, quant)
     return model, Tokenizer(d)

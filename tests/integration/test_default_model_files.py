@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenserve.models.loader import ModelConfig, default_gguf_path, load_weights, resolve_model
+from tokenserve.models.loader import default_gguf_path, load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
@@ -50,7 +50,7 @@ def test_second_resolve_is_a_cache_hit(model_dir: Path, caplog) -> None:
 
 
 def test_config(model_dir: Path) -> None:
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = load_config(model_dir)
     assert (cfg.model_type, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (
         "llama", 49152, 576, 1536)
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.attention import AttentionMetadata
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.sampling_params import SamplingParams
 
@@ -32,8 +32,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def models():
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
-    ours = LlamaForCausalLM.from_state_dict(cfg, load_weights(d, torch.float32), torch.float32,
+    cfg = load_config(d)
+    ours = CausalLM.from_state_dict(cfg, load_weights(d, torch.float32), torch.float32,
                                             torch.device("cpu"))
     hf = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return ours, hf, Tokenizer(d)

@@ -32,12 +32,12 @@ import torch
 from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.messages import GenerateRequest
-from tokenserve.models.llama import LlamaForCausalLM
+from tokenserve.models.decoder import CausalLM
 from tokenserve.models.loader import (
     BLOCKS_CACHE,
-    ModelConfig,
     _load_gguf_blocks,
     default_gguf_path,
+    load_config,
     load_weights,
     resolve_model,
     resolve_quantization,
@@ -114,7 +114,7 @@ def test_auto_resolution():
 @needs_c
 def test_loader_keeps_blocks_and_model_is_smaller():
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
+    cfg = load_config(d)
     sd = load_weights(d, torch.bfloat16, "gguf")
     embed = sd["model.embed_tokens.weight"]
     assert isinstance(embed, QuantWeight) and embed.qtype == "q8_0"
@@ -122,7 +122,7 @@ def test_loader_keeps_blocks_and_model_is_smaller():
     q = sd["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(q, QuantWeight) and q.qtype == "q4_1"
     assert sd["model.norm.weight"].dtype == torch.bfloat16
-    model = LlamaForCausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
+    model = CausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
     # the block GEMM, on every CPU (VNNI/AVX2 tiles, AMX-INT8 from 16 rows: the same bits)
     assert model.lm_head.backend == "tokenserve.quant_gemm"
     assert model.lm_head.qweight.layout == "x8"
@@ -142,14 +142,14 @@ def test_int8_resolution_any_model():
 @needs_c
 def test_loader_quantises_projections_and_keeps_the_table():
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
+    cfg = load_config(d)
     sd = load_weights(d, torch.bfloat16, "int8")
     q = sd["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(q, Int8Weight) and q.table is None
     embed = sd["model.embed_tokens.weight"]
     assert isinstance(embed, Int8Weight) and embed.table.dtype == torch.bfloat16  # tied
     assert sd["model.norm.weight"].dtype == torch.bfloat16
-    model = LlamaForCausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
+    model = CausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
     assert model.lm_head.backend == "tokenserve.int8_gemm"
     assert model.layers[0]["qkv"].backend == "tokenserve.int8_gemm"
     assert model.w["embed"] is model.lm_head.qweight  # one object: int8 head + table
@@ -279,14 +279,14 @@ def test_minmax_k_quantiser_is_close():
 def test_loader_keeps_k_quant_blocks(kquant_gguf, monkeypatch):
     monkeypatch.setenv("TOKENSERVE_CACHE", str(kquant_gguf.parent / "cache"))
     d = resolve_model(str(kquant_gguf))
-    cfg = ModelConfig.from_dir(d)
+    cfg = load_config(d)
     sd = load_weights(d, torch.bfloat16, "gguf", model=str(kquant_gguf))
     for i in range(3):
         down = sd[f"model.layers.{i}.mlp.down_proj.weight"]
         assert isinstance(down, QuantWeight) and down.qtype == K_BY_LAYER[i]
         assert down.shape == (cfg.hidden_size, cfg.intermediate_size)
     assert sd["model.layers.0.mlp.up_proj.weight"].qtype == "q4_1"  # K = 576: untouched
-    model = LlamaForCausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
+    model = CausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
     want = "tokenserve.quant_k_gemm" if hasattr(C, "quant_k_gemm") else "torch"
     assert model.layers[0]["down"].backend == want
     if want != "torch":

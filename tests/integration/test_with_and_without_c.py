@@ -9,8 +9,8 @@ import torch
 
 from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.ops.dispatch import Kernels, load_kernels
 from tokenserve.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ PROMPTS = [
 STEPS = 24
 
 
-def _greedy(model: LlamaForCausalLM, ids: list[int]) -> list[int]:
+def _greedy(model: CausalLM, ids: list[int]) -> list[int]:
     runner = ModelRunner(model, num_blocks=8, block_size=16)
     table = [6, 2, 7, 1, 5, 3]
     hist, out = list(ids), []
@@ -44,13 +44,13 @@ def test_greedy_identical_with_and_without_c(monkeypatch):
     if load_kernels() is None:
         pytest.skip("tokenserve._C is not built (CI always builds it)")
     d = resolve_model(None)
-    cfg = ModelConfig.from_dir(d)
+    cfg = load_config(d)
     weights = load_weights(d, torch.float32)
     tok = Tokenizer(d)
-    with_c = LlamaForCausalLM.from_state_dict(cfg, weights, torch.float32, torch.device("cpu"))
+    with_c = CausalLM.from_state_dict(cfg, weights, torch.float32, torch.device("cpu"))
     assert with_c.kernels.c is not None and with_c.lm_head.backend == "tokenserve.gemm"
     monkeypatch.setenv("TOKENSERVE_DISABLE_C", "1")
-    without = LlamaForCausalLM.from_state_dict(cfg, weights, torch.float32, torch.device("cpu"),
+    without = CausalLM.from_state_dict(cfg, weights, torch.float32, torch.device("cpu"),
                                                Kernels(use_c=False))
     assert without.kernels.c is None and without.lm_head.backend == "torch"
     for prompt in PROMPTS:

@@ -1,5 +1,5 @@
 """csrc/decoder.cpp (``_C.Decoder``): the layer stack looped in C++ gives the same bits as
-LlamaForCausalLM's Python loop over the same kernels: hidden states and the KV cache, for
+CausalLM's Python loop over the same kernels: hidden states and the KV cache, for
 a mixed step (a prefill chunk behind a cached prefix next to decodes), in fp32 and bf16,
 on bf16/fp32 GEMMs, GGUF Q4_0/Q4_1/Q8_0 blocks, Q4_K/Q5_K/Q6_K super-blocks and int8
 weights, with q/k/v biases."""
@@ -11,8 +11,8 @@ import torch
 
 from tests.kernel_checks import assert_releases_gil
 from tokenserve.models.attention import AttentionMetadata
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.config import ModelConfig
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.quant import quantize_ref
 from tokenserve.ops.quant_blocks import BLOCK_BYTES, K_QTYPES, QuantWeight
@@ -77,7 +77,7 @@ def _state_dict(cfg: ModelConfig, quant: str, seed: int = 0) -> dict:
     return sd
 
 
-def _run(model: LlamaForCausalLM, use_decoder: bool, kv_dtype=None
+def _run(model: CausalLM, use_decoder: bool, kv_dtype=None
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill of 11 tokens for seq 0 and of 5 for seq 1, then one step with a 6-token
     chunk of seq 0 behind its cached 11 and a decode of seq 1: (last hidden, KV region)."""
@@ -103,7 +103,7 @@ def _run(model: LlamaForCausalLM, use_decoder: bool, kv_dtype=None
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 def test_decoder_equals_python_loop(dtype, quant, bias, kv_dtype):
     cfg = _cfg(bias, wide=quant in K_QTYPES)
-    model = LlamaForCausalLM.from_state_dict(cfg, _state_dict(cfg, quant), dtype,
+    model = CausalLM.from_state_dict(cfg, _state_dict(cfg, quant), dtype,
                                              torch.device("cpu"))
     assert model.decoder is not None and model.decoder.num_layers == cfg.num_layers
     h_c, kv_c = _run(model, True, kv_dtype)
@@ -119,10 +119,10 @@ def test_decoder_off_by_env_and_for_foreign_caches(monkeypatch):
     cfg = _cfg(False)
     sd = _state_dict(cfg, "none")
     monkeypatch.setenv("TOKENSERVE_FUSED_DECODER", "0")
-    assert LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.float32,
+    assert CausalLM.from_state_dict(cfg, dict(sd), torch.float32,
                                             torch.device("cpu")).decoder is None
     monkeypatch.delenv("TOKENSERVE_FUSED_DECODER")
-    model = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.float32, torch.device("cpu"))
+    model = CausalLM.from_state_dict(cfg, dict(sd), torch.float32, torch.device("cpu"))
     assert model.decoder is not None
     # caches not laid out by allocate_kv_cache: the Python loop runs them
     shape = (4, cfg.num_kv_heads, BLOCK, cfg.head_dim)
@@ -148,7 +148,7 @@ def test_decoder_releases_the_gil():
     """The whole layer stack runs without the GIL: the server's event loop keeps serving
     while the model thread is in a forward pass (here prefills of 8 x 128 tokens)."""
     cfg = _cfg(False, wide=True)
-    model = LlamaForCausalLM.from_state_dict(cfg, _state_dict(cfg, "none"), torch.float32,
+    model = CausalLM.from_state_dict(cfg, _state_dict(cfg, "none"), torch.float32,
                                              torch.device("cpu"))
     assert model.decoder is not None
     S, L = 8, cfg.max_position_embeddings
@@ -169,9 +169,9 @@ def test_kv_cache_dtype_choices():
     cfg = _cfg(False)
     sd = _state_dict(cfg, "none")
     cpu = torch.device("cpu")
-    bf16 = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.bfloat16, cpu)
-    fp32 = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.float32, cpu)
-    ref = LlamaForCausalLM.from_state_dict(cfg, dict(sd), torch.bfloat16, cpu, Kernels(use_c=False))
+    bf16 = CausalLM.from_state_dict(cfg, dict(sd), torch.bfloat16, cpu)
+    fp32 = CausalLM.from_state_dict(cfg, dict(sd), torch.float32, cpu)
+    ref = CausalLM.from_state_dict(cfg, dict(sd), torch.bfloat16, cpu, Kernels(use_c=False))
     assert bf16.kv_cache_dtype("auto") == torch.int8
     assert fp32.kv_cache_dtype("auto") == torch.float32
     assert ref.kv_cache_dtype("auto") == torch.bfloat16  # the torch references: model dtype

@@ -23,12 +23,8 @@ from tokenserve.models.gguf_convert import (
     is_complete_conversion,
     unpermute_qk,
 )
-from tokenserve.models.loader import (
-    ModelConfig,
-    load_weights,
-    resolve_model,
-    rope_inv_freq,
-)
+from tokenserve.models.config import rope_inv_freq
+from tokenserve.models.loader import load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 
 HIDDEN, FFN, N_HEAD, N_KV, N_LAYERS, CTX = 32, 64, 4, 2, 2, 128
@@ -183,7 +179,7 @@ def test_qwen2_keeps_qk_order_and_biases(tmp_path: Path) -> None:
     got = load_file(str(out / "model.safetensors"))
     for name, expected in hf.items():
         np.testing.assert_array_equal(got[name], expected, err_msg=name)
-    cfg = ModelConfig.from_dir(out)
+    cfg = load_config(out)
     assert (cfg.model_type, cfg.attention_bias) == ("qwen2", True)
 
 
@@ -212,7 +208,7 @@ def test_config_files(tiny) -> None:
 
 def test_model_config_from_converted_dir(tiny) -> None:
     _, out, _ = tiny
-    cfg = ModelConfig.from_dir(out)
+    cfg = load_config(out)
     assert cfg.name == "tiny-llama.Q8_0"
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
         N_LAYERS, N_HEAD, N_KV, HEAD_DIM)
@@ -232,7 +228,7 @@ def _write_config(tmp_path: Path, gen: dict | None = None, **overrides) -> Path:
 
 
 def test_model_config_defaults_and_eos_union(tmp_path: Path) -> None:
-    cfg = ModelConfig.from_dir(_write_config(tmp_path, gen={"eos_token_id": [7, 2]}))
+    cfg = load_config(_write_config(tmp_path, gen={"eos_token_id": [7, 2]}))
     assert cfg.eos_token_ids == (2, 7)
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.name) == (
         2, 4, 10000.0, tmp_path.name)
@@ -247,16 +243,16 @@ def test_model_config_defaults_and_eos_union(tmp_path: Path) -> None:
 ])
 def test_model_config_rejects_unsupported(tmp_path: Path, overrides: dict) -> None:
     with pytest.raises(ValueError):
-        ModelConfig.from_dir(_write_config(tmp_path, **overrides))
+        load_config(_write_config(tmp_path, **overrides))
 
 
 def test_rope_parameters_and_llama3_inv_freq_match_transformers(tmp_path: Path) -> None:
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    classic = ModelConfig.from_dir(_write_config(
+    classic = load_config(_write_config(
         tmp_path, hidden_size=256, num_attention_heads=2, rope_theta=500000.0,
         rope_scaling=dict(llama3), max_position_embeddings=131072))
-    v5 = ModelConfig.from_dir(_write_config(
+    v5 = load_config(_write_config(
         tmp_path, hidden_size=256, num_attention_heads=2,
         rope_parameters={"rope_theta": 500000.0, **llama3}, max_position_embeddings=131072))
     assert classic.rope_scaling == v5.rope_scaling == llama3
@@ -275,10 +271,10 @@ def test_rope_parameters_and_llama3_inv_freq_match_transformers(tmp_path: Path) 
 
 
 def test_rope_inv_freq_default_and_linear(tmp_path: Path) -> None:
-    cfg = ModelConfig.from_dir(_write_config(tmp_path, rope_theta=100.0))
+    cfg = load_config(_write_config(tmp_path, rope_theta=100.0))
     expected = 1.0 / 100.0 ** (torch.arange(0, 4, 2).float() / 4)
     torch.testing.assert_close(rope_inv_freq(cfg), expected)
-    lin = ModelConfig.from_dir(_write_config(
+    lin = load_config(_write_config(
         tmp_path, rope_theta=100.0, rope_scaling={"type": "linear", "factor": 2.0}))
     torch.testing.assert_close(rope_inv_freq(lin), expected / 2)
 

@@ -50,7 +50,7 @@ def test_backed_by_huge_pages_where_the_kernel_has_them():
 def test_llama_kv_cache_on_huge_pages():
     """allocate_kv_cache's region on the CPU comes from zeros_on_huge_pages (2 MiB aligned,
     layers then K/V contiguous)."""
-    from tokenserve.models.llama import LlamaForCausalLM
+    from tokenserve.models.decoder import CausalLM
 
     class Model:
         device = torch.device("cpu")
@@ -60,15 +60,15 @@ def test_llama_kv_cache_on_huge_pages():
         class cfg:
             num_kv_heads, head_dim = 3, 64
 
-        kv_row_elements = LlamaForCausalLM.kv_row_elements
+        kv_row_elements = CausalLM.kv_row_elements
 
-    caches = LlamaForCausalLM.allocate_kv_cache(Model(), 4, 16)
+    caches = CausalLM.allocate_kv_cache(Model(), 4, 16)
     k0, v1 = caches[0][0], caches[1][1]
     assert k0.shape == (4, 3, 16, 64) and k0.data_ptr() % HUGE_PAGE == 0
     assert v1.data_ptr() - k0.data_ptr() == 3 * 4 * 3 * 16 * 64 * 2
     assert not k0.float().abs().sum()
     # an int8 cache: rows of head_dim values and a 4-byte scale
-    caches = LlamaForCausalLM.allocate_kv_cache(Model(), 4, 16, torch.int8)
+    caches = CausalLM.allocate_kv_cache(Model(), 4, 16, torch.int8)
     k0, v1 = caches[0][0], caches[1][1]
     assert k0.shape == (4, 3, 16, 68) and k0.dtype == torch.int8
     assert k0.data_ptr() % HUGE_PAGE == 0 and v1.data_ptr() - k0.data_ptr() == 3 * 4 * 3 * 16 * 68

@@ -607,13 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tokenserve bench: {exc}", file=sys.stderr)
             return 2
     from tokenserve.bench import report
-    from tokenserve.models.loader import ModelConfig, resolve_model
+    from tokenserve.models.loader import load_config, resolve_model
     from tokenserve.models.tokenizer import Tokenizer
     from tokenserve.transport.runtime import run as run_loop
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer(model_dir)
-    local_name = ModelConfig.from_dir(model_dir).name
+    local_name = load_config(model_dir).name
     counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 \
         else args.num_prompts
     words = word_ids(tokenizer)

@@ -61,7 +61,7 @@ TOKENSERVE_KERNELS_SO = EnvVar(
     "load the kernels from this file (a tools/dev_kernels.py build)", "ops.dispatch")
 TOKENSERVE_FUSED_DECODER = EnvVar(
     "TOKENSERVE_FUSED_DECODER", "flag: 0 turns it off", "on",
-    "0: the Python layer loop instead of _C.Decoder (profiling per kernel)", "models.llama")
+    "0: the Python layer loop instead of _C.Decoder (profiling per kernel)", "models.decoder")
 MC_TRANSFER_TIMEOUT = EnvVar(
     "MC_TRANSFER_TIMEOUT", "integer seconds (Mooncake's own)", "Mooncake's 30 s",
     "how long Mooncake waits for a stalled KV read, as pd.kv_transfer reports and bounds it "

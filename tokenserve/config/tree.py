@@ -35,7 +35,7 @@ DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 #: weight quantisation choices (``tokenserve.models.loader.resolve_quantization``)
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
-#: KV cache element types (``tokenserve.models.llama.LlamaForCausalLM.kv_cache_dtype``)
+#: KV cache element types (``tokenserve.models.decoder.CausalLM.kv_cache_dtype``)
 KV_CACHE_DTYPES = ("auto", "int8", "model")
 #: PD roles (spec/pd_disaggregation.md §1).
 ROLES = ("prefill", "decode", "flex")

@@ -43,8 +43,9 @@ from tokenserve.messages import (
     GenerateRequest,
     RequestOutput,
 )
-from tokenserve.models.llama import LlamaForCausalLM
-from tokenserve.models.loader import ModelConfig, load_weights, resolve_model
+from tokenserve.models.config import ModelConfig, max_exact_positions
+from tokenserve.models.decoder import CausalLM
+from tokenserve.models.loader import load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.ops.linear import describe_gemms
 from tokenserve.sampling_params import StructuredOutput
@@ -65,8 +66,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = model_cfg.vocab_size
-        self.max_model_len = min(cfg.max_seq_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
+        exact = max_exact_positions(model_cfg)
+        self.max_model_len = min(cfg.max_seq_len or exact, exact)
         #: longest accepted prompt, tokens (spec config.md ``maxInputTokenLen``)
         self.max_input_len = min(cfg.max_input_len or self.max_model_len - 1,
                                  self.max_model_len - 1)
@@ -125,13 +126,13 @@ class AsyncEngine:
                 small for one block.
         """
         model_dir = resolve_model(cfg.model)
-        model_cfg = ModelConfig.from_dir(model_dir)
+        model_cfg = load_config(model_dir)
         tokenizer = Tokenizer(model_dir)
         device = select_device(cfg.device)
         t0 = time.perf_counter()
 
         def load() -> ModelRunner:
-            model = LlamaForCausalLM.from_state_dict(
+            model = CausalLM.from_state_dict(
                 model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization, cfg.model,
                                         cfg.max_batch_size), cfg.torch_dtype, device)
             kv_dtype = model.kv_cache_dtype(cfg.kv_cache_dtype)

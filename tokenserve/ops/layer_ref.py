@@ -65,7 +65,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_pos: int) -> torch.Tensor:
     """The RoPE table the rotary kernel reads.
 
     Args:
-        inv_freq: [D/2] float32 radians per position (``models.loader.rope_inv_freq``).
+        inv_freq: [D/2] float32 radians per position (``models.config.rope_inv_freq``).
         max_pos: number of positions.
 
     Returns:
@@ -105,6 +105,25 @@ def rotary_embedding_write_kv_ref(qkv: torch.Tensor, positions: torch.Tensor,
     x = qk.float()
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     qk.copy_((x * cos + rot * sin).to(qkv.dtype))
+    write_kv_ref(qkv, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def write_kv_ref(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """Write the k and v heads of ``qkv`` to the cache at ``slot_mapping``, unrotated (the
+    second half of :func:`rotary_embedding_write_kv_ref`; a partial-rotary model rotates
+    first).
+
+    Args:
+        qkv: [T, (H + 2*Hkv) * D] bf16/fp32, q | k | v heads.
+        k_cache, v_cache: [num_blocks, Hkv, block_size, D] qkv's dtype, or int8
+            ``[num_blocks, Hkv, block_size, D + 4]`` (rows of :func:`quantize_kv_rows`, the
+            same bytes the C++ write produces).
+        slot_mapping: [T] int64 flat slots; < 0 = padding (not written).
+        num_heads, num_kv_heads: H, Hkv.
+    """
+    H, Hkv = num_heads, num_kv_heads
+    D = qkv.shape[1] // (H + 2 * Hkv)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     bs = k_cache.shape[2]
@@ -169,7 +188,7 @@ def positions_and_slots_ref(block_tables: torch.Tensor, query_start_loc: torch.T
 
 def rms_norm_ref(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """``out = weight * dt(x * rsqrt(mean(x^2) + eps))`` in fp32, as HF Llama (and
-    ``models.llama._rms_norm``) computes it.
+    ``models.decoder``) computes it.
 
     Args:
         out: [T, Hd] x's dtype, written (may be x).

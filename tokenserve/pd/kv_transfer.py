@@ -8,7 +8,7 @@ in the decode request; D allocates blocks and calls :meth:`KvTransfer.pull`, whi
 P's blocks into its own for every layer, K and V, in ONE batched Mooncake read (per
 :data:`MAX_SEGMENTS_PER_CALL` segments).
 
-The cache is one contiguous tensor (``LlamaForCausalLM.allocate_kv_cache``)::
+The cache is one contiguous tensor (``CausalLM.allocate_kv_cache``)::
 
     kv: [num_layers, 2, num_blocks, num_kv_heads, block_size, R]   (model dtype, R = head_dim;
                                                                    int8: R = head_dim + 4)

@@ -1,0 +1,85 @@
+"""The sparse mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Qwen2/3-MoE).
+
+For each token: router logits ``x @ Wr^T`` in the model dtype, softmax over the experts in
+fp32, the ``top_k`` experts (ties: torch.topk's order), optionally renormalised, and the sum
+of the chosen experts' SwiGLU MLPs weighted by them (transformers' ``MixtralExperts`` /
+``Qwen2MoeExperts``); Qwen2-MoE adds a shared expert gated by ``sigmoid(x @ Wg^T)``.
+
+The step's tokens are grouped by expert and each active expert runs one GEMM pair over its
+tokens (no expert runs for tokens that did not choose it). Batch invariance: the GEMMs are
+row-invariant (``tokenserve/ops/linear.py``), and a token's output is accumulated over its
+experts in ascending expert id, each addition rounded to the model dtype, whatever other
+tokens chose the same experts: its bits depend on its own row alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenserve.models.config import MoeArch
+from tokenserve.models.families.base import LayerWeights, fuse_rows
+from tokenserve.ops.dispatch import Kernels
+from tokenserve.ops.linear import Linear
+
+
+class MoE:
+    """One layer's experts, router and (Qwen2-MoE) shared expert.
+
+    Args:
+        arch: the model's :class:`MoeArch`.
+        lw: the layer's weights (``router`` [E, hidden], ``experts`` E x ([gate, up], down),
+            ``shared`` / ``shared_gate`` when the arch has a shared expert).
+        dtype: the model dtype.
+    """
+
+    def __init__(self, arch: MoeArch, lw: LayerWeights, dtype: torch.dtype) -> None:
+        assert lw.router is not None and len(lw.experts) == arch.num_experts
+        self.arch = arch
+        self.router = Linear(lw.router, fallback_dtype=dtype)
+        self.experts = [(Linear(fuse_rows(gu, dtype), fallback_dtype=dtype),
+                         Linear(down, fallback_dtype=dtype)) for gu, down in lw.experts]
+        self.shared = None
+        if arch.shared_intermediate_size:
+            gu, down = lw.shared
+            self.shared = (Linear(fuse_rows(gu, dtype), fallback_dtype=dtype),
+                           Linear(down, fallback_dtype=dtype),
+                           Linear(lw.shared_gate, fallback_dtype=dtype))
+
+    def linears(self) -> list[Linear]:
+        """The router, every expert's gate|up and down, then the shared expert's."""
+        out = [self.router] + [lin for pair in self.experts for lin in pair]
+        return out + list(self.shared or ())
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts each token uses and their weights.
+
+        Args:
+            x: [T, hidden] model dtype.
+
+        Returns:
+            (weights [T, top_k] fp32 or the model dtype (:attr:`MoeArch.weights_fp32`),
+            expert ids [T, top_k] int64).
+        """
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E]
+        top_w, top_i = torch.topk(probs, self.arch.top_k, dim=-1)
+        if self.arch.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if not self.arch.weights_fp32:
+            top_w = top_w.to(x.dtype)
+        return top_w, top_i
+
+    def __call__(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] model dtype: the weighted experts' sum (+ the shared
+        expert)."""
+        top_w, top_i = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_i).tolist():  # ascending expert id
+            tok, slot = torch.where(top_i == e)  # each token at most once per expert
+            gate_up, down = self.experts[e]
+            y = down(ops.silu_and_mul(gate_up(x[tok])))
+            out.index_add_(0, tok, (y * top_w[tok, slot, None]).to(x.dtype))
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            s = down(ops.silu_and_mul(gate_up(x)))
+            out = out + torch.sigmoid(gate(x)) * s
+        return out
