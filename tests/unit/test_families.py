@@ -149,3 +149,45 @@ def test_negative_controls(pair):
         off = dataclasses.replace(cfg, arch=edit(cfg.arch))
         got = _prefill_logits(_ours(off, sd), ids)
         assert (got - ref).abs().max() > 0.05, f"{name}: {feature} made no difference"
+
+
+def test_readme_table_lists_every_served_model_type_and_each_is_tested():
+    """Each row of the README's "Models" table is a served model type, every served type
+    has a row, and each has a tiny model in tests/families.py (so a row is backed by the
+    tests above)."""
+    from pathlib import Path
+
+    from tests.families import hf_config
+    from tokenserve.models.families import SUPPORTED_MODEL_TYPES
+
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    section = text.split("## Models\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2].strip().strip("`") for line in section.splitlines()
+            if line.startswith("| ") and "`" in line.split("|")[2]][1:]  # after the header
+    assert sorted(rows) == sorted(SUPPORTED_MODEL_TYPES)
+    assert {hf_config(f).model_type for f in FAMILIES} == set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss", None])
+def test_unsupported_architecture_is_refused_in_one_line(tmp_path, model_type):
+    import json
+
+    from tokenserve.models.loader import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": model_type, "architectures": ["SomethingForCausalLM"], "hidden_size": 64,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100}))
+    with pytest.raises(ValueError, match="unsupported model_type") as e:
+        load_config(tmp_path)
+    assert "\n" not in str(e.value) and repr(model_type) in str(e.value)
+
+
+def test_bidirectional_gemma_is_refused(tmp_path):
+    from tests.families import hf_config
+    from tokenserve.models.loader import load_config
+
+    cfg = hf_config("gemma3_text")
+    cfg.use_bidirectional_attention = True
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        load_config(tmp_path)
