@@ -172,7 +172,8 @@ class Kernels:
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        context_lens: torch.Tensor, scale: float, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
         """Causal attention of a step's queries over the paged cache.
 
         Args:
@@ -182,10 +183,16 @@ class Kernels:
                 ``[..., D + 4]``, this step's K/V written.
             block_tables, query_start_loc, context_lens: as in :meth:`positions_and_slots`.
             scale: softmax scale (``D ** -0.5``).
+            window: sliding window (tokens), 0 = none; softcap: attention logit
+                soft-capping, 0 = none (both as :func:`reference.paged_attention_ref`).
 
         Returns:
             [T, H, D] in q's dtype.
         """
+        if window or softcap:  # the C++ kernel has neither yet: the reference computes them
+            return reference.paged_attention_ref(q, k_cache, v_cache, block_tables,
+                                                 query_start_loc, context_lens, scale,
+                                                 window, softcap)
         if self.c is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self.c.paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc,

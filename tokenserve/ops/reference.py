@@ -15,7 +15,8 @@ from tokenserve.ops.layer_ref import dequantize_kv_rows
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        context_lens: torch.Tensor, scale: float, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Causal paged attention over a ``[num_blocks, Hkv, block_size, D]`` cache (the oracle
     of the ``paged_attention`` kernel in ``csrc/attention.cpp``).
 
@@ -34,6 +35,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query_start_loc: [S + 1] integer, non-decreasing.
         context_lens: [S] integer.
         scale: softmax scale (usually ``D ** -0.5``).
+        window: sliding window in tokens, 0 = none: the query at position p attends keys
+            ``p - window + 1 .. p`` only (transformers ``sliding_window_overlay``:
+            ``kv_idx > q_idx - sliding_window``); blocks wholly before every query's window
+            are never read (they may have been freed and reused).
+        softcap: attention logit soft-capping, 0 = none: a score ``s`` becomes
+            ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2,
+            transformers ``eager_attention_forward``).
 
     Returns:
         [T, H, D] in q's dtype (fp32 math, one rounding); rows of no sequence are 0.
@@ -46,7 +54,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q0, q1, ctx = qsl[s], qsl[s + 1], int(context_lens[s])
         if q1 == q0:
             continue
-        pos = torch.arange(ctx)
+        qpos = torch.arange(ctx - (q1 - q0), ctx)
+        lo = max(0, int(qpos[0]) - window + 1) if window else 0  # the first key any row sees
+        pos = torch.arange(lo, ctx)
         blk = block_tables[s].long()[pos // bs]
         k, v = k_cache[blk, :, pos % bs], v_cache[blk, :, pos % bs]  # [ctx, Hkv, D(+4)]
         if k.dtype == torch.int8:
@@ -54,7 +64,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = k.float().repeat_interleave(H // Hkv, dim=1)  # [ctx, H, D]
         v = v.float().repeat_interleave(H // Hkv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
-        qpos = torch.arange(ctx - (q1 - q0), ctx)
-        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        masked = pos[None, None, :] > qpos[None, :, None]
+        if window:
+            masked |= pos[None, None, :] <= qpos[None, :, None] - window
+        scores = scores.masked_fill(masked, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out.to(q.dtype)
