@@ -312,6 +312,11 @@ def _k_encode(f: dict[str, torch.Tensor], qtype: str) -> torch.Tensor:
 # Rows past N are zero bytes (d = 0: they compute to 0 and are never stored).
 
 
+#: Row groups repacked at a time: 512 groups x 8 rows x K 2048 is ~8M weights, ~250 MB of
+#: transient int32 fields (a 128256-row Q6_K table in one piece peaked at ~6 GB).
+_REPACK_GROUPS = 512
+
+
 def repack_k8(w: QuantWeight) -> QuantWeight:
     """A k-quant weight in the kernel's ``"k8"`` layout (see above; same byte count as the
     GGUF rows, padded to a multiple of 8 rows).
@@ -332,6 +337,12 @@ def repack_k8(w: QuantWeight) -> QuantWeight:
     n, k = w.shape
     nsb, bb = k // QK_K, BLOCK_BYTES[w.qtype]
     g = (n + RG - 1) // RG
+    if g > _REPACK_GROUPS:  # the decode below holds ~30 bytes a weight: bound the peak
+        step = _REPACK_GROUPS * RG
+        rows = w.data.view(n, nsb * bb)
+        parts = [repack_k8(QuantWeight(rows[r:r + step], w.qtype, (min(step, n - r), k))).data
+                 for r in range(0, n, step)]
+        return QuantWeight(torch.cat(parts), w.qtype, w.shape, "k8")
     rows = torch.zeros(g * RG, nsb, bb, dtype=torch.uint8)
     rows[:n] = w.data.view(n, nsb, bb)
     f = k_fields(rows.view(g, RG, nsb, bb).permute(0, 2, 1, 3), w.qtype)  # [g, nsb, 8, ...]
