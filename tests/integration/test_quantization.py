@@ -126,7 +126,7 @@ def test_loader_keeps_blocks_and_model_is_smaller():
     # the block GEMM, on every CPU (VNNI/AVX2 tiles, AMX-INT8 from 16 rows: the same bits)
     assert model.lm_head.backend == "tokenserve.quant_gemm"
     assert model.lm_head.qweight.layout == "x8"
-    assert model.lm_head.qweight is model.w["embed"]  # tied: one copy of the table
+    assert model.lm_head.qweight is model.embed  # tied: one copy of the table
     assert model.layers[0]["qkv"].qweight.shape == (
         (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
     assert model.weight_bytes < 100 * 2**20  # ~92 MiB; bf16 is ~310 MiB
@@ -152,9 +152,9 @@ def test_loader_quantises_projections_and_keeps_the_table():
     model = CausalLM.from_state_dict(cfg, sd, torch.bfloat16, torch.device("cpu"))
     assert model.lm_head.backend == "tokenserve.int8_gemm"
     assert model.layers[0]["qkv"].backend == "tokenserve.int8_gemm"
-    assert model.w["embed"] is model.lm_head.qweight  # one object: int8 head + table
+    assert model.embed is model.lm_head.qweight  # one object: int8 head + table
     ids = torch.tensor([1, 2, 3, 49151])
-    assert torch.equal(model.kernels.embedding(ids, model.w["embed"], torch.bfloat16),
+    assert torch.equal(model.kernels.embedding(ids, model.embed, torch.bfloat16),
                        embed.table[ids])
     assert model.weight_bytes < 200 * 2**20  # ~163 MiB; bf16 is ~310 MiB
     assert model.weight_formats == "int8 x 121"

@@ -52,7 +52,7 @@ def vocab() -> list[str]:
 
 def write_gguf(path: Path, *, arch: str = "llama", tied: bool = True, pre: str = "smollm",
                add_bos: bool = False, template: str | None = CHATML,
-               rope_freqs: bool = False) -> dict[str, np.ndarray]:
+               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Write a tiny model as llama.cpp's converter would; return the HF-layout originals
     (float32, after Q8_0 round-tripping where the file stores Q8_0)."""
     rng = np.random.default_rng(0)
@@ -116,8 +116,8 @@ def write_gguf(path: Path, *, arch: str = "llama", tied: bool = True, pre: str =
     add("output_norm.weight", "model.norm.weight", (HIDDEN,))
     if not tied:
         add("output.weight", "lm_head.weight", (len(tokens), HIDDEN))
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.ones(HEAD_DIM // 2, dtype=np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -485,3 +485,19 @@ def test_no_chat_template_raises(tmp_path: Path) -> None:
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_llama3_rope_freqs_become_the_rope_scaling(tmp_path: Path) -> None:
+    """A Llama 3.1-style file (``rope_freqs``, the factors llama.cpp writes) converts to
+    transformers' ``llama3`` parameters, whose inverse frequencies are the file's."""
+    from tokenserve.models.gguf_arch import llama3_factors
+
+    factors = llama3_factors(500000.0, HEAD_DIM, 8.0, 1.0, 4.0, 64)
+    assert not np.all(factors == 1.0)  # the parameters bite at this head dim
+    write_gguf(tmp_path / "m.gguf", rope_freqs=factors)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", progress=False)
+    cfg = load_config(out)
+    # at 4 frequencies several parameter sets give these factors: any of them is exact
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+    base = 1.0 / (500000.0 ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM))
+    np.testing.assert_allclose(rope_inv_freq(cfg).numpy(), base / factors, rtol=1e-6)

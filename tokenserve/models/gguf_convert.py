@@ -1,10 +1,10 @@
-"""Convert a Llama-family GGUF file into a Hugging Face-format model directory.
+"""Convert a GGUF file of any served family into a Hugging Face-format model directory.
 
 Output layout (what ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and our own
 loader read)::
 
     out_dir/
-      config.json                 LlamaForCausalLM / Qwen2ForCausalLM hyper-parameters
+      config.json                 the family's hyper-parameters (tokenserve/models/gguf_arch.py)
       model.safetensors           float32 tensors, HF names, [out_features, in_features]
       tokenizer.json              byte-level BPE built with the ``tokenizers`` library
       tokenizer_config.json       special tokens, add_bos_token, chat_template
@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -44,58 +43,25 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
+from tokenserve.models.gguf_arch import ARCHS, GgufArch, fit_llama3
+
 logger = logging.getLogger("tokenserve.models")
 
 #: Written last into a converted directory; its presence (with this format) means complete.
 COMPLETE_MARKER = "tokenserve-complete.json"
 #: Bump when the converter's output changes, so old cache entries are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # GGUF token types (gguf.TokenType): 3 = CONTROL, 4 = USER_DEFINED.
 _CONTROL = 3
 _USER_DEFINED = 4
 
 
-@dataclass(frozen=True)
-class _Arch:
-    """How one GGUF ``general.architecture`` maps to a Hugging Face model class."""
-
-    model_type: str
-    architecture: str
-    # llama.cpp permutes Q/K rows for archs it runs with "normal" (interleaved) RoPE.
-    unpermute_qk: bool
-
-
-_ARCHS = MappingProxyType(
-    {
-        "llama": _Arch("llama", "LlamaForCausalLM", unpermute_qk=True),
-        # Qwen2 uses NEOX-style RoPE in llama.cpp, so its Q/K rows are stored unpermuted.
-        "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", unpermute_qk=False),
-    }
-)
-
 _GLOBAL_TENSORS = MappingProxyType(
     {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
-    }
-)
-
-_BLOCK_TENSORS = MappingProxyType(
-    {
-        "attn_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight",
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.weight": "self_attn.v_proj.weight",
-        "attn_v.bias": "self_attn.v_proj.bias",
-        "attn_output.weight": "self_attn.o_proj.weight",
-        "ffn_gate.weight": "mlp.gate_proj.weight",
-        "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
     }
 )
 
@@ -162,7 +128,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Convert a Llama-family GGUF into a Hugging Face-format directory at ``out_dir``.
+    """Convert a GGUF into a Hugging Face-format directory at ``out_dir``.
 
     Everything is written into a temporary sibling directory that is renamed onto ``out_dir``
     at the end (atomic on one filesystem), so a reader never sees a half-written model and two
@@ -170,8 +136,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     discarded.
 
     Args:
-        gguf_path: a GGUF v2/v3 file with ``general.architecture`` ``llama`` or ``qwen2`` and a
-            byte-level BPE (``tokenizer.ggml.model == "gpt2"``) vocabulary.
+        gguf_path: a GGUF v2/v3 file of an architecture in
+            :data:`tokenserve.models.gguf_arch.ARCHS` with a byte-level BPE
+            (``tokenizer.ggml.model == "gpt2"``) vocabulary.
         out_dir: the directory to create; must not exist yet.
         progress: show a tqdm bar over the tensors.
 
@@ -194,7 +161,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tensors = _convert_tensors(reader, config, meta["general.architecture"], progress)
+        tensors = _convert_tensors(reader, config, gguf_arch(meta), progress)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         tokenizer.save(str(tmp / "tokenizer.json"))
@@ -225,11 +192,35 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _hf_config(meta: dict[str, Any], reader: GGUFReader, name: str) -> dict[str, Any]:
+def gguf_arch(meta: dict[str, Any]) -> GgufArch:
+    """The :class:`GgufArch` of a file's ``general.architecture``.
+
+    Raises:
+        ValueError: an architecture no family serves (named in the message).
+    """
     arch_name = meta.get("general.architecture")
-    arch = _ARCHS.get(arch_name)
+    arch = ARCHS.get(arch_name)
     if arch is None:
-        raise ValueError(f"unsupported GGUF architecture {arch_name!r}; known: {sorted(_ARCHS)}")
+        raise ValueError(f"unsupported GGUF architecture {arch_name!r}; known: {sorted(ARCHS)}")
+    return arch
+
+
+#: GGML float types -> the dtype a file stored at that precision runs at (f16 runs at f32:
+#: the CPU kernels have no f16 arithmetic, and f32 holds every f16 exactly).
+_FLOAT_TYPES = {"F32": "float32", "F16": "float32", "BF16": "bfloat16"}
+
+
+def _weights_dtype(reader: GGUFReader) -> str | None:
+    """``float32`` / ``bfloat16`` when every 2-D weight of the file is stored at that float
+    precision (an f32 / f16 / bf16 GGUF), None when any is quantised."""
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
+    dtypes = {_FLOAT_TYPES.get(k) for k in kinds}
+    return dtypes.pop() if len(dtypes) == 1 and None not in dtypes else None
+
+
+def _hf_config(meta: dict[str, Any], reader: GGUFReader, name: str) -> dict[str, Any]:
+    arch = gguf_arch(meta)
+    arch_name = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch_name}.{key}", default)
@@ -242,10 +233,10 @@ def _hf_config(meta: dict[str, Any], reader: GGUFReader, name: str) -> dict[str,
     hidden = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_head))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    if int(get("rope.dimension_count", head_dim)) != head_dim and arch_name != "phi3":
         raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) unsupported")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError("GGUF carries rope_freqs (Llama 3.1-style RoPE scaling); unsupported")
+    tensors = {t.name: t for t in reader.tensors}
+    theta = _f32(get("rope.freq_base", 10000.0))
     scaling_type = meta.get(f"{arch_name}.rope.scaling.type", "none")
     if scaling_type == "none":
         rope_scaling = None
@@ -253,34 +244,53 @@ def _hf_config(meta: dict[str, Any], reader: GGUFReader, name: str) -> dict[str,
         rope_scaling = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
     else:
         raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: the llama3 factors, not the parameters
+        freqs = np.asarray(dequantize(tensors["rope_freqs.weight"].data,
+                                      tensors["rope_freqs.weight"].tensor_type))
+        rope_scaling = fit_llama3(freqs, theta, head_dim) or rope_scaling
+    if "rope_factors_short.weight" in tensors:  # Phi-3 longrope
+        rot = int(get("rope.dimension_count", head_dim))
+
+        def factors(n: str) -> list[float]:
+            t = tensors[n]
+            return [float(x) for x in np.asarray(dequantize(t.data, t.tensor_type)).reshape(-1)]
+        rope_scaling = {"rope_type": "longrope", "short_factor": factors(
+            "rope_factors_short.weight"), "long_factor": factors("rope_factors_long.weight"),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
+        if meta.get(f"{arch_name}.rope.scaling.attn_factor") is not None:
+            rope_scaling["attention_factor"] = _f32(get("rope.scaling.attn_factor"))
+        if len(rope_scaling["short_factor"]) != rot // 2:
+            raise ValueError("rope_factors_short does not match the rotary dimensions")
 
     if not meta.get("tokenizer.ggml.tokens"):
         raise ValueError("GGUF has no embedded vocabulary (tokenizer.ggml.tokens)")
-    tensor_names = {t.name for t in reader.tensors}
+    names = set(tensors)
+    ffn = meta.get(f"{arch_name}.feed_forward_length")
     config: dict[str, Any] = {
         "architectures": [arch.architecture],
         "model_type": arch.model_type,
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(ffn) if isinstance(ffn, int) else int(
+            get("expert_feed_forward_length", 0)),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(get("attention.head_count_kv", n_head)),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": int(get("context_length")),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
         "tokenserve_name": name,
+        "tokenserve_gguf_dtype": _weights_dtype(reader),
     }
-    if arch.model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-        config["mlp_bias"] = False
+    if arch.config is not None:
+        config.update(arch.config(meta, arch_name, names, config))
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
     return config
@@ -325,31 +335,56 @@ def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str,
 # --------------------------------------------------------------------------- tensors
 
 
-def _hf_tensor_name(gguf_name: str) -> str:
+def _hf_names(gguf_name: str, arch: GgufArch, n_experts: int = 0) -> list[str]:
+    """The HF name(s) of a GGUF tensor: one, or one per expert for a stacked expert tensor.
+
+    Raises:
+        ValueError: a tensor the architecture does not name.
+    """
     if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+        return [_GLOBAL_TENSORS[gguf_name]]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if m and m.group(2) in arch.tensors:
+        hf = f"model.layers.{m.group(1)}.{arch.tensors[m.group(2)]}"
+        return [hf.format(e=e) for e in range(n_experts)] if "{e}" in hf else [hf]
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for {arch.model_type}")
+
+
+#: Tensors whose content lands in config.json (RoPE factors) rather than in the weights.
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _layer_arrays(t, arch: GgufArch, config: dict[str, Any], arr: np.ndarray
+                  ) -> list[tuple[str, np.ndarray]]:
+    """(HF name, array) pairs of one GGUF tensor's ``arr`` (dequantised ``[.., out, in]``
+    floats, or raw block rows ``[.., out, row_bytes]``): Q/K rows un-permuted where llama.cpp
+    permuted them, stacked experts split, Gemma's ``1 + w`` norms undone (floats only)."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+    if arch.unpermute_qk and kind in heads:
+        arr = unpermute_qk(arr, heads[kind])
+    if (arch.norm_plus_one and arr.dtype == np.float32 and t.name.endswith("norm.weight")):
+        arr = arr - np.float32(1.0)
+    names = _hf_names(t.name, arch, arr.shape[0] if arr.ndim == 3 else 0)
+    if arr.ndim == 3:
+        return [(n, arr[e]) for e, n in enumerate(names)]
+    return [(names[0], arr)]
 
 
 def _convert_tensors(
-    reader: GGUFReader, config: dict[str, Any], arch_name: str, progress: bool
+    reader: GGUFReader, config: dict[str, Any], arch: GgufArch, progress: bool
 ) -> dict[str, np.ndarray]:
     """Dequantize every tensor to float32 ``[out, in]`` (row-major) under its HF name."""
-    unpermute = _ARCHS[arch_name].unpermute_qk
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="convert GGUF", unit="tensor", disable=not progress):
+        if t.name in _CONFIG_TENSORS:
+            continue
         # GGUF lists dims in ggml "ne" order (fastest first); numpy data is row-major, so the
         # dequantized array is [ne[n-1], ..., ne[0]] = [out_features, in_features].
         shape = tuple(int(d) for d in reversed(t.shape))
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if unpermute and kind in heads:
-            arr = unpermute_qk(arr, heads[kind])
-        out[_hf_tensor_name(t.name)] = np.ascontiguousarray(arr)
+        for name, a in _layer_arrays(t, arch, config, arr):
+            out[name] = np.ascontiguousarray(a)
     embed = out.get("model.embed_tokens.weight")
     if embed is None or embed.shape != (config["vocab_size"], config["hidden_size"]):
         raise ValueError(
@@ -361,15 +396,16 @@ def _convert_tensors(
 
 def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
                            progress: bool = False) -> dict[str, Any]:
-    """Every tensor of a Llama-family GGUF by its HF name, block-quantised ones kept as raw
-    blocks (for ``--quantization gguf``).
+    """Every tensor of a GGUF by its HF name, block-quantised ones kept as raw blocks (for
+    ``--quantization gguf``).
 
     Tensors whose GGML type is in ``formats`` (e.g. ``{"Q4_0", "Q4_1", "Q8_0"}``) come back as
     ``(blocks, ggml_type_name, (rows, cols))`` with ``blocks`` a uint8 ``[rows, row_bytes]``
     array: each row is one output feature's blocks, so llama.cpp's Q/K row permutation is
     undone on whole rows (:func:`unpermute_qk` works on any trailing shape) and the bytes
-    are otherwise the file's. Every other tensor is dequantised to float32 as in
-    :func:`convert_gguf`.
+    are otherwise the file's; a stacked expert tensor ``[E, rows, row_bytes]`` gives one such
+    entry per expert, each a view of the file's bytes. Every other tensor is dequantised to
+    float32 as in :func:`convert_gguf`.
 
     Raises:
         ValueError: an architecture or tensor :func:`convert_gguf` would refuse.
@@ -377,23 +413,20 @@ def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
     reader = GGUFReader(Path(gguf_path))
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = _hf_config(meta, reader, name=Path(gguf_path).stem)
-    arch = meta["general.architecture"]
-    unpermute = _ARCHS[arch].unpermute_qk
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    arch = gguf_arch(meta)
     out: dict[str, Any] = {}
     for t in tqdm(reader.tensors, desc="read GGUF", unit="tensor", disable=not progress):
+        if t.name in _CONFIG_TENSORS:
+            continue
         shape = tuple(int(d) for d in reversed(t.shape))
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if t.tensor_type.name in formats and len(shape) == 2:
-            arr = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
-            if unpermute and kind in heads:
-                arr = unpermute_qk(arr, heads[kind])
-            out[_hf_tensor_name(t.name)] = (np.array(arr, order="C"), t.tensor_type.name, shape)
+        if t.tensor_type.name in formats and len(shape) in (2, 3):
+            arr = np.asarray(t.data, dtype=np.uint8).reshape(*shape[:-1], -1)
+            for name, a in _layer_arrays(t, arch, config, arr):
+                out[name] = (np.array(a, order="C"), t.tensor_type.name, a.shape[:1] + shape[-1:])
             continue
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if unpermute and kind in heads:
-            arr = unpermute_qk(arr, heads[kind])
-        out[_hf_tensor_name(t.name)] = np.array(arr, order="C")  # owned, writable
+        for name, a in _layer_arrays(t, arch, config, arr):
+            out[name] = np.array(a, order="C")  # owned, writable
     return out
 
 
