@@ -143,3 +143,24 @@ def test_q8_0_file_runs_on_its_blocks_close_to_its_dequantised_weights(tmp_path)
     a, b = _logits(ours, ids), _logits(ref, ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_dtype_auto_runs_an_f32_file_at_f32_unless_told(tmp_path, monkeypatch):
+    """``--dtype auto`` (the default) serves an F32 GGUF at float32 and a quantised one at
+    bfloat16; an explicit ``--dtype`` wins."""
+    from tokenserve.config.tree import EngineConfig
+    from tokenserve.engine.engine import AsyncEngine
+
+    monkeypatch.setenv("TOKENSERVE_CACHE", str(tmp_path / "cache"))
+    hf = _hf_model("llama")
+    f32 = write_gguf(hf, tmp_path / "f32.gguf")
+    q8 = write_gguf(hf, tmp_path / "q8.gguf", qtype="Q8_0")
+    for path, asked, expected in ((f32, "auto", "float32"), (q8, "auto", "bfloat16"),
+                                  (f32, "bfloat16", "bfloat16")):
+        engine = AsyncEngine.build(EngineConfig(model=str(path), dtype=asked, device="cpu",
+                                                kv_cache_bytes=4 << 20, block_size=16))
+        try:
+            assert engine.executor.runner.model.dtype == getattr(torch, expected), (path, asked)
+        finally:
+            engine.executor.close()
+            engine.grammars.close()

@@ -71,8 +71,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="metrics plane port (/metrics; MindIE metricsPort; default: the "
                         "management port)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help=f"default {_ENG.dtype}")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help=f"default {_ENG.dtype}: an f32/f16 GGUF runs at float32 (a bf16 one at "
+                        "bfloat16), everything else at bfloat16")
     p.add_argument("--device", choices=DEVICES, default=None,
                    help=f"default {_ENG.device}: NPU (torch_npu), else CUDA, else CPU")
     p.add_argument("--max-batch-size", type=_positive_int, default=None,

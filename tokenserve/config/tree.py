@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-#: dtype names (``torch.<name>``, ``EngineConfig.torch_dtype``).
-DTYPES = ("bfloat16", "float32", "float16")
+#: dtype names (``torch.<name>``, ``EngineConfig.torch_dtype``), and ``auto``
+#: (``tokenserve.models.loader.resolve_dtype``: an f32 / f16 / bf16 GGUF at its own
+#: precision, everything else bfloat16).
+DTYPES = ("auto", "bfloat16", "float32", "float16")
 #: ``EngineConfig.device`` choices (:func:`tokenserve.config.resolve.select_device`).
 DEVICES = ("auto", "cpu", "cuda", "npu")
 #: weight quantisation choices (``tokenserve.models.loader.resolve_quantization``)
@@ -182,7 +184,9 @@ class EngineConfig:
 
     Attributes:
         model: HF directory, ``.gguf`` file, or None for the default SmolLM2-135M-Instruct.
-        dtype: weights and KV cache dtype name (``bfloat16`` default; ``float32``).
+        dtype: weights and KV cache dtype name: ``auto`` (default: a GGUF stored at f32 / f16
+            runs at float32, one at bf16 at bfloat16, anything else at bfloat16),
+            ``bfloat16``, ``float32``, ``float16``.
         device: ``auto`` (NPU if ``torch_npu`` imports, else CUDA, else CPU), ``cpu``,
             ``cuda`` or ``npu``.
         block_size: tokens per KV block (MindIE ``cacheBlockSize``).
@@ -233,7 +237,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"
     block_size: int = 128
     kv_cache_bytes: int = 1 << 30
@@ -284,8 +288,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of :attr:`dtype`; ``auto`` is resolved against the model first
+        (``AsyncEngine.build``): asking before that is a bug."""
         import torch
 
+        assert self.dtype != "auto", "dtype auto is resolved against the model first"
         return getattr(torch, self.dtype)
 
 

@@ -17,6 +17,7 @@ Every request ends with one final output, whatever ended it (aborts included).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -45,7 +46,7 @@ from tokenserve.messages import (
 )
 from tokenserve.models.config import ModelConfig, max_exact_positions
 from tokenserve.models.decoder import CausalLM
-from tokenserve.models.loader import load_config, load_weights, resolve_model
+from tokenserve.models.loader import load_config, load_weights, resolve_dtype, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.ops.linear import describe_gemms
 from tokenserve.sampling_params import StructuredOutput
@@ -126,6 +127,8 @@ class AsyncEngine:
                 small for one block.
         """
         model_dir = resolve_model(cfg.model)
+        asked = cfg.dtype
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, model_dir))
         model_cfg = load_config(model_dir)
         tokenizer = Tokenizer(model_dir)
         device = select_device(cfg.device)
@@ -153,8 +156,10 @@ class AsyncEngine:
         num_blocks = runner.num_blocks
         engine = cls(cfg, model_cfg, tokenizer, runner, cfg.served_model_name or model_cfg.name,
                      device=device.type, executor=executor)
-        log.info("model %s (%s) loaded on %s as %s in %.1f s", model_cfg.name, model_dir,
-                 device, cfg.dtype, time.perf_counter() - t0)
+        log.info("model %s (%s) loaded on %s as %s%s in %.1f s", model_cfg.name, model_dir,
+                 device, cfg.dtype, " (--dtype auto: the GGUF's own precision)"
+                 if asked == "auto" and cfg.dtype != "bfloat16" else "",
+                 time.perf_counter() - t0)
         log.info("kernels: %s; GEMM: %s", model.kernels.describe(), engine.info.gemm)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token, %s)",
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,

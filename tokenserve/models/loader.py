@@ -178,6 +178,18 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_json(path.resolve().name, cfg, gen, family_for(cfg).arch)
 
 
+def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
+    """The dtype a ``--dtype`` choice runs at: ``auto`` -> the precision a GGUF's weights
+    are stored at when they are all f32 / f16 (``float32``: the CPU kernels have no f16
+    arithmetic and f32 holds f16 exactly) or bf16 (``bfloat16``), recorded at conversion as
+    ``tokenserve_gguf_dtype``; else (quantised GGUF, Hugging Face directory) ``bfloat16``.
+    Any other choice is returned as is."""
+    if dtype != "auto":
+        return dtype
+    cfg = read_json(Path(model_dir) / "config.json") or {}
+    return cfg.get("tokenserve_gguf_dtype") or "bfloat16"
+
+
 # --------------------------------------------------------------------------- weights
 
 
