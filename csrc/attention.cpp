@@ -28,8 +28,13 @@
 // the P.V update adds (p * s_v) * v_q, with the softmax sum over the unscaled p (exact int8 ->
 // fp32 conversions everywhere, so staged and in-place reads give the same bits).
 //
+// Sliding window (window > 0, Mistral / Gemma / Qwen2 layers): query p sees keys
+// p - window + 1 .. p; each row's key range in a block is [st, nv), and blocks before the
+// tile's first row's window are never touched (the scheduler may have freed them). Logit
+// soft-capping (softcap > 0, Gemma 2): a score s becomes softcap * tanh(s / softcap).
+//
 // Batch invariance: every query vector's arithmetic depends only on its own q, its own key
-// range 0..p, block_size and head_dim: scores are per-(row, key) dot products with a fixed
+// range (0..p, or its window), block_size and head_dim: scores are per-(row, key) dot products with a fixed
 // reduction order; the softmax update of a block uses only the row's own valid keys; the
 // P.V accumulation is a per-element chain over the row's own keys in ascending order
 // (rows of a group are never padded with masked keys). No row's key range is split across
@@ -333,6 +338,8 @@ struct Problem {
   int ldkv;             // cache row stride, elements (D; int8: D + kKvScaleBytes)
   size_t kv_esize;      // bytes per cache element
   float scale;
+  int window;           // sliding window (keys p - window + 1 .. p), 0 = none
+  float softcap;        // logit soft-capping c * tanh(s / c), 0 = none
 };
 
 struct Item {
@@ -342,7 +349,7 @@ struct Item {
 
 struct Scratch {
   std::vector<float> Q, S, acc, m, l, Kst, Vst, ks, vs;
-  std::vector<int> nv;
+  std::vector<int> nv, st;
 };
 
 void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch& w) {
@@ -355,7 +362,8 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
   float* acc = w.acc.data();
   float* mrow = w.m.data();
   float* lrow = w.l.data();
-  int* nv = w.nv.data();
+  int* nv = w.nv.data();  // a row's keys in this block end at nv[m] (exclusive) ...
+  int* st = w.st.data();  // ... and start at st[m] (its sliding window; 0 without one)
 
   for (int m = 0; m < M; ++m) {  // fp32 copy of the tile's queries, zero-padded to Dp
     const int t = q_begin + it.i0 + m / G, h = it.kvh * G + m % G;
@@ -373,8 +381,11 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
   // the block (prefill tiles): conversion is exact, so results do not depend on it.
   const bool stage = ops.vector && (D % 8 != 0 || (P.kv != Kv::F32 && M > kRowGroup));
   const int kend = base + it.i1;  // keys 0..kend-1 are needed by the tile's last row
+  // With a window the tile's first row sees keys from kbeg on (later rows start later):
+  // blocks before kbeg's are never read, not even prefetched (they may have been freed).
+  const int kbeg = P.window > 0 ? std::max(0, base + it.i0 - P.window + 1) : 0;
   const int64_t head_elems = int64_t(bs) * P.ldkv;
-  for (int b = 0, kb0 = 0; kb0 < kend; ++b, kb0 += bs) {
+  for (int b = kbeg / bs, kb0 = b * bs; kb0 < kend; ++b, kb0 += bs) {
     const int nk = std::min(bs, kend - kb0);
     const int64_t blk = P.bt[it.s * P.bt_stride + b];
     const int64_t off = (blk * P.Hkv + it.kvh) * head_elems * int64_t(P.kv_esize);
@@ -408,7 +419,11 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
       ldkv = Dp;
       kt = Kv::F32;
     }
-    for (int m = 0; m < M; ++m) nv[m] = std::clamp(base + it.i0 + m / G + 1 - kb0, 0, nk);
+    for (int m = 0; m < M; ++m) {
+      const int p = base + it.i0 + m / G;  // the row's position
+      nv[m] = std::clamp(p + 1 - kb0, 0, nk);
+      st[m] = P.window > 0 ? std::clamp(p - P.window + 1 - kb0, 0, nv[m]) : 0;
+    }
 
     for (int r0 = 0; r0 < M; r0 += kRowGroup) {
       const int R = std::min(kRowGroup, M - r0);
@@ -416,17 +431,30 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
       if (nmax > 0) ops.qk(Qf + r0 * Dp, Dp, R, K, ldkv, kt, nmax, Dp, P.scale, ksc, S + r0 * lds, lds);
     }
     for (int m = 0; m < M; ++m)
-      if (nv[m] > 0) {
-        ops.softmax(S + m * lds, nv[m], mrow + m, lrow + m, acc + m * Dp, Dp);
+      if (nv[m] > st[m]) {
+        float* Sm = S + m * lds;
+        if (P.softcap > 0.f)  // Gemma 2: c * tanh(s / c), per (row, key), before the softmax
+          for (int k = st[m]; k < nv[m]; ++k) Sm[k] = P.softcap * std::tanh(Sm[k] / P.softcap);
+        ops.softmax(Sm + st[m], nv[m] - st[m], mrow + m, lrow + m, acc + m * Dp, Dp);
         if (i8)  // p * s_v: the V rows' scales, applied once per (row, key) before P.V
-          for (int k = 0; k < nv[m]; ++k) S[m * lds + k] *= vsc[k];
+          for (int k = st[m]; k < nv[m]; ++k) Sm[k] *= vsc[k];
       }
+    // P.V: each row's own keys st..nv in ascending order, whatever the group: the keys all
+    // rows of a group share in one call, the others row by row before and after them.
     for (int r0 = 0; r0 < M; r0 += kRowGroup) {
       const int R = std::min(kRowGroup, M - r0);
-      const int nmin = *std::min_element(nv + r0, nv + r0 + R);
-      if (nmin > 0) ops.pv(S + r0 * lds, lds, R, V, ldkv, kt, 0, nmin, Dp, acc + r0 * Dp, Dp);
-      for (int r = r0; r < r0 + R; ++r)  // the rest of each row's own keys, never masked ones
-        if (nv[r] > nmin) ops.pv(S + r * lds, lds, 1, V, ldkv, kt, nmin, nv[r], Dp, acc + r * Dp, Dp);
+      const int lo = *std::max_element(st + r0, st + r0 + R);
+      const int hi = *std::min_element(nv + r0, nv + r0 + R);
+      if (hi > lo) {
+        for (int r = r0; r < r0 + R; ++r)
+          if (st[r] < lo) ops.pv(S + r * lds, lds, 1, V, ldkv, kt, st[r], lo, Dp, acc + r * Dp, Dp);
+        ops.pv(S + r0 * lds, lds, R, V, ldkv, kt, lo, hi, Dp, acc + r0 * Dp, Dp);
+        for (int r = r0; r < r0 + R; ++r)
+          if (nv[r] > hi) ops.pv(S + r * lds, lds, 1, V, ldkv, kt, hi, nv[r], Dp, acc + r * Dp, Dp);
+      } else {
+        for (int r = r0; r < r0 + R; ++r)
+          if (nv[r] > st[r]) ops.pv(S + r * lds, lds, 1, V, ldkv, kt, st[r], nv[r], Dp, acc + r * Dp, Dp);
+      }
     }
   }
 
@@ -439,7 +467,8 @@ void run_tile(const Problem& P, const Ops& ops, int Dp, const Item& it, Scratch&
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                           const torch::Tensor& query_start_loc, const torch::Tensor& context_lens,
-                          double scale, bool allow_vector) {
+                          double scale, int64_t window, double softcap, bool allow_vector) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0");
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
                   query_start_loc.device().is_cpu() && context_lens.device().is_cpu(),
@@ -524,6 +553,8 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   P.ldkv = int(k_cache.size(3));
   P.kv_esize = kv_i8 ? 1 : P.esize;
   P.scale = float(scale);
+  P.window = int(window);
+  P.softcap = float(softcap);
 
   const Ops* ops = &kScalarOps;
 #ifdef TS_X86
@@ -548,6 +579,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
     grow(w.m, size_t(Mmax));
     grow(w.l, size_t(Mmax));
     grow(w.nv, size_t(Mmax));
+    grow(w.st, size_t(Mmax));
     if (ops->vector) {
       grow(w.Kst, size_t(bs) * Dp);
       grow(w.Vst, size_t(bs) * Dp);
@@ -568,30 +600,44 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
                      double scale) {
-  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, true);
+  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, 0, 0.0,
+                       true);
+}
+
+// The same with a sliding window (a query at position p sees keys p - window + 1 .. p; 0 = none)
+// and logit soft-capping (s -> softcap * tanh(s / softcap) before the softmax; 0 = none).
+void paged_attention_ex(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor block_tables, torch::Tensor query_start_loc,
+                        torch::Tensor context_lens, double scale, int64_t window, double softcap) {
+  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window,
+                       softcap, true);
 }
 
 // Same, forced onto the portable (non-SIMD) path: for tests of the fallback.
 void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor query_start_loc, torch::Tensor context_lens, double scale) {
-  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, false);
+                              torch::Tensor query_start_loc, torch::Tensor context_lens, double scale,
+                              int64_t window, double softcap) {
+  paged_attention_impl(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window,
+                       softcap, false);
 }
 
 }  // namespace tokenserve
 
 TOKENSERVE_REGISTER(attention) {
-  m.def("paged_attention", &tokenserve::paged_attention, tokenserve::ReleaseGil(),
+  m.def("paged_attention", &tokenserve::paged_attention_ex, tokenserve::ReleaseGil(),
         "paged_attention(out[T,H,D], q[T,H,D], k_cache[nb,Hkv,bs,D], v_cache, block_tables int32[S,maxb], "
         "query_start_loc int32[S+1], context_lens int32[S], scale) -> None. Causal attention of each "
         "sequence's queries (aligned to the end of its context) over its paged K/V, read in place; "
-        "fp32 online softmax, batch-invariant. Rows of out owned by no sequence are not written.",
+        "fp32 online softmax, batch-invariant. Rows of out owned by no sequence are not written. "
+        "window > 0: a query at position p sees keys p - window + 1 .. p (blocks before every row's "
+        "window are never read); softcap > 0: scores -> softcap * tanh(score / softcap).",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("query_start_loc"), pybind11::arg("context_lens"),
-        pybind11::arg("scale"));
+        pybind11::arg("scale"), pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   m.def("paged_attention_portable", &tokenserve::paged_attention_portable, tokenserve::ReleaseGil(),
         "paged_attention on the portable (scalar) path regardless of CPU features; for tests.",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("query_start_loc"), pybind11::arg("context_lens"),
-        pybind11::arg("scale"));
+        pybind11::arg("scale"), pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
 }

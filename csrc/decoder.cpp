@@ -53,6 +53,7 @@ struct Proj {
 struct Layer {
   Proj qkv, o, gate_up, down;
   torch::Tensor ln1, ln2;
+  int64_t window;  // sliding window of the layer's attention (tokens), 0 = none
 };
 
 Proj make_proj(pybind11::tuple spec) {
@@ -79,8 +80,9 @@ class Decoder {
   }
 
   void add_layer(pybind11::tuple qkv, pybind11::tuple o, pybind11::tuple gate_up, pybind11::tuple down,
-                 torch::Tensor ln1, torch::Tensor ln2) {
-    layers_.push_back({make_proj(qkv), make_proj(o), make_proj(gate_up), make_proj(down), ln1, ln2});
+                 torch::Tensor ln1, torch::Tensor ln2, int64_t window) {
+    TORCH_CHECK(window >= 0, "Decoder: window must be >= 0");
+    layers_.push_back({make_proj(qkv), make_proj(o), make_proj(gate_up), make_proj(down), ln1, ln2, window});
   }
 
   void set_final_norm(torch::Tensor norm) { final_norm_ = norm; }
@@ -109,7 +111,8 @@ class Decoder {
       rotary_embedding_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H_, Hkv_);
       const torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor a = torch::empty({T, H_, D_}, qkv.options());
-      paged_attention(a, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale_);
+      paged_attention_ex(a, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale_, l.window,
+                         0.0);
       x = l.o(a.view({T, H_ * D_}));
       fused_add_rms_norm(x, residual, l.ln2, eps_);
       const torch::Tensor g = l.gate_up(x);
@@ -137,8 +140,11 @@ TOKENSERVE_REGISTER(decoder) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
       .def("add_layer", &tokenserve::Decoder::add_layer,
-           "add_layer(qkv, o, gate_up, down, ln1, ln2): projections as (kind 0 gemm | 1 quant_gemm | "
-           "2 int8_gemm | 3 quant_k_gemm | 4 quant_amx_gemm, weight, int8 scale or None, qtype, N, fp32 bias or None); norms [hidden].")
+           "add_layer(qkv, o, gate_up, down, ln1, ln2, window=0): projections as (kind 0 gemm | 1 quant_gemm | "
+           "2 int8_gemm | 3 quant_k_gemm | 4 quant_amx_gemm, weight, int8 scale or None, qtype, N, fp32 bias or None); "
+           "norms [hidden]; window: the layer's sliding window (tokens), 0 = none.",
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
+           pybind11::arg("ln1"), pybind11::arg("ln2"), pybind11::arg("window") = 0)
       .def("set_final_norm", &tokenserve::Decoder::set_final_norm)
       .def_property_readonly("num_layers", &tokenserve::Decoder::num_layers)
       .def("forward", &tokenserve::Decoder::forward, tokenserve::ReleaseGil(),

@@ -66,5 +66,9 @@ void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
                      double scale);
+// the same with a sliding window (0 = none) and logit soft-capping (0 = none)
+void paged_attention_ex(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor block_tables, torch::Tensor query_start_loc,
+                        torch::Tensor context_lens, double scale, int64_t window, double softcap);
 
 }  // namespace tokenserve

@@ -66,7 +66,8 @@ def test_window_changes_the_answer():
 
 def test_dispatch_takes_window_and_softcap_on_either_implementation():
     q, kc, vc, table = _case(22, 5)
-    args = (q, kc, vc, table, torch.tensor([0, 5]), torch.tensor([22]), 0.3)
+    args = (q, kc, vc, table, torch.tensor([0, 5], dtype=torch.int32),
+            torch.tensor([22], dtype=torch.int32), 0.3)
     ref = paged_attention_ref(*args, 4, 2.0)
     for use_c in (True, False):
         torch.testing.assert_close(Kernels(use_c=use_c).paged_attention(

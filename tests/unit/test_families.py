@@ -165,6 +165,10 @@ def test_readme_table_lists_every_served_model_type_and_each_is_tested():
     rows = [line.split("|")[2].strip().strip("`") for line in section.splitlines()
             if line.startswith("| ") and "`" in line.split("|")[2]][1:]  # after the header
     assert sorted(rows) == sorted(SUPPORTED_MODEL_TYPES)
+    from tokenserve.models.gguf_arch import ARCHS
+    gguf = {line.split("|")[3].strip().split("`")[1] for line in section.splitlines()
+            if line.startswith("| ") and "`" in line.split("|")[2]}
+    assert gguf - {"general.architecture"} <= set(ARCHS)
     assert {hf_config(f).model_type for f in FAMILIES} == set(SUPPORTED_MODEL_TYPES)
 
 
@@ -191,3 +195,18 @@ def test_bidirectional_gemma_is_refused(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load_config(tmp_path)
+
+
+def test_fused_layer_stack_runs_windowed_llama_layers_bit_for_bit(tmp_path):
+    """Mistral's windowed layers run in csrc/decoder.cpp's fused stack, with the same bits
+    as the Python layer loop over the same kernels."""
+    build("mistral", tmp_path)
+    cfg = load_config(tmp_path)
+    model = _ours(cfg, load_weights(tmp_path, torch.float32))
+    if model.kernels.c is None:
+        pytest.skip("tokenserve._C not built")
+    assert model.decoder is not None and cfg.sliding_window
+    ids = _prompt(5) + _prompt(6)  # 28 tokens, past the window
+    fused = _prefill_logits(model, ids)
+    model.decoder = None
+    assert torch.equal(_prefill_logits(model, ids), fused)

@@ -163,8 +163,8 @@ class CausalLM:
         cfg = self.cfg
         dec = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                       cfg.head_dim ** -0.5)
-        for layer, spec in zip(self.layers, specs):
-            dec.add_layer(*spec, layer["ln1"], layer["ln2"])
+        for layer, spec, la in zip(self.layers, specs, self.arch.layers):
+            dec.add_layer(*spec, layer["ln1"], layer["ln2"], window=la.window)
         dec.set_final_norm(self.final_norm)
         return dec
 

@@ -189,17 +189,13 @@ class Kernels:
         Returns:
             [T, H, D] in q's dtype.
         """
-        if window or softcap:  # the C++ kernel has neither yet: the reference computes them
-            return reference.paged_attention_ref(q, k_cache, v_cache, block_tables,
-                                                 query_start_loc, context_lens, scale,
-                                                 window, softcap)
         if self.c is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self.c.paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                                   context_lens, scale)
+                                   context_lens, scale, window, softcap)
             return out
         return reference.paged_attention_ref(q, k_cache, v_cache, block_tables,
-                                             query_start_loc, context_lens, scale)
+                                             query_start_loc, context_lens, scale, window, softcap)
 
     def copy_blocks(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:
