@@ -98,10 +98,35 @@ def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qt: Q) -> n
     return data.reshape(*outer, k // block * nbytes)
 
 
+def add_default_tokenizer(w: GGUFWriter, vocab: int | None = None) -> None:
+    """The default model's tokenizer (SmolLM2's byte-level BPE, its ids, merges and chat
+    template) into ``w``, padded with ``<|reserved_N|>`` control tokens up to ``vocab``
+    entries (None: as it is, 49152)."""
+    src = GGUFReader(default_gguf_path())
+    f = src.fields
+    tokens = [bytes(f["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
+              for i in f["tokenizer.ggml.tokens"].data]
+    types = [int(f["tokenizer.ggml.token_type"].parts[i][0])
+             for i in f["tokenizer.ggml.token_type"].data]
+    merges = [bytes(f["tokenizer.ggml.merges"].parts[i]).decode("utf-8")
+              for i in f["tokenizer.ggml.merges"].data]
+    pad = (vocab or len(tokens)) - len(tokens)
+    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
+    types += [3] * pad
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(f["tokenizer.chat_template"].contents())
+
+
 def write(shape: Shape, mix: str, out: Path, seed: int = 0) -> Path:
     """Write the file; returns ``out``."""
     rng = np.random.default_rng(seed)
-    src = GGUFReader(default_gguf_path())
     w = GGUFWriter(str(out), shape.arch)
     a = shape.arch
     w.add_name(f"random {a} {shape.layers}L h{shape.hidden}")
@@ -121,25 +146,7 @@ def write(shape: Shape, mix: str, out: Path, seed: int = 0) -> Path:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.expert_ffn)
-    # tokenizer: the default model's, padded with control tokens to the shape's vocabulary
-    tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
-              for i in src.fields["tokenizer.ggml.tokens"].data]
-    types = [int(src.fields["tokenizer.ggml.token_type"].parts[i][0])
-             for i in src.fields["tokenizer.ggml.token_type"].data]
-    merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode("utf-8")
-              for i in src.fields["tokenizer.ggml.merges"].data]
-    pad = shape.vocab - len(tokens)
-    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
-    types += [3] * pad
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
+    add_default_tokenizer(w, shape.vocab)
 
     n, h = shape.layers, shape.hidden
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as Q
 
+from bench.make_gguf import add_default_tokenizer
 from tokenserve.models.gguf_arch import llama3_factors
-from tokenserve.models.loader import default_gguf_path
 
 #: HF model_type -> GGUF architecture
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
@@ -30,30 +29,14 @@ ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen
         "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2",
         "granite": "granite"}
 _PERMUTED = ("llama", "granite")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp ``LlamaModel.permute``: HF rotate-half row order -> GGML's interleaved."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
         w.shape)
-
-
-def _tokenizer(w: gguf.GGUFWriter) -> None:
-    src = gguf.GGUFReader(default_gguf_path())
-    f = src.fields
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list([bytes(f["tokenizer.ggml.tokens"].parts[i]).decode()
-                      for i in f["tokenizer.ggml.tokens"].data])
-    w.add_token_types([int(f["tokenizer.ggml.token_type"].parts[i][0])
-                       for i in f["tokenizer.ggml.token_type"].data])
-    w.add_token_merges([bytes(f["tokenizer.ggml.merges"].parts[i]).decode()
-                        for i in f["tokenizer.ggml.merges"].data])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(f["tokenizer.chat_template"].contents())
 
 
 def _rope(cfg) -> dict:
@@ -122,7 +105,7 @@ def write_gguf(model, out: Path, qtype: str = "F32") -> Path:
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"tiny {cfg.model_type}")
     _metadata(w, cfg, arch)
-    _tokenizer(w)
+    add_default_tokenizer(w)
     arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     sd = _checkpoint(model)

@@ -77,7 +77,7 @@ def _greedy(model: CausalLM, ids: list[int], n: int, chunk: int = 5) -> list[int
 
 
 def test_logits_match_transformers(pair):
-    name, hf, cfg, sd = pair
+    _, hf, cfg, sd = pair
     ids = _prompt()
     got = _prefill_logits(_ours(cfg, sd), ids)
     with torch.no_grad():

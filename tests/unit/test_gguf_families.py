@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.families import FAMILIES, build, hf_config, randomize
+from tests.families import FAMILIES, hf_config, randomize
 from tests.gguf_writer import write_gguf
 from tokenserve.models.decoder import CausalLM
 from tokenserve.models.gguf_convert import convert_gguf
@@ -75,7 +75,7 @@ def converted(request, tmp_path_factory):
 
 
 def test_f32_gguf_gives_transformers_logits(converted):
-    family, hf, path, out = converted
+    family, hf, _, out = converted
     cfg = load_config(out)
     # Mistral files say "llama" (llama.cpp keeps no window for them): a llama without one
     assert cfg.model_type == {"mistral": "llama"}.get(family, hf.config.model_type)
@@ -92,7 +92,7 @@ def test_converted_directory_loads_in_transformers(converted):
     same logits (the contract between the converter and the decoder)."""
     import transformers as T
 
-    family, hf, path, out = converted
+    _, hf, _, out = converted
     again = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.tensor([_prompt()])
     with torch.no_grad():
@@ -100,8 +100,8 @@ def test_converted_directory_loads_in_transformers(converted):
 
 
 def test_gguf_f32_file_records_its_precision(converted):
-    family, hf, path, out = converted
     import json
+    out = converted[3]
     assert json.loads((out / "config.json").read_text())["tokenserve_gguf_dtype"] == "float32"
 
 

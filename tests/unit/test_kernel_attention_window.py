@@ -59,7 +59,7 @@ def _close(case, out):
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 def test_matches_reference(path, kv, dtype, window, softcap):
     bs = 16
-    for name, (ctx, ql) in batches(bs).items():
+    for ctx, ql in batches(bs).values():
         case = WCase(ctx, ql, H=8, Hkv=2, D=36, bs=bs, dtype=dtype, kv=kv, window=window,
                      softcap=softcap)
         _close(case, case.run(path))
@@ -77,7 +77,7 @@ def test_batch_invariance_with_a_window(path, kv, dtype, window, bs):
                  softcap=2.5)
     bt, q = case.block_tables, case.q
     full = case.run(path)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
     dec = case.run(path, block_tables=bt.repeat(L, 1),
                    qsl=torch.arange(L + 1, dtype=torch.int32), ctx=i32(list(range(1, L + 1))))
     assert torch.equal(dec, full), "decode rows differ from prefill rows"
