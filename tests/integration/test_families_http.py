@@ -2,7 +2,8 @@
 served by a real engine on a real socket at fp32, answers ``/infer_token`` with the greedy
 token ids transformers' own ``generate`` gives, for four prompts sent at once (so each
 request shares its steps with the others: batch invariance on the real path), and leaves
-every KV block free.
+every KV block free; at the default bfloat16 (int8 KV cache) a request's tokens are the same
+alone and batched.
 
 The feature-level negative controls are in tests/unit/test_families.py.
 """
@@ -10,6 +11,7 @@ The feature-level negative controls are in tests/unit/test_families.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -31,15 +33,37 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (5, 9, 14, 17)]
 
 
-async def _serve(model_dir):
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4,
+@contextlib.asynccontextmanager
+async def _served(model_dir, dtype: str):
+    """(engine, client) of a server on a loopback port; on exit, asserts the leak invariant
+    (idle engine: every KV block free) and stops it."""
+    cfg = EngineConfig(model=str(model_dir), dtype=dtype, device="cpu", block_size=4,
                        kv_cache_bytes=8 << 20, max_batch_size=8, max_num_batched_tokens=64)
     engine = await asyncio.to_thread(AsyncEngine.build, cfg)
     await engine.start()
     started: asyncio.Future = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(engine, "127.0.0.1", 0, started=started))
     server = await started
-    return engine, task, f"http://127.0.0.1:{server.ports[0]}"
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.ports[0]}",
+                                     timeout=120) as client:
+            yield engine, client
+        await engine.wait_idle(timeout=30)
+        st = engine.stats()
+        assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await engine.stop()
+
+
+async def _greedy(client: httpx.AsyncClient, ids: list[int]) -> list[int]:
+    r = await client.post("/infer_token", json={
+        "input_id": ids, "parameters": {"max_new_tokens": NEW, "do_sample": False,
+                                        "details": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["details"]["generated_token_ids"]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -47,28 +71,23 @@ async def test_greedy_over_http_equals_transformers(family, tmp_path):
     hf = build(family, tmp_path)
     prompts = _prompts()
     expected = [hf_greedy(hf, p, NEW) for p in prompts]
-    engine, task, url = await _serve(tmp_path)
-    try:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            async def infer(ids):
-                r = await c.post("/infer_token", json={
-                    "input_id": ids, "parameters": {"max_new_tokens": NEW, "do_sample": False,
-                                                    "details": True}})
-                assert r.status_code == 200, r.text
-                return r.json()["details"]["generated_token_ids"]
+    async with _served(tmp_path, "float32") as (_, client):
+        got = await asyncio.gather(*(_greedy(client, p) for p in prompts))
+    for ours, ref in zip(got, expected):
+        # ours stops at EOS (transformers was told not to): compare up to it
+        assert ours == ref[:len(ours)], family
+        assert len(ours) == NEW or ours[-1] == EOS, family
 
-            got = await asyncio.gather(*(infer(p) for p in prompts))
-        for ours, ref in zip(got, expected):
-            # ours stops at EOS (transformers was told not to): compare up to it
-            assert ours == ref[:len(ours)], family
-            assert len(ours) == NEW or ours[-1] == EOS, family
-        await engine.wait_idle(timeout=30)
-        st = engine.stats()
-        assert st.num_free_blocks == st.num_blocks, "KV blocks leaked"
-    finally:
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        await engine.stop()
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe", "phi3", "mistral", "olmo2"])
+async def test_bf16_tokens_do_not_depend_on_the_batch(family, tmp_path):
+    """At the default bfloat16 with the int8 KV cache, each request's greedy tokens are the
+    same alone and among others (batch invariance through windows, partial rotary, q/k
+    norms, post-norms and experts; the batched requests choose overlapping experts)."""
+    build(family, tmp_path)
+    prompts = _prompts()
+    async with _served(tmp_path, "bfloat16") as (engine, client):
+        assert engine.executor.runner.kv_dtype == torch.int8
+        alone = [await _greedy(client, p) for p in prompts]
+        together = await asyncio.gather(*(_greedy(client, p) for p in prompts))
+    assert list(together) == alone, family
