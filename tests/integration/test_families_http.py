@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import httpx
 import pytest
@@ -91,3 +92,41 @@ async def test_bf16_tokens_do_not_depend_on_the_batch(family, tmp_path):
         alone = [await _greedy(client, p) for p in prompts]
         together = await asyncio.gather(*(_greedy(client, p) for p in prompts))
     assert list(together) == alone, family
+
+
+async def test_sliding_window_model_holds_window_sized_kv_on_a_long_generation(tmp_path):
+    """Mistral (a window on every layer): over a 160-token generation the request holds
+    about a window's worth of KV blocks (blocks out of every future window go back to the
+    pool and are reused by a request that starts while it decodes), and both requests'
+    tokens are still transformers'."""
+    from tests.families import WINDOW
+
+    hf = build("mistral", tmp_path)
+    prompt, other = _prompts()[1], _prompts()[3]
+    n = 160
+    expected = hf_greedy(hf, prompt, n)
+    bound = math.ceil(WINDOW / 4) + 2  # block_size 4: the window, misaligned, + the next token
+    async with _served(tmp_path, "float32") as (engine, client):
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                st = engine.stats()
+                peak = max(peak, st.num_blocks - st.num_free_blocks)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+
+        async def later_short():  # runs while the long one decodes, on blocks it gave back
+            await asyncio.sleep(0.3)
+            return await _greedy(client, other)
+
+        r, got_other = await asyncio.gather(client.post("/infer_token", json={
+            "input_id": prompt, "parameters": {"max_new_tokens": n, "do_sample": False,
+                                               "details": True}}), later_short())
+        watcher.cancel()
+        ours = r.json()["details"]["generated_token_ids"]
+    assert ours == expected[:len(ours)] and (len(ours) == n or ours[-1] == EOS)
+    assert got_other == hf_greedy(hf, other, NEW)[:len(got_other)]
+    assert 0 < peak <= 2 * bound, (peak, bound)  # both requests, each window-sized

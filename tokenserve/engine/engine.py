@@ -44,7 +44,7 @@ from tokenserve.messages import (
     GenerateRequest,
     RequestOutput,
 )
-from tokenserve.models.config import ModelConfig, max_exact_positions
+from tokenserve.models.config import ModelConfig, kv_window, max_exact_positions
 from tokenserve.models.decoder import CausalLM
 from tokenserve.models.loader import load_config, load_weights, resolve_dtype, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
@@ -79,7 +79,8 @@ class AsyncEngine:
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_batched_tokens, self.max_model_len,
                             cfg.max_prefill_batch_size, cfg.enable_chunked_prefill,
                             cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills,
-                            eos_token_ids=eos, spec=cfg.speculative_config), self.pool)
+                            eos_token_ids=eos, spec=cfg.speculative_config,
+                            kv_window=kv_window(model_cfg)), self.pool)
         self.scheduler.park_timeout_s = cfg.kv_trans_timeout_s
         #: longest prompt the KV cache can hold, leaving room for one token
         kv_tokens = runner.num_blocks * cfg.block_size - 1

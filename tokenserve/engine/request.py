@@ -90,6 +90,9 @@ class Request:
     num_preemptions: int = 0
     #: prefix-cache hashes of the full, computed blocks at the head of block_table
     block_hashes: list[int] = field(default_factory=list)
+    #: leading block_table entries already given back to the pool (out of every future
+    #: query's sliding window: ``Scheduler._release_out_of_window``)
+    num_released: int = 0
     #: prompt tokens found in the prefix cache at first admission (usage.cached_tokens)
     num_cached_tokens: int = 0
     first_scheduled: bool = False

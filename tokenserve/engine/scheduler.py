@@ -103,6 +103,11 @@ class SchedulerConfig:
         eos_token_ids: ids that end a request (unless ``ignore_eos``), from the model's
             generation config.
         spec: speculative decoding by prompt lookup, or None (off).
+        kv_window: tokens every layer's attention looks back (the model's sliding window
+            when all its layers have one; Mistral), 0 = none. A running request then gives
+            back each KV block no future query of it can see, so it holds about
+            ``kv_window`` tokens of cache, not its whole length (:meth:`Scheduler.
+            _release_out_of_window`).
     """
 
     max_batch_size: int = 200
@@ -114,8 +119,11 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     eos_token_ids: frozenset[int] = frozenset()
     spec: SpecConfig | None = None
+    kv_window: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_window < 0:
+            raise ValueError("kv_window must be >= 0")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         for name in ("max_batch_size", "max_num_batched_tokens", "max_seq_len",
@@ -340,6 +348,8 @@ class Scheduler:
                     # prefill only: the prompt is computed (its logprobs with it); done
                     self.finish(req.request_id, FinishReason.LENGTH)
                     out.append((req, []))
+                else:
+                    self._release_out_of_window(req)
                 continue
             new = [sampled[seq.request_id], *accepted.get(seq.request_id, ())]
             req.prompt_lp_pending = False  # every prompt position is computed by now
@@ -371,8 +381,35 @@ class Scheduler:
                 if len(req.block_table) > keep:
                     self.pool.free(req.block_table[keep:])
                     del req.block_table[keep:]
+            if req.status is RequestStatus.RUNNING:
+                self._release_out_of_window(req)
             out.append((req, new))
         return out
+
+    def _release_out_of_window(self, req: Request) -> None:
+        """Give back the blocks before every future query's window (``kv_window``).
+
+        The next query sits at position ``num_computed`` or later and sees keys from
+        ``num_computed - W + 1``; a block whose last position is before that is never
+        read again (``csrc/attention.cpp`` skips blocks before a tile's first window)::
+
+            block table   [ b0 | b1 | b2 | b3 | b4 ]      block_size 4, W = 6
+            positions       0-3  4-7  8-11 12-15 16..      num_computed = 17
+            next query 17 sees 12..17: b0, b1, b2 released (b2's last position 11 < 12)
+
+        Released entries stay in the table (positions keep their blocks' indices, and
+        the kernel is handed a valid block id it will not read); ``num_released`` counts
+        them so that they are freed once. Not on a PD prefill instance (its blocks go to
+        the decode instance whole) nor before a decode instance pulled them.
+        """
+        w = self.cfg.kv_window
+        if not w or req.prefill_only or req.pull_tokens:
+            return
+        out = min(max(0, (req.num_computed - w + 1) // self.pool.block_size),
+                  len(req.block_table))
+        if out > req.num_released:
+            self.pool.free(req.block_table[req.num_released:out])
+            req.num_released = out
 
     # ------------------------------------------------------------------ internals
 
@@ -683,9 +720,10 @@ class Scheduler:
             self._dropped.append(req.request_id)
 
     def _release(self, req: Request) -> None:
-        self.pool.free(req.block_table)
+        self.pool.free(req.block_table[req.num_released:])  # the rest went back earlier
         req.block_table = []
         req.block_hashes = []
+        req.num_released = 0
 
     def _enqueue(self, req: Request) -> None:
         key = req.sort_key()

@@ -391,6 +391,17 @@ def max_exact_positions(cfg: ModelConfig) -> int:
     return min(limits)
 
 
+def kv_window(cfg: ModelConfig) -> int:
+    """Tokens of KV cache a running request needs: the largest sliding window when every
+    layer has one (Mistral), else 0 (all of it: a full-attention layer, as Gemma 2/3's
+    global ones, reads the whole context). A config without ``arch`` (a test's fake) has
+    none."""
+    arch = getattr(cfg, "arch", None)
+    if arch is None or not arch.layers or any(layer.window == 0 for layer in arch.layers):
+        return 0
+    return max(layer.window for layer in arch.layers)
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``, or None when the file does not exist."""
     try:
