@@ -138,7 +138,8 @@ class AsyncEngine:
         def load() -> ModelRunner:
             model = CausalLM.from_state_dict(
                 model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization, cfg.model,
-                                        cfg.max_batch_size), cfg.torch_dtype, device)
+                                        cfg.max_batch_size), cfg.torch_dtype, device,
+                consume=True)
             kv_dtype = model.kv_cache_dtype(cfg.kv_cache_dtype)
             per_block = model.kv_bytes_per_token(kv_dtype) * cfg.block_size
             num_blocks = cfg.kv_cache_bytes // per_block

@@ -59,14 +59,17 @@ class _Checkpoint:
     """HF-named tensors as the model's device and dtype want them: quantised blocks stay
     blocks on the CPU (dequantised elsewhere), float tensors are cast."""
 
-    def __init__(self, sd: dict, dtype: torch.dtype, device: torch.device) -> None:
-        self.sd, self.dtype, self.device = sd, dtype, device
+    def __init__(self, sd: dict, dtype: torch.dtype, device: torch.device,
+                 consume: bool = False) -> None:
+        self.sd, self.dtype, self.device, self.consume = sd, dtype, device, consume
 
     def has(self, name: str) -> bool:
         return name in self.sd
 
     def __call__(self, name: str):
-        t = self.sd[name]
+        # consume: each tensor leaves the dict as it is taken, so the loaded copy is freed
+        # once its GEMM has packed its own (a 1B Q4_K_M model peaked at both copies)
+        t = self.sd.pop(name) if self.consume else self.sd[name]
         if isinstance(t, QuantWeight):
             if self.device.type == "cpu":
                 return t
@@ -171,7 +174,7 @@ class CausalLM:
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor | QuantWeight],
                         dtype: torch.dtype, device: torch.device,
-                        kernels: Kernels | None = None) -> CausalLM:
+                        kernels: Kernels | None = None, consume: bool = False) -> CausalLM:
         """Build the decoder from HF-named weights through the family's tensor names.
 
         ``sd`` values may be :class:`~tokenserve.ops.quant_blocks.QuantWeight` (GGUF blocks, from
@@ -179,11 +182,14 @@ class CausalLM:
         projections concatenate their rows when the formats agree, else the group is
         dequantised to ``dtype``); elsewhere they are dequantised.
 
+        ``consume``: take the tensors out of ``sd`` as they are used (the engine's load: peak
+        memory one copy of the weights instead of two); ``sd`` is then left without them.
+
         Raises:
             KeyError: a required tensor is missing.
             ValueError: the config's model type is not served.
         """
-        ck = _Checkpoint(sd, dtype, device)
+        ck = _Checkpoint(sd, dtype, device, consume)
         family = family_for({"model_type": cfg.model_type})
         arch = cfg.decoder_arch
         embed = ck("model.embed_tokens.weight")
