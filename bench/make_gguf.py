@@ -59,6 +59,10 @@ SHAPES = {
     # meta-llama/Llama-3.2-1B / -3B (config.json); the llama3 RoPE factors are left out
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 64, 8192, 128256, True, 500000.0),
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 128, 8192, 128256, True, 500000.0),
+    # Qwen/Qwen3-0.6B (q/k norms: the generic layer loop), and the same shape as Llama
+    # layers (the fused C++ stack), to price the loop
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, 1e6),
+    "llama-0.6b": Shape("llama", 1024, 28, 16, 8, 128, 3072, 151936, True, 1e6),
     # Qwen/Qwen3-30B-A3B's layer with 8 of its 48 layers (fits 24 GiB at Q4_K_M)
     "qwen3-moe-a3b-8l": Shape("qwen3moe", 2048, 8, 32, 4, 128, 6144, 151936, False, 1e6,
                               experts=128, experts_used=8, expert_ffn=768),
@@ -174,7 +178,7 @@ def write(shape: Shape, mix: str, out: Path, seed: int = 0) -> Path:
         mat("attn_k", i, kv_dim, h)
         mat("attn_v", i, kv_dim, h)
         mat("attn_output", i, h, q_dim)
-        if a == "qwen3moe":
+        if a in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm", shape.head_dim)
             norm(f"blk.{i}.attn_k_norm", shape.head_dim)
         if shape.experts:
