@@ -67,8 +67,9 @@ from tokenserve.api.openai.protocol import (
     parse_chat_body,
     parse_completion_body,
 )
+from tokenserve.api.openai.tool_formats import detect_tool_format
 from tokenserve.api.openai.toolparse import ToolStream, message_tool_calls, split_tools
-from tokenserve.api.openai.tools import template_takes_tools, tool_messages
+from tokenserve.api.openai.tools import template_takes_tools, tool_constraint, tool_messages
 from tokenserve.api.vllm.protocol import vllm_prompt_logprobs
 from tokenserve.messages import GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.sampling_params import MAX_SEED, SamplingParams
@@ -180,7 +181,9 @@ class OpenAIApi(FamilyApi):
         self._started = int(time.time())
         self._texts = TokenTexts(engine.tokenizer)
         self._root = engine.info.model_path or engine.info.model_name
-        self._takes_tools = template_takes_tools(getattr(engine.tokenizer, "chat_template", None))
+        template = getattr(engine.tokenizer, "chat_template", None)
+        self._takes_tools = template_takes_tools(template)
+        self._tool_format = detect_tool_format(template)  # the family's call text
 
     def wrap(self, handler: Handler) -> Handler:
         """Every §5 route answers its errors in the OpenAI shape (:func:`openai_errors`)."""
@@ -216,7 +219,10 @@ class OpenAIApi(FamilyApi):
             messages, extra = body.messages, {}
             if body.tool_choice is not None or any(
                     m["role"] == "tool" or m.get("tool_calls") for m in messages):
-                messages, extra = tool_messages(messages, body.tool_choice, self._takes_tools)
+                messages, extra = tool_messages(messages, body.tool_choice, self._takes_tools,
+                                                self._tool_format)
+            if body.tool_choice is not None and body.tool_choice.active:  # the model's format
+                body.sampling["structured"] = tool_constraint(body.tool_choice, self._tool_format)
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True,
                                                **body.template_kwargs, **extra)
@@ -305,7 +311,7 @@ class OpenAIApi(FamilyApi):
                     params = replace(params, seed=random.randint(0, MAX_SEED))
                 greq = GenerateRequest(f"{rid}-{index}", tuple(ids), params,
                                        arrival_time=arrival)
-                tools = ToolStream() if chat and body.tool_choice is not None \
+                tools = ToolStream(self._tool_format) if chat and body.tool_choice is not None \
                     and body.tool_choice.active else None
                 choices.append(Choice(index, p, greq, prefix=echoes[p], offset=len(echoes[p]),
                                       tools=tools))
@@ -350,7 +356,7 @@ class OpenAIApi(FamilyApi):
             lp = chat_logprobs(c.logprobs, self._texts) if wants_lp else None
             message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
             if c.tools is not None:  # the same reading as the stream's (toolparse)
-                split = split_tools(text, final=True)
+                split = split_tools(text, True, self._tool_format)
                 message["tool_calls"] = message_tool_calls(split)
                 message["content"] = split.content or (None if split.calls else "")
                 if split.calls and reason != "length":

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenserve.api.openai.tools import CALL_CLOSE, CALL_OPEN
+from tokenserve.api.openai.tool_formats import CALL_CLOSE, CALL_OPEN, HERMES, ToolFormat
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _DECODER = json.JSONDecoder()
@@ -97,8 +97,64 @@ def _joined(content: list[str], segment: str, after_block: bool) -> str:
     return "\n" + segment if after_block and segment and any(content) else segment
 
 
-def split_tools(text: str, final: bool) -> Split:
-    """Settle ``text`` (module docstring). ``final``: the text will not grow."""
+def split_marked(text: str, final: bool, fmt: ToolFormat) -> Split:
+    """Settle ``text`` in a marker format (Llama, Mistral, Granite:
+    :mod:`tool_formats`): content is the text before the first marker (less trailing
+    whitespace); after it, call objects ``{"name": ..., "<args_key>": ...}``, bare or in a
+    list, separated by ``,`` (or Llama's ``;``). A call's arguments are the value's text
+    once the object is whole, else its settled prefix (as Hermes' blocks). When final
+    and nothing after the marker starts a call, the whole text is content.
+    """
+    starts = [(i, m) for m in fmt.markers if (i := text.find(m)) >= 0
+              and (m != "{" or not text[:i].strip())]
+    if not starts:
+        if final:
+            return Split(text, ())
+        held = max((_held_prefix(text.lstrip(), m) if m == "{" else _held_prefix(text, m))
+                   for m in fmt.markers)
+        if "{" in fmt.markers and not text.strip():
+            return Split("", ())
+        return Split(text[:len(text) - held].rstrip(), ())
+    at, marker = min(starts)
+    content = text[:at].rstrip()
+    pos = at + (0 if marker == "{" else len(marker))
+    head_re = re.compile(_HEAD.pattern.replace("arguments", fmt.args_key))
+    rest = text[pos:].lstrip()
+    rest = rest.removeprefix("[")
+    calls: list[ParsedCall] = []
+    while True:
+        head = head_re.match(rest)
+        name = _name(head) if head is not None else None
+        if head is None or name is None:
+            break
+        args = rest[head.end():]
+        try:
+            _, end = _DECODER.raw_decode(args)
+        except ValueError:
+            end = -1
+        close = re.match(r"\s*\}", args[end:]) if end >= 0 else None
+        if close is None:  # the object is not whole
+            if not final:
+                calls.append(ParsedCall(name, _settled_args(args)))
+            else:
+                calls.append(ParsedCall(name, re.sub(r"[\s}\]]*$", "", args)))
+            return Split(content, tuple(calls))
+        calls.append(ParsedCall(name, args[:end]))
+        rest = args[end + close.end():]
+        sep = re.match(r"\s*[,;]\s*", rest)
+        if sep is None:
+            break
+        rest = rest[sep.end():]
+    if not calls and final:
+        return Split(text, ())
+    return Split(content, tuple(calls))
+
+
+def split_tools(text: str, final: bool, fmt: ToolFormat = HERMES) -> Split:
+    """Settle ``text`` (module docstring) in the format ``fmt``. ``final``: the text will
+    not grow."""
+    if fmt is not HERMES:
+        return split_marked(text, final, fmt)
     content: list[str] = []
     calls: list[ParsedCall] = []
     pos = 0
@@ -161,6 +217,7 @@ class ToolStream:
     later items ``index`` and an ``arguments`` fragment), as OpenAI streams them.
     """
 
+    fmt: ToolFormat = HERMES
     text: str = ""
     sent_content: str = ""
     sent_args: list[str] = field(default_factory=list)
@@ -173,10 +230,10 @@ class ToolStream:
 
     def feed(self, new_text: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += new_text
-        return self._delta(split_tools(self.text, final=False))
+        return self._delta(split_tools(self.text, False, self.fmt))
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        return self._delta(split_tools(self.text, final=True))
+        return self._delta(split_tools(self.text, True, self.fmt))
 
     def _delta(self, split: Split) -> tuple[str, list[dict[str, Any]]]:
         # split_tools only ever settles more of a growing text (module docstring)

@@ -4,8 +4,10 @@ tool prompt), and the grammar that constrains the answer (spec/interfaces.md §5
 OpenAI API reference, Chat Completions: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``message.tool_calls``).
 
-The tool-call text format is Hermes/Qwen's, which SmolLM2 and most small instruct models
-have seen: each call is one line of JSON between tags::
+The tool-call text is the served model's own (:mod:`tokenserve.api.openai.tool_formats`:
+Hermes/Qwen, Llama 3.x, Mistral, Granite, chosen from the chat template's text). The
+default, Hermes/Qwen's, which SmolLM2 and most small instruct models have seen, writes
+each call as one line of JSON between tags::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -43,14 +45,12 @@ import jinja2.meta
 import jsonschema
 import jsonschema.exceptions
 
+from tokenserve.api.openai.tool_formats import HERMES, ToolFormat
 from tokenserve.sampling_params import ConstraintKind, StructuredOutput
 
 #: [I] most tools one request may list (a grammar over 128 tools still compiles in
 #: milliseconds; the bound keeps prompts and grammars of one request bounded).
 MAX_TOOLS = 128
-#: the tags around one call (Hermes / Qwen 2.5 format).
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 #: JSON under the grammar: no flexible whitespace, OpenAI's separators (spec §5.5).
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 #: a tool without ``parameters`` takes none (OpenAI: "omitting parameters defines a
@@ -210,7 +210,7 @@ def _hoisted(params: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[
     return body
 
 
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+def call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
     r"""The JSON Schema of one call's JSON: ``{"name": <const>, "arguments": <the tool's
     parameters>}`` (objects closed: :func:`closed_objects`; local ``$ref``\ s rebased to
     the wrapper's root), one alternative per tool, name first, compact layout."""
@@ -218,9 +218,9 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     alternatives = [
         {"type": "object",
          "properties": {"name": {"const": t["function"]["name"]},
-                        "arguments": _hoisted(t["function"].get("parameters")
-                                              or _NO_PARAMETERS, f"tool{i}", defs)},
-         "required": ["name", "arguments"], "additionalProperties": False}
+                        args_key: _hoisted(t["function"].get("parameters")
+                                           or _NO_PARAMETERS, f"tool{i}", defs)},
+         "required": ["name", args_key], "additionalProperties": False}
         for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = (alternatives[0] if len(alternatives) == 1
@@ -229,19 +229,14 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     return {**schema, **({"$defs": defs} if has_refs else {}), "x-guidance": _JSON_LAYOUT}
 
 
-def tool_constraint(choice: ToolChoice) -> StructuredOutput | None:
-    """The grammar of the answer (module docstring), or None for ``none``."""
+def tool_constraint(choice: ToolChoice, fmt: ToolFormat = HERMES) -> StructuredOutput | None:
+    """The grammar of the answer in the model's format ``fmt`` (module docstring;
+    :meth:`ToolFormat.grammar`), or None for ``none``."""
     if not choice.active:
         return None
-    call = (f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n'
-            f"body: %json {json.dumps(call_schema(choice.offered()), ensure_ascii=False)}\n")
-    calls = 'call ("\\n" call)*' if choice.parallel and choice.mode != "named" else "call"
-    if choice.mode == "auto":
-        start = (f"start: TEXT | {calls}\n"
-                 f"TEXT: /(?s:.*)/ & ~/{CALL_OPEN}(?s:.*)/\n")
-    else:
-        start = f"start: {calls}\n"
-    return StructuredOutput(ConstraintKind.GRAMMAR, start + call)
+    body = json.dumps(call_schema(choice.offered(), fmt.args_key), ensure_ascii=False)
+    return StructuredOutput(ConstraintKind.GRAMMAR, fmt.grammar(
+        body, choice.parallel and choice.mode != "named", choice.mode == "auto"))
 
 
 # --------------------------------------------------------------------------- prompt
@@ -259,31 +254,30 @@ def template_takes_tools(template: str | None) -> bool:
     return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 
-def default_tool_prompt(choice: ToolChoice) -> str:
+def default_tool_prompt(choice: ToolChoice, fmt: ToolFormat = HERMES) -> str:
     """Our tool instructions for a template without a ``tools`` variable [I]: the tools
-    as JSON lines between ``<tools>`` tags and the call format (module docstring)."""
+    as JSON lines between ``<tools>`` tags and the call format ``fmt`` (module docstring)."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in choice.offered())
     rule = {
         "auto": "If no function helps, answer in plain text instead.",
         "required": "You must call at least one function.",
         "named": f"You must call the function {choice.name}.",
     }[choice.mode]
-    many = ("You may call several functions, one block each."
-            if choice.parallel and choice.mode != "named" else "Call one function at most.")
+    many = ("You may call several functions."
+            if choice.parallel and choice.mode != "named" and fmt.many
+            else "Call one function at most.")
+    example = fmt.render([("<function name>", "{<arguments as JSON>}")])
     return (
         "# Tools\n\nYou can call functions to answer the user. They are described as JSON, "
         f"one per line, between <tools> and </tools>:\n<tools>\n{listed}\n</tools>\n\n"
-        "To call a function, answer with its name and arguments as one JSON object between "
-        f"{CALL_OPEN} and {CALL_CLOSE} lines:\n{CALL_OPEN}\n"
-        '{"name": "<function name>", "arguments": {<arguments as JSON>}}\n'
-        f"{CALL_CLOSE}\n{many} {rule}"
+        f"To call a function, answer with its name and arguments in this form:\n{example}\n"
+        f"{many} {rule}"
     )
 
 
-def _call_block(call: dict[str, Any]) -> str:
+def _call_block(call: dict[str, Any], fmt: ToolFormat = HERMES) -> str:
     fn = call["function"]
-    return f'{CALL_OPEN}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, ' \
-           f'"arguments": {fn["arguments"]}}}\n{CALL_CLOSE}'
+    return fmt.render([(fn["name"], fn["arguments"])])
 
 
 def _arguments_object(call: dict[str, Any]) -> dict[str, Any]:
@@ -300,7 +294,8 @@ def _arguments_object(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_messages(
-    messages: list[dict[str, Any]], choice: ToolChoice | None, takes_tools: bool
+    messages: list[dict[str, Any]], choice: ToolChoice | None, takes_tools: bool,
+    fmt: ToolFormat = HERMES,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra template variables for a chat request with tools.
 
@@ -308,7 +303,7 @@ def tool_messages(
     as dicts) and ``tools`` (unless ``tool_choice`` is ``none``). Otherwise [I] the
     default tool prompt (:func:`default_tool_prompt`) is appended to the system message
     (or becomes one), assistant ``tool_calls`` are written into the content as
-    ``<tool_call>`` blocks, and each run of ``tool`` messages becomes one ``user``
+    calls in the format ``fmt``, and each run of ``tool`` messages becomes one ``user``
     message of ``<tool_response>`` blocks (every template knows ``user``).
 
     Returns:
@@ -330,13 +325,13 @@ def tool_messages(
             continue
         m = dict(m)
         if m.get("tool_calls"):
-            blocks = "\n".join(_call_block(c) for c in m.pop("tool_calls"))
+            blocks = "\n".join(_call_block(c, fmt) for c in m.pop("tool_calls"))
             m["content"] = f"{m['content']}\n{blocks}" if m.get("content") else blocks
         out.append(m)
     for m in out:
         m.pop("_tool_run", None)
     if active and choice is not None:
-        prompt = default_tool_prompt(choice)
+        prompt = default_tool_prompt(choice, fmt)
         if out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
