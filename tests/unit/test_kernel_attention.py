@@ -31,8 +31,9 @@ class Case:
     """A cache holding ``len(ctx_lens)`` sequences' contexts in shuffled blocks."""
 
     def __init__(self, ctx_lens, q_lens, H=9, Hkv=3, D=64, bs=16, dtype=torch.float32,
-                 seed=0, strided_q=False, kv="model"):
+                 seed=0, strided_q=False, kv="model", window=0, softcap=0.0):
         g = torch.Generator().manual_seed(seed)
+        self.window, self.softcap = window, softcap  # sliding window, logit soft-cap
         self.H, self.Hkv, self.D, self.bs, self.dtype = H, Hkv, D, bs, dtype
         nblk = [math.ceil(c / bs) for c in ctx_lens]
         num_blocks = sum(nblk) + 2
@@ -66,7 +67,8 @@ class Case:
         getattr(C, path)(out, q, self.k_cache, self.v_cache,
                          self.block_tables if block_tables is None else block_tables,
                          self.query_start_loc if qsl is None else qsl,
-                         self.context_lens if ctx is None else ctx, self.scale)
+                         self.context_lens if ctx is None else ctx, self.scale,
+                         self.window, self.softcap)
         return out
 
     def ref(self):
@@ -74,7 +76,7 @@ class Case:
         return paged_attention_ref(self.q.float(), self.k_cache if int8 else self.k_cache.float(),
                                    self.v_cache if int8 else self.v_cache.float(),
                                    self.block_tables, self.query_start_loc, self.context_lens,
-                                   self.scale)
+                                   self.scale, self.window, self.softcap)
 
 
 def assert_matches_ref(case, out, fp32_atol=2e-5):
@@ -164,11 +166,12 @@ def test_rows_of_no_sequence_untouched_and_empty_step():
 
 # ---------------------------------------------------------------- batch invariance
 
-def _invariance(dtype, H, Hkv, D, bs, path, L=70, prefix=23, kv="model"):
+def _invariance(dtype, H, Hkv, D, bs, path, L=70, prefix=23, kv="model", window=0, softcap=0.0):
     """Rows of one sequence of length L computed as: a whole prefill, a chunk after a
     cached prefix (several chunk splits, so rows sit at other tile positions), decodes
     (one per position, all in one call), and inside a mixed batch with other sequences."""
-    case = Case([L], [L], H=H, Hkv=Hkv, D=D, bs=bs, dtype=dtype, seed=1, kv=kv)
+    case = Case([L], [L], H=H, Hkv=Hkv, D=D, bs=bs, dtype=dtype, seed=1, kv=kv, window=window,
+                softcap=softcap)
     bt, q = case.block_tables, case.q
     full = case.run(path)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
