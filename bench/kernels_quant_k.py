@@ -10,6 +10,12 @@ weights so a run streams them from memory (as a decode step does) rather than fr
 Weights are random valid blocks (timing does not depend on values; gguf-py cannot quantise
 to k-quants). Per (shape, M): milliseconds for all layers (best of several runs: the host
 may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_0, bf16.
+
+    python bench/kernels_quant_k.py --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k]
+
+times the k-quant GEMM's AVX-512 VNNI tiles against its AVX2 tiles (the same bits) on
+Llama-3.2-1B's layer shapes (qkv [3072, 2048], o [2048, 2048], gate_up [16384, 2048],
+down [2048, 8192]), alternating the two, best of 5 (needs an AVX-512 VNNI CPU).
 """
 
 from __future__ import annotations
@@ -79,14 +85,62 @@ def bench(ms: tuple[int, ...] = (1, 16, 64), layers: int = 8) -> list[dict]:
     return rows
 
 
+L32_1B = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
+
+
+def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> list[dict]:
+    """One row per (qtype, M, shape): ms per GEMM on the AVX-512 VNNI and the AVX2 tiles."""
+    c = load_kernels()
+    if c is None or not c.cpu_features().get("avx512vnni"):
+        raise RuntimeError("--isa-ab needs tokenserve._C on an AVX-512 VNNI CPU")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for qt in qtypes:
+        ws = {name: [repack_x8(_random_k(n, k, qt, g)).data for _ in range(layers)]
+              for name, n, k in L32_1B}
+        for m in ms:
+            best: dict[tuple[str, str], float] = {}
+            for _ in range(5):
+                for isa in ("avx512vnni", "avx2"):
+                    old = c._quant_k_force_avx2(isa == "avx2")
+                    try:
+                        for name, n, k in L32_1B:
+                            x = torch.randn(m, k, generator=g).bfloat16()
+
+                            def run(ws=ws[name], x=x, n=n, qid=QTYPE_IDS[qt]):
+                                for w in ws:
+                                    c.quant_k_gemm(x, w, qid, n, None, torch.bfloat16)
+                            t = _best_ms(run) / layers
+                            best[(isa, name)] = min(best.get((isa, name), 1e9), t)
+                    finally:
+                        c._quant_k_force_avx2(old)
+            for name, n, k in L32_1B:
+                nbytes = ws[name][0].numel()
+                rows.append({"format": qt, "M": m, "shape": name, "N": n, "K": k,
+                             "ms_avx512vnni": round(best[("avx512vnni", name)], 3),
+                             "ms_avx2": round(best[("avx2", name)], 3),
+                             "gbs_avx512vnni": round(nbytes / best[("avx512vnni", name)] / 1e6, 1)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", default="1,16,64", help="batch sizes (rows of x), comma-separated")
     ap.add_argument("--layers", type=int, default=8, help="distinct weights per shape")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--isa-ab", action="store_true",
+                    help="AVX-512 VNNI vs AVX2 tiles on Llama-3.2-1B's shapes")
+    ap.add_argument("--qtypes", default="q4_k,q6_k", help="with --isa-ab")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.isa_ab:
+        print(f"threads={torch.get_num_threads()}; ms per GEMM, AVX-512 VNNI / AVX2 tiles")
+        for r in bench_isa(tuple(int(v) for v in args.ms.split(",")),
+                           tuple(args.qtypes.split(","))):
+            print(f"{r['format']} M={r['M']:<3} {r['shape']:<8} {r['ms_avx512vnni']:.3f} / "
+                  f"{r['ms_avx2']:.3f} ms ({r['gbs_avx512vnni']} GB/s)")
+        return
     rows = bench(tuple(int(v) for v in args.ms.split(",")), args.layers)
     print(f"threads={torch.get_num_threads()}; ms for {args.layers} layers (GB/s of weights)")
     print(f"{'shape':<12} {'M':>3} " + " ".join(f"{f:>16}" for f in FORMATS))

@@ -1,9 +1,10 @@
 """Where one engine step's time goes: the real model, synthetic decode (or prefill) batches.
 
-    python -m bench.profile_step [--batch 1,16,64] [--context 160] [--prefill 0]
-                                 [--dtype bfloat16] [--steps 5] [--no-c]
+    python -m bench.profile_step [--model PATH|FILE.gguf] [--batch 1,16,64] [--context 160]
+                                 [--prefill 0] [--dtype bfloat16] [--steps 5] [--no-c]
 
-Builds the default model and a ModelRunner, fills the KV cache of ``batch`` requests to
+Builds the model (the default one unless ``--model``; a GGUF with ``--quantization auto``
+runs on its own blocks, as served) and a ModelRunner, fills the KV cache of ``batch`` requests to
 ``context`` tokens (one prefill step), then times ``steps`` decode steps. Every kernel
 call (``Kernels`` methods), every GEMM (by layer role) and the sampler are wrapped with a
 timer, so the table splits a step into: GEMMs by role, attention, rope + KV write, norms,
@@ -59,7 +60,8 @@ def instrument(runner, timers: Timers) -> None:
         setattr(ops, name, timers.wrap(name, getattr(ops, name)))
     for layer in model.layers:
         for role, lin in list(layer.items()):
-            layer[role] = timers.wrap(f"gemm {role}", lin)
+            if callable(lin) and not isinstance(lin, torch.Tensor):  # GEMMs (not norms)
+                layer[role] = timers.wrap(f"gemm {role}", lin)
     model.lm_head = timers.wrap("gemm lm_head", model.lm_head)
     mr.sample = timers.wrap("sampling", mr.sample)
 
@@ -74,7 +76,7 @@ def uninstrument(runner, model) -> None:
         vars(ops).pop(name, None)
     for layer in model.layers:
         for role, lin in list(layer.items()):
-            layer[role] = lin.__wrapped__
+            layer[role] = getattr(lin, "__wrapped__", lin)
     model.lm_head = model.lm_head.__wrapped__
     mr.sample = mr.sample.__wrapped__
 
@@ -88,6 +90,7 @@ def main() -> None:
     from tokenserve.sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a model dir or .gguf (default: the default model)")
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--prefill", type=int, default=0)
@@ -102,9 +105,10 @@ def main() -> None:
                          "server: int8 on a CPU with the C++ kernels at bfloat16)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    d = resolve_model(None)
+    d = resolve_model(args.model)
     cfg = load_config(d)
-    model = CausalLM.from_state_dict(cfg, load_weights(d, dtype, args.quantization), dtype,
+    weights = load_weights(d, dtype, args.quantization, model=args.model)
+    model = CausalLM.from_state_dict(cfg, weights, dtype,
                                              torch.device("cpu"), Kernels(use_c=not args.no_c))
     print(f"# {cpu_summary()}")
     kv_dtype = model.kv_cache_dtype(args.kv_cache_dtype)

@@ -12,6 +12,7 @@
 // Per layer i (x: [T, hidden] normed input, residual: [T, hidden], both the model dtype):
 //
 //     qkv = proj(x, qkv_i)                                   [T, (H + 2 Hkv) D]
+//     (Qwen3) q and k heads RMSNormed in place (q_norm_i, k_norm_i: [D])
 //     rotary_embedding_write_kv(qkv, ..., k_cache_i, v_cache_i)
 //     a = paged_attention(qkv[:, :H D] as [T, H, D])         [T, H, D]
 //     x = proj(a, o_i);  residual += x;  x = rms_norm(residual) * ln2_i
@@ -22,53 +23,29 @@
 #include <optional>
 #include <vector>
 
-#include "kernels.h"
-#include "registry.h"
+#include "proj_spec.h"
 
 namespace tokenserve {
 namespace {
 
-// How a projection is computed (tokenserve.ops.linear.Linear.c_spec gives these).
-enum ProjKind : int64_t { kGemm = 0, kQuantGemm = 1, kInt8Gemm = 2, kQuantKGemm = 3, kQuantAmxGemm = 4 };
-
-struct Proj {
-  int64_t kind;
-  torch::Tensor w;                    // packed panels / x8 or t16 GGUF blocks / int8 panels / k8 blocks
-  torch::Tensor scale;                // int8 only: fp32 per-row scales
-  int64_t qtype;                      // quant only
-  int64_t N;                          // out features
-  std::optional<torch::Tensor> bias;  // fp32 [N] or none
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    switch (kind) {
-      case kGemm: return gemm(x, w, N, bias, std::nullopt);
-      case kQuantGemm: return quant_gemm(x, w, qtype, N, bias, std::nullopt);
-      case kQuantKGemm: return quant_k_gemm(x, w, qtype, N, bias, std::nullopt);
-      case kQuantAmxGemm: return quant_amx_gemm(x, w, qtype, N, bias, std::nullopt);
-      default: return int8_gemm(x, w, scale, N, bias, std::nullopt);
-    }
-  }
-};
-
 struct Layer {
-  Proj qkv, o, gate_up, down;
+  ProjSpec qkv, o, gate_up, down;
   torch::Tensor ln1, ln2;
-  int64_t window;  // sliding window of the layer's attention (tokens), 0 = none
+  int64_t window;         // sliding window of the layer's attention (tokens), 0 = none
+  torch::Tensor q_norm, k_norm;  // per-head RMSNorm weights [D] (Qwen3), or undefined
 };
 
-Proj make_proj(pybind11::tuple spec) {
-  TORCH_CHECK(spec.size() == 6, "Decoder: a projection spec is (kind, w, scale, qtype, N, bias)");
-  Proj p;
-  p.kind = spec[0].cast<int64_t>();
-  TORCH_CHECK(p.kind >= kGemm && p.kind <= kQuantAmxGemm, "Decoder: unknown projection kind ", p.kind);
-  p.w = spec[1].cast<torch::Tensor>();
-  if (!spec[2].is_none()) p.scale = spec[2].cast<torch::Tensor>();
-  p.qtype = spec[3].cast<int64_t>();
-  p.N = spec[4].cast<int64_t>();
-  if (!spec[5].is_none()) p.bias = spec[5].cast<torch::Tensor>();
-  TORCH_CHECK(p.kind != kInt8Gemm || p.scale.defined(), "Decoder: an int8 projection needs its scales");
-  return p;
+// In place: RMSNorm of each D-wide head of cols [lo, lo + n) of qkv [T, W], as the Python
+// loop's CausalLM._qk_norm ("head"): the heads gathered contiguous, normed, copied back.
+void head_rms_norm(torch::Tensor& qkv, int64_t lo, int64_t n, int64_t D, const torch::Tensor& w, double eps) {
+  torch::Tensor part = qkv.narrow(1, lo, n);
+  const torch::Tensor rows = part.reshape({-1, D}).contiguous();
+  torch::Tensor out = torch::empty_like(rows);
+  rms_norm(out, rows, w, eps);
+  part.copy_(out.view({qkv.size(0), n}));
 }
+
+ProjSpec make_proj(const pybind11::tuple& spec) { return ProjSpec::parse(spec, "Decoder"); }
 
 }  // namespace
 
@@ -80,9 +57,14 @@ class Decoder {
   }
 
   void add_layer(pybind11::tuple qkv, pybind11::tuple o, pybind11::tuple gate_up, pybind11::tuple down,
-                 torch::Tensor ln1, torch::Tensor ln2, int64_t window) {
+                 torch::Tensor ln1, torch::Tensor ln2, int64_t window, std::optional<torch::Tensor> q_norm,
+                 std::optional<torch::Tensor> k_norm) {
     TORCH_CHECK(window >= 0, "Decoder: window must be >= 0");
-    layers_.push_back({make_proj(qkv), make_proj(o), make_proj(gate_up), make_proj(down), ln1, ln2, window});
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "Decoder: q_norm and k_norm go together");
+    TORCH_CHECK(!q_norm || (q_norm->numel() == D_ && k_norm->numel() == D_),
+                "Decoder: per-head q/k norm weights must be [head_dim]");
+    layers_.push_back({make_proj(qkv), make_proj(o), make_proj(gate_up), make_proj(down), ln1, ln2, window,
+                       q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor())});
   }
 
   void set_final_norm(torch::Tensor norm) { final_norm_ = norm; }
@@ -108,6 +90,10 @@ class Decoder {
       const torch::Tensor kv = kv_region.select(0, i);
       const torch::Tensor k_cache = kv.select(0, 0), v_cache = kv.select(0, 1);
       torch::Tensor qkv = l.qkv(x);
+      if (l.q_norm.defined()) {
+        head_rms_norm(qkv, 0, H_ * D_, D_, l.q_norm, eps_);
+        head_rms_norm(qkv, H_ * D_, Hkv_ * D_, D_, l.k_norm, eps_);
+      }
       rotary_embedding_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H_, Hkv_);
       const torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor a = torch::empty({T, H_, D_}, qkv.options());
@@ -140,11 +126,14 @@ TOKENSERVE_REGISTER(decoder) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
       .def("add_layer", &tokenserve::Decoder::add_layer,
-           "add_layer(qkv, o, gate_up, down, ln1, ln2, window=0): projections as (kind 0 gemm | 1 quant_gemm | "
-           "2 int8_gemm | 3 quant_k_gemm | 4 quant_amx_gemm, weight, int8 scale or None, qtype, N, fp32 bias or None); "
-           "norms [hidden]; window: the layer's sliding window (tokens), 0 = none.",
+           "add_layer(qkv, o, gate_up, down, ln1, ln2, window=0, q_norm=None, k_norm=None): projections as (kind 0 gemm | 1 quant_gemm | "
+           "2 int8_gemm | 3 quant_k_gemm | 4 quant_amx_gemm | 5 split (w = list of part specs), weight, int8 scale "
+           "or None, qtype, N, fp32 bias or None) (csrc/proj_spec.h); "
+           "norms [hidden]; window: the layer's sliding window (tokens), 0 = none; q_norm, k_norm: per-head "
+           "RMSNorm weights [head_dim] (Qwen3) or None.",
            pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
-           pybind11::arg("ln1"), pybind11::arg("ln2"), pybind11::arg("window") = 0)
+           pybind11::arg("ln1"), pybind11::arg("ln2"), pybind11::arg("window") = 0,
+           pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none())
       .def("set_final_norm", &tokenserve::Decoder::set_final_norm)
       .def_property_readonly("num_layers", &tokenserve::Decoder::num_layers)
       .def("forward", &tokenserve::Decoder::forward, tokenserve::ReleaseGil(),

@@ -69,6 +69,10 @@ std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-51
 std::atomic<int64_t> g_amx_min_rows{kAmxIntMinRows};  // test hook: rows from which AMX-INT8 runs
 
 using qact::fp16_to_f32;  // csrc/quant_act.h
+#ifdef TS_X86
+using qact::pair16;
+using qact::xpair512;
+#endif
 
 // Row r (0..7) of a group-block: scale, offset, and its 32 quants in element order.
 inline void unpack_row(int qt, const uint8_t* gb, int r, float& d, float& m, int32_t* q) {
@@ -168,18 +172,6 @@ using TileFn = void (*)(const int16_t*, const float*, int64_t, const uint8_t*, f
 // measured in one process alternating the two; 32 and 128 were between).
 constexpr int64_t kPrefetchAhead = 64;
 
-// 16 bytes at a and 16 at b as one 32-byte vector (two groups' chunks side by side).
-TS_TARGET_AVX512VNNI inline __m256i pair16(const uint8_t* a, const uint8_t* b) {
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(load16(a)), load16(b), 1);
-}
-
-// xpair in all 16 lanes of a zmm.
-TS_TARGET_AVX512VNNI inline __m512i xpair512(const int16_t* x, int e) {
-  int32_t v;
-  std::memcpy(&v, x + e, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // The same tile on AVX-512 VNNI: MR activation rows x TWO groups (16 weight rows, the groups
 // at wg and wg + gstride) per call, out[r * ldo + j] for j < 16. A chunk's 16 bytes of each
 // group widen to one zmm (lanes 0-7 group g, 8-15 group g + 1); vpdpwssd adds the pair dots
@@ -271,26 +263,6 @@ inline Tile2Fn pick_tile2(int qt, int mr) {
 #endif  // TS_X86
 
 #ifdef TS_X86
-// out [mr, 16] (+ bias) -> y rows m.., columns n0..n0+ncols-1, in y's dtype: a 16-column
-// tile in two 8-lane stores (the same bits as store1 per element), a tail element-wise.
-TS_TARGET_AVX2 void store_tile16(const float* out, int mr, int64_t ncols, const float* bias, void* y,
-                                 bool y_bf16, int64_t N, int64_t m, int64_t n0) {
-  if (ncols < 16) {
-    for (int r = 0; r < mr; ++r)
-      for (int64_t j = 0; j < ncols; ++j)
-        store1(y, (m + r) * N + n0 + j, bias ? out[r * 16 + j] + bias[n0 + j] : out[r * 16 + j], y_bf16);
-    return;
-  }
-  for (int r = 0; r < mr; ++r)
-    for (int h = 0; h < 2; ++h) {
-      __m256 v = _mm256_loadu_ps(out + r * 16 + 8 * h);
-      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
-      const int64_t i = (m + r) * N + n0 + 8 * h;
-      if (y_bf16) store8(static_cast<uint16_t*>(y) + i, v);
-      else store8(static_cast<float*>(y) + i, v);
-    }
-}
-
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias) on AVX-512 VNNI: two
 // groups per tile (an odd last group: the AVX2 tile, whose lanes give the same bits), rows
 // in balanced blocks of at most kQuantMrAvx512.
@@ -298,27 +270,17 @@ void compute_block_avx512(int qt, const int16_t* xq, const float* xds, int64_t K
                           const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y, bool y_bf16,
                           int64_t N) {
   const int64_t nb = K / QK, gstride = nb * kGroupBytes[qt];
-  alignas(64) float out[kQuantMrAvx512 * 2 * RG];
-  const int64_t nblk = (rows + kQuantMrAvx512 - 1) / kQuantMrAvx512;
-  for (int64_t g = g0; g < g1;) {
-    const int64_t ng = std::min<int64_t>(2, g1 - g);
-    const int64_t ncols = std::min<int64_t>(ng * RG, N - g * RG);
-    const uint8_t* wg = w + g * gstride;
-    for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
-      const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
-      if (ng == 2) {
+  qact::compute_group_pairs(
+      m0, rows, w, gstride, g0, g1, bias, y, y_bf16, N,
+      [&](int64_t m, int mr, const uint8_t* wg, float* out) {
         pick_tile2(qt, mr)(xq + m * K, xds + m * nb * 2, K, wg, gstride, out, 2 * RG);
-      } else {
+      },
+      [&](int64_t m, int mr, const uint8_t* wg, float* out) {
         for (int r0 = 0; r0 < mr; r0 += int(kQuantMrCap)) {  // AVX2 tiles of <= 6 rows
           const int r1 = std::min(mr, r0 + int(kQuantMrCap));
           pick_tile(qt, r1 - r0)(xq + (m + r0) * K, xds + (m + r0) * nb * 2, K, wg, out + r0 * 2 * RG, 2 * RG);
         }
-      }
-      store_tile16(out, mr, ncols, bias, y, y_bf16, N, m, g * RG);
-      m += mr;
-    }
-    g += ng;
-  }
+      });
 }
 #endif  // TS_X86
 

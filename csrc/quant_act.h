@@ -221,5 +221,73 @@ void compute_groups(int64_t m0, int64_t rows, int64_t mr_max, const uint8_t* w, 
   }
 }
 
+#ifdef TS_X86
+// The body of a work unit on the AVX-512 VNNI tiles (csrc/quant.cpp, csrc/quant_k.cpp):
+// activation rows [m0, m0 + rows) x weight-row groups [g0, g1), two groups per tile, rows in
+// balanced blocks of at most kQuantMrAvx512 (any split gives the same bits). pair(m, mr, wg,
+// out) writes out[r * 16 + j] for the groups at wg and wg + gstride; a lone last group goes
+// to one(m, mr, wg, out) (the AVX2 tiles, whose lanes give the same bits), same layout. Then
+// stored to y [M, N] (+ bias) in y's dtype.
+template <class Pair, class One>
+void compute_group_pairs(int64_t m0, int64_t rows, const uint8_t* w, int64_t gstride, int64_t g0, int64_t g1,
+                         const float* bias, void* y, bool y_bf16, int64_t N, Pair&& pair, One&& one);
+#endif  // TS_X86
+
+#ifdef TS_X86
+// 16 bytes at a and 16 at b as one 32-byte vector (two weight-row groups' chunks side by
+// side: the AVX-512 VNNI tiles of csrc/quant.cpp and csrc/quant_k.cpp).
+TS_TARGET_AVX512VNNI inline __m256i pair16(const uint8_t* a, const uint8_t* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(load16(a)), load16(b), 1);
+}
+
+// An activation pair (x[e], x[e + 1]) in all 16 int32 lanes of a zmm.
+TS_TARGET_AVX512VNNI inline __m512i xpair512(const int16_t* x, int e) {
+  int32_t v;
+  std::memcpy(&v, x + e, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// out [mr, 16] (+ bias) -> y rows m.., columns n0..n0+ncols-1, in y's dtype: a 16-column
+// tile (two groups) in two 8-lane stores (the same bits as store1 per element), a tail
+// element-wise.
+TS_TARGET_AVX2 inline void store_tile16(const float* out, int mr, int64_t ncols, const float* bias, void* y,
+                                        bool y_bf16, int64_t N, int64_t m, int64_t n0) {
+  if (ncols < 16) {
+    for (int r = 0; r < mr; ++r)
+      for (int64_t j = 0; j < ncols; ++j)
+        store1(y, (m + r) * N + n0 + j, bias ? out[r * 16 + j] + bias[n0 + j] : out[r * 16 + j], y_bf16);
+    return;
+  }
+  for (int r = 0; r < mr; ++r)
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_loadu_ps(out + r * 16 + 8 * h);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + 8 * h));
+      const int64_t i = (m + r) * N + n0 + 8 * h;
+      if (y_bf16) store8(static_cast<uint16_t*>(y) + i, v);
+      else store8(static_cast<float*>(y) + i, v);
+    }
+}
+
+template <class Pair, class One>
+void compute_group_pairs(int64_t m0, int64_t rows, const uint8_t* w, int64_t gstride, int64_t g0, int64_t g1,
+                         const float* bias, void* y, bool y_bf16, int64_t N, Pair&& pair, One&& one) {
+  alignas(64) float out[kQuantMrAvx512 * 2 * RG];
+  const int64_t nblk = (rows + kQuantMrAvx512 - 1) / kQuantMrAvx512;
+  for (int64_t g = g0; g < g1;) {
+    const int64_t ng = std::min<int64_t>(2, g1 - g);
+    const int64_t ncols = std::min<int64_t>(ng * RG, N - g * RG);
+    const uint8_t* wg = w + g * gstride;
+    for (int64_t blk = 0, m = m0; blk < nblk; ++blk) {
+      const int mr = int(rows / nblk + (blk < rows % nblk ? 1 : 0));
+      if (ng == 2) pair(m, mr, wg, out);
+      else one(m, mr, wg, out);
+      store_tile16(out, mr, ncols, bias, y, y_bf16, N, m, g * RG);
+      m += mr;
+    }
+    g += ng;
+  }
+}
+#endif  // TS_X86
+
 }  // namespace qact
 }  // namespace tokenserve

@@ -28,7 +28,8 @@
 // same activation d). Q6_K's "q - 32" is applied as isum - 32 * sum16(qx) (exact integers;
 // sum16 per row and 16-block, computed once per row).
 //
-// Per output element y[m, n], in every path (AVX2 tiles of any shape, the portable code),
+// Per output element y[m, n], in every path (AVX2 and AVX-512 VNNI tiles of any shape, the
+// portable code),
 // whatever the batch and thread partition (batch invariance), sub-blocks s in k order:
 //
 //     dw_s = d * sc_s  (exact in fp32: 11-bit x <= 8-bit)     mw_s = -(dmin * m_s) (Q4/5_K)
@@ -44,11 +45,13 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "cpu_features.h"
 #include "quant_act.h"
@@ -67,8 +70,13 @@ constexpr int64_t group_bytes(int qt) { return qt == Q4_K ? 1152 : qt == Q5_K ? 
 constexpr int64_t sub_bytes(int qt) { return qt == Q4_K ? 128 : 160; }  // Q4_K / Q5_K sub-block
 
 std::atomic<bool> g_force_portable{false};
+std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
 
 using qact::fp16_to_f32;
+#ifdef TS_X86
+using qact::pair16;
+using qact::xpair512;
+#endif
 
 // Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes (ggml's
 // get_scale_min_k4).
@@ -291,6 +299,193 @@ TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __r
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], _mm256_setzero_ps()));
 }
 
+// The AVX-512 VNNI tiles: MR activation rows x TWO groups (16 weight rows, the groups at wg
+// and wg + gstride), out[r * ldo + j] for j < 16. A chunk's 16 bytes of each group widen to
+// one zmm (lanes 0-7 group g, 8-15 group g + 1) and vpdpwssd adds the pair dots into the
+// int32 sub-block sums, exact whatever the order or number of partial sums (CH chains hide
+// the instruction's latency when few rows share a weight vector). The fp32 steps are the
+// AVX2 tiles', lane for lane, so both give the same bits (tests/unit/test_quant_k*.py).
+//
+// The two group streams of a tile sit gstride apart, and a work unit's next tile reads the
+// 2 gstride bytes after them (run_units walks groups in memory order). So at super-block B
+// the tile prefetches the next pair's bytes at the rate it consumes its own: 2 GB bytes
+// per super-block, one pair ahead. (A fixed distance within each stream, csrc/quant.cpp's
+// way, fell on the other stream's current bytes at K = 2048: gate_up [16384, 2048] Q4_K at
+// M = 1 ran at 13 GB/s against the one-stream AVX2 tile's 24.)
+// Called once per sub-block j (0..7) of super-block B: an eighth of the pair's bytes each.
+TS_TARGET_AVX512VNNI inline void prefetch_next_pair(const uint8_t* wg, int64_t gstride, int64_t B, int64_t GB,
+                                                    int j) {
+  const char* p = reinterpret_cast<const char*>(wg + 2 * gstride + 2 * B * GB);
+  for (int64_t o = j * GB / 4; o < (j + 1) * GB / 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+// 32 bytes at a and 32 at c as one zmm.
+TS_TARGET_AVX512VNNI inline __m512i load2x32(const uint8_t* a, const uint8_t* c) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), 1);
+}
+
+template <int QT, int MR>
+TS_TARGET_AVX512VNNI void tile_q45k_512(const int16_t* __restrict xq, const float* __restrict xds, const int32_t*,
+                                        int64_t K, const uint8_t* __restrict wg, int64_t gstride,
+                                        float* __restrict out, int64_t ldo) {
+  constexpr int CH = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
+  const int64_t nsb = K / QKK, nb = K / QB;
+  constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
+  __m512 acc[MR], summ[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), summ[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi16(0x0f), bit4 = _mm512_set1_epi16(0x10);
+  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f),
+                k3 = _mm512_set1_epi32(0x03030303);
+  // byte k of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
+  const __m512i sel[4] = {
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1)),
+      _mm512_broadcast_i32x4(_mm_setr_epi8(1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1)),
+      _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1)),
+      _mm512_broadcast_i32x4(_mm_setr_epi8(3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1))};
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* ga = wg + B * GB;
+    const uint8_t* gc = ga + gstride;
+    const __m512 d = _mm512_cvtph_ps(pair16(ga, gc)), dmin = _mm512_cvtph_ps(pair16(ga + 16, gc + 16));
+    const __m512i u0 = load2x32(ga + 32, gc + 32), u1 = load2x32(ga + 64, gc + 64), u2 = load2x32(ga + 96, gc + 96);
+    const __m512i sc[2] = {
+        _mm512_and_si512(u0, k1),
+        _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4))};
+    const __m512i mn[2] = {
+        _mm512_and_si512(u1, k1),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4))};
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sa = ga + 128 + SB * j;
+      const uint8_t* sc_ = gc + 128 + SB * j;
+      prefetch_next_pair(wg, gstride, B, GB, j);
+      const int64_t xo = B * QKK + QB * j;
+      __m512i isum[MR][CH];
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < CH; ++c) isum[r][c] = _mm512_setzero_si512();
+      __m512i hl = _mm512_setzero_si512(), hh = _mm512_setzero_si512();
+      if constexpr (QT == Q5_K) {
+        hl = _mm512_slli_epi16(_mm512_cvtepu8_epi16(pair16(sa + 128, sc_ + 128)), 4);
+        hh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(pair16(sa + 144, sc_ + 144)), 4);
+      }
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m512i t = _mm512_cvtepu8_epi16(pair16(sa + 16 * p, sc_ + 16 * p));
+        __m512i wl = _mm512_and_si512(t, lo4), wh = _mm512_srli_epi16(t, 4);
+        if constexpr (QT == Q5_K) {
+          wl = _mm512_or_si512(wl, _mm512_and_si512(hl, bit4));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(hh, bit4));
+          hl = _mm512_srli_epi16(hl, 1);
+          hh = _mm512_srli_epi16(hh, 1);
+        }
+        const int c_lo = (2 * p) % CH, c_hi = (2 * p + 1) % CH;
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* xb = xq + r * K + xo;
+          isum[r][c_lo] = _mm512_dpwssd_epi32(isum[r][c_lo], wl, xpair512(xb, 2 * p));
+          isum[r][c_hi] = _mm512_dpwssd_epi32(isum[r][c_hi], wh, xpair512(xb, 16 + 2 * p));
+        }
+      }
+      const __m512i scj = _mm512_shuffle_epi8(sc[j / 4], sel[j % 4]);
+      const __m512i mj = _mm512_shuffle_epi8(mn[j / 4], sel[j % 4]);
+      const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scj));
+      const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mj));
+      const int64_t b = B * 8 + j;
+      for (int r = 0; r < MR; ++r) {
+        __m512i is = isum[r][0];
+        for (int c = 1; c < CH; ++c) is = _mm512_add_epi32(is, isum[r][c]);
+        const float* xp = xds + (r * nb + b) * 2;
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xp[0])), _mm512_cvtepi32_ps(is), acc[r]);
+        summ[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xp[1]), summ[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], summ[r]));
+}
+
+template <int QT, int MR>
+TS_TARGET_AVX512VNNI void tile_q6k_512(const int16_t* __restrict xq, const float* __restrict xds,
+                                       const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
+                                       int64_t gstride, float* __restrict out, int64_t ldo) {
+  static_assert(QT == Q6_K);
+  constexpr int CH = MR <= 2 ? 2 : 1;  // chains per sub-block sum (two sub-blocks per row)
+  const int64_t nsb = K / QKK, nb = K / QB;
+  constexpr int64_t GB = group_bytes(Q6_K);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi16(0x0f), m03 = _mm512_set1_epi16(0x03), m0c = _mm512_set1_epi16(0x0c),
+                m30 = _mm512_set1_epi16(0x30), mc0 = _mm512_set1_epi16(0xc0);
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* ga = wg + B * GB;
+    const uint8_t* gc = ga + gstride;
+    const __m512 d = _mm512_cvtph_ps(pair16(ga, gc));
+#pragma GCC unroll 1
+    for (int bl = 0; bl < 8; ++bl) {
+      const uint8_t* ba = ga + 144 + 192 * bl;
+      const uint8_t* bc = gc + 144 + 192 * bl;
+      prefetch_next_pair(wg, gstride, B, GB, bl);
+      const int64_t xo = B * QKK + QB * bl;
+      __m512i ia[MR][CH], ib[MR][CH];
+      for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < CH; ++c) ia[r][c] = _mm512_setzero_si512(), ib[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i h = _mm512_cvtepu8_epi16(pair16(ba + 128 + 16 * c, bc + 128 + 16 * c));
+        const __m512i ta = _mm512_cvtepu8_epi16(pair16(ba + 16 * c, bc + 16 * c));
+        const __m512i tb = _mm512_cvtepu8_epi16(pair16(ba + 16 * (c + 4), bc + 16 * (c + 4)));
+        const __m512i wa0 = _mm512_or_si512(_mm512_and_si512(ta, lo4), _mm512_slli_epi16(_mm512_and_si512(h, m03), 4));
+        const __m512i wa1 = _mm512_or_si512(_mm512_and_si512(tb, lo4), _mm512_slli_epi16(_mm512_and_si512(h, m0c), 2));
+        const __m512i wb0 = _mm512_or_si512(_mm512_srli_epi16(ta, 4), _mm512_and_si512(h, m30));
+        const __m512i wb1 = _mm512_or_si512(_mm512_srli_epi16(tb, 4), _mm512_srli_epi16(_mm512_and_si512(h, mc0), 2));
+        const int ch = c % CH;
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* xb = xq + r * K + xo;
+          ia[r][ch] = _mm512_dpwssd_epi32(ia[r][ch], wa0, xpair512(xb, 2 * c));
+          ia[r][ch] = _mm512_dpwssd_epi32(ia[r][ch], wa1, xpair512(xb, 8 + 2 * c));
+          ib[r][ch] = _mm512_dpwssd_epi32(ib[r][ch], wb0, xpair512(xb, 16 + 2 * c));
+          ib[r][ch] = _mm512_dpwssd_epi32(ib[r][ch], wb1, xpair512(xb, 24 + 2 * c));
+        }
+      }
+      const __m128i sa = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 16 + 16 * bl)),
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 16 + 16 * bl)));
+      const __m128i sb = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 24 + 16 * bl)),
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 24 + 16 * bl)));
+      const __m512 dwa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sa)));
+      const __m512 dwb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sb)));
+      const int64_t b = B * 8 + bl;
+      for (int r = 0; r < MR; ++r) {
+        __m512i a = ia[r][0], bb = ib[r][0];
+        for (int c = 1; c < CH; ++c) a = _mm512_add_epi32(a, ia[r][c]), bb = _mm512_add_epi32(bb, ib[r][c]);
+        const float* xp = xds + (r * nb + b) * 2;
+        const int32_t* s16 = xs16 + r * (K / 16) + 2 * b;
+        a = _mm512_sub_epi32(a, _mm512_set1_epi32(32 * s16[0]));
+        bb = _mm512_sub_epi32(bb, _mm512_set1_epi32(32 * s16[1]));
+        const __m512 dx = _mm512_set1_ps(xp[0]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dwa, dx), _mm512_cvtepi32_ps(a), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dwb, dx), _mm512_cvtepi32_ps(bb), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_setzero_ps()));
+}
+
+using Tile2Fn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, int64_t, float*,
+                         int64_t);
+
+template <int QT, size_t... I>
+constexpr std::array<Tile2Fn, sizeof...(I)> avx512_tiles(std::index_sequence<I...>) {
+  if constexpr (QT == Q6_K) return {&tile_q6k_512<QT, int(I) + 1>...};
+  else return {&tile_q45k_512<QT, int(I) + 1>...};
+}
+constexpr auto kAvx512Rows = std::make_index_sequence<size_t(kQuantMrAvx512)>{};
+constexpr std::array<std::array<Tile2Fn, kQuantMrAvx512>, 3> kAvx512Tiles = {
+    avx512_tiles<Q4_K>(kAvx512Rows), avx512_tiles<Q5_K>(kAvx512Rows), avx512_tiles<Q6_K>(kAvx512Rows)};
+
+// The AVX-512 VNNI tile of qtype qt for mr rows (1..kQuantMrAvx512).
+inline Tile2Fn pick_tile2(int qt, int mr) {
+  return kAvx512Tiles[qt - Q4_K][std::clamp<int>(mr, 1, kQuantMrAvx512) - 1];
+}
+
 using TileFn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
 
 template <int QT>
@@ -310,6 +505,31 @@ TileFn pick_tile(int mr) {
       default: return &tile_q45k<QT, 4>;
     }
   }
+}
+#endif  // TS_X86
+
+#ifdef TS_X86
+// Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias) on AVX-512 VNNI: two
+// groups per tile (an odd last group: the AVX2 tile, whose lanes give the same bits), rows
+// in balanced blocks of at most kQuantMrAvx512 (any split gives the same bits).
+void compute_block_avx512(int qt, const int16_t* xq, const float* xds, const int32_t* xs16, int64_t K, int64_t m0,
+                          int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
+                          bool y_bf16, int64_t N) {
+  const int64_t nb = K / QB, n16 = K / 16, gstride = (K / QKK) * group_bytes(qt);
+  auto s16 = [&](int64_t m) { return xs16 ? xs16 + m * n16 : nullptr; };
+  qact::compute_group_pairs(
+      m0, rows, w, gstride, g0, g1, bias, y, y_bf16, N,
+      [&](int64_t m, int mr, const uint8_t* wg, float* out) {
+        pick_tile2(qt, mr)(xq + m * K, xds + m * nb * 2, s16(m), K, wg, gstride, out, 2 * RG);
+      },
+      [&](int64_t m, int mr, const uint8_t* wg, float* out) {
+        for (int r0 = 0; r0 < mr; r0 += int(kQuantMr)) {  // AVX2 tiles of <= 4 rows
+          const int r1 = std::min(mr, r0 + int(kQuantMr));
+          TileFn fn = qt == Q4_K ? pick_tile<Q4_K>(r1 - r0) : qt == Q5_K ? pick_tile<Q5_K>(r1 - r0)
+                                                                          : pick_tile<Q6_K>(r1 - r0);
+          fn(xq + (m + r0) * K, xds + (m + r0) * nb * 2, s16(m + r0), K, wg, out + r0 * 2 * RG, 2 * RG);
+        }
+      });
 }
 #endif  // TS_X86
 
@@ -360,6 +580,8 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   if (M == 0 || N == 0) return y;
   const int64_t n16 = K / 16;
   const bool avx2 = avx2_enabled(g_force_portable);
+  // AVX-512 VNNI tiles (two groups, up to 8 rows, vpdpwssd): the same bits as the AVX2 ones.
+  const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load();
   const bool q6 = qtype == Q6_K;
   qact::ActBuffers& act = qact::act_buffers(M, K, q6);
   const int16_t* qp = act.q.data();
@@ -378,7 +600,14 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const bool ybf = odt == at::kBFloat16;
-  qact::run_units(M, N, K, kQuantMr, [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
+  qact::run_units(M, N, K, avx512 ? kQuantMrAvx512 : kQuantMr,
+                  [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
+#ifdef TS_X86
+    if (avx512) {
+      compute_block_avx512(int(qtype), qp, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+      return;
+    }
+#endif
     compute_block(int(qtype), avx2, qp, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   });
   return y;
@@ -395,4 +624,6 @@ TOKENSERVE_REGISTER(quant_k) {
         "row-invariant bits.");
   m.def("_quant_k_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
         "Test hook: True forces the portable (non-AVX2) path of quant_k_gemm; returns the old value.");
+  m.def("_quant_k_force_avx2", [](bool on) { return tokenserve::g_no_avx512.exchange(on); },
+        "Test hook: True keeps quant_k_gemm on its AVX2 tiles on an AVX-512 VNNI CPU; returns the old value.");
 }

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
 
@@ -90,3 +91,14 @@ def assert_releases_gil(call: Callable[[], object], min_ms: float = 20.0) -> Non
     # for a switch interval or two: leave 3 ms at both ends
     inside = sum(t0 + 3e-3 < s < t1 - 3e-3 for s in stamps)
     assert inside >= 20, f"only {inside} timestamps while the call ran: it holds the GIL"
+
+
+def inner_loop_params(c) -> list:
+    """The inner loops a block-quantised GEMM (csrc/quant.cpp, csrc/quant_k.cpp) can take, as
+    pytest params for an indirect ``isa`` fixture, skipped where this CPU lacks one."""
+    f = c.cpu_features() if c is not None and hasattr(c, "cpu_features") else {}
+    return [pytest.param("avx512vnni", id="avx512vnni", marks=[] if f.get("avx512vnni") else
+                         [pytest.mark.skip(reason="this CPU has no AVX-512 VNNI")]),
+            pytest.param("avx2", id="avx2", marks=[] if f.get("avx2_fma") else
+                         [pytest.mark.skip(reason="this CPU has no AVX2+FMA")]),
+            pytest.param("portable", id="portable")]

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenserve.models.loader import default_gguf_path, load_config, load_weights, resolve_model
+from tokenserve.models.loader import (
+    default_gguf_path,
+    ensure_float_weights,
+    load_config,
+    load_weights,
+    resolve_model,
+)
 from tokenserve.models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
@@ -43,6 +49,20 @@ def hf_tok(model_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def test_float_weights_written_only_when_a_load_needs_them(tmp_path: Path) -> None:
+    """resolve_model converts a GGUF without its float32 copy (a 1B Q4_K_M file would be
+    4.9 GB of it); the blocks load without it, and the first float load writes it once."""
+    d = resolve_model(None, cache_dir=tmp_path)
+    assert not (d / "model.safetensors").exists()
+    blocks = load_weights(d, torch.bfloat16, "gguf")
+    assert not (d / "model.safetensors").exists()
+    weights = load_weights(d, torch.float32)
+    assert (d / "model.safetensors").is_file() and "model.norm.weight" in weights
+    assert torch.equal(weights["model.norm.weight"], blocks["model.norm.weight"].float())
+    mtime = (d / "model.safetensors").stat().st_mtime_ns
+    assert ensure_float_weights(d) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime
+
+
 def test_second_resolve_is_a_cache_hit(model_dir: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="tokenserve.models")
     assert resolve_model(None, cache_dir=model_dir.parent) == model_dir
@@ -65,7 +85,7 @@ def test_config(model_dir: Path) -> None:
 def test_transformers_loads_and_answers(model_dir: Path, tok: Tokenizer) -> None:
     """Greedy "Paris" needs correctly un-permuted Q/K rows: permuted ones give garbage."""
     model, info = transformers.LlamaForCausalLM.from_pretrained(
-        str(model_dir), torch_dtype=torch.float32, output_loading_info=True)
+        str(ensure_float_weights(model_dir)), torch_dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     question = {"role": "user", "content": "What is the capital of France?"}
     prompt = tok.apply_chat_template([question])

@@ -16,7 +16,7 @@ from tokenserve.engine.model_runner import ModelRunner
 from tokenserve.messages import ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.decoder import CausalLM
-from tokenserve.models.loader import load_config, load_weights, resolve_model
+from tokenserve.models.loader import ensure_float_weights, load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 from tokenserve.sampling_params import SamplingParams
 
@@ -35,7 +35,8 @@ def models():
     cfg = load_config(d)
     ours = CausalLM.from_state_dict(cfg, load_weights(d, torch.float32), torch.float32,
                                             torch.device("cpu"))
-    hf = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(ensure_float_weights(d),
+                                                    dtype=torch.float32).eval()
     return ours, hf, Tokenizer(d)
 
 

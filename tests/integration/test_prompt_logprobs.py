@@ -35,7 +35,7 @@ import torch
 
 from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
-from tokenserve.models.loader import resolve_model
+from tokenserve.models.loader import ensure_float_weights, resolve_model
 from tokenserve.server.app import serve
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf():
-    return transformers.LlamaForCausalLM.from_pretrained(resolve_model(None),
+    return transformers.LlamaForCausalLM.from_pretrained(ensure_float_weights(resolve_model(None)),
                                                          dtype=torch.float32).eval()
 
 

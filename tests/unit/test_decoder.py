@@ -11,9 +11,10 @@ import torch
 
 from tests.kernel_checks import assert_releases_gil
 from tokenserve.models.attention import AttentionMetadata
-from tokenserve.models.decoder import CausalLM
 from tokenserve.models.config import ModelConfig
+from tokenserve.models.decoder import CausalLM
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.linear import SplitLinear
 from tokenserve.ops.quant import quantize_ref
 from tokenserve.ops.quant_blocks import BLOCK_BYTES, K_QTYPES, QuantWeight
 from tokenserve.ops.quant_int8 import quantize_int8
@@ -36,10 +37,19 @@ def _cfg(bias: bool, wide: bool = False) -> ModelConfig:
         eos_token_ids=(2,), torch_dtype="float32")
 
 
+#: "mixed_k": a GGUF Q4_K_M layer's mix, fused tensors whose parts differ in format (q, k,
+#: gate in Q4_K; v, up in Q6_K; o, down in Q4_K)
+MIXED_K = {"v_proj": "q6_k", "up_proj": "q6_k"}
+
+
 def _state_dict(cfg: ModelConfig, quant: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
 
-    def w(n: int, k: int, scale: float = 0.08):
+    def w(n: int, k: int, scale: float = 0.08, role: str = ""):
+        quant_ = MIXED_K.get(role, "q4_k") if quant == "mixed_k" else quant
+        return _w(n, k, scale, quant_)
+
+    def _w(n: int, k: int, scale: float, quant: str):
         if quant in K_QTYPES:  # random valid super-blocks, fp16 d (and dmin) in [2^-9, 2^-7)
             data = torch.randint(0, 256, (n, k // 256, BLOCK_BYTES[quant]), generator=g,
                                  dtype=torch.uint8)
@@ -64,13 +74,13 @@ def _state_dict(cfg: ModelConfig, quant: str, seed: int = 0) -> dict:
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = w(cfg.num_heads * D, H)
         sd[p + "self_attn.k_proj.weight"] = w(Hkv * D, H)
-        sd[p + "self_attn.v_proj.weight"] = w(Hkv * D, H)
+        sd[p + "self_attn.v_proj.weight"] = w(Hkv * D, H, role="v_proj")
         if cfg.attention_bias:
             for n, width in (("q", cfg.num_heads * D), ("k", Hkv * D), ("v", Hkv * D)):
                 sd[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(width, generator=g)
         sd[p + "self_attn.o_proj.weight"] = w(H, cfg.num_heads * D)
         sd[p + "mlp.gate_proj.weight"] = w(I, H)
-        sd[p + "mlp.up_proj.weight"] = w(I, H)
+        sd[p + "mlp.up_proj.weight"] = w(I, H, role="up_proj")
         sd[p + "mlp.down_proj.weight"] = w(H, I)
         sd[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
         sd[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
@@ -99,13 +109,19 @@ def _run(model: CausalLM, use_decoder: bool, kv_dtype=None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quant,bias", [("none", False), ("none", True), ("q4_0", False),
                                         ("q4_1", True), ("q8_0", False), ("int8", False),
-                                        ("q4_k", False), ("q5_k", True), ("q6_k", False)])
+                                        ("q4_k", False), ("q5_k", True), ("q6_k", False),
+                                        ("mixed_k", True)])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 def test_decoder_equals_python_loop(dtype, quant, bias, kv_dtype):
-    cfg = _cfg(bias, wide=quant in K_QTYPES)
+    cfg = _cfg(bias, wide=quant in K_QTYPES or quant == "mixed_k")
     model = CausalLM.from_state_dict(cfg, _state_dict(cfg, quant), dtype,
                                              torch.device("cpu"))
     assert model.decoder is not None and model.decoder.num_layers == cfg.num_layers
+    if quant == "mixed_k":  # the fused tensors run per part (csrc/proj_spec.h kind 5)
+        layer = model.layers[0]
+        assert isinstance(layer["qkv"], SplitLinear) and isinstance(layer["gate_up"], SplitLinear)
+        assert [p.qweight.qtype for p in layer["qkv"].parts] == ["q4_k", "q6_k"]
+        assert layer["qkv"].c_spec()[0] == 5
     h_c, kv_c = _run(model, True, kv_dtype)
     h_py, kv_py = _run(model, False, kv_dtype)
     assert kv_c.dtype == (kv_dtype or dtype)

@@ -197,15 +197,19 @@ def test_bidirectional_gemma_is_refused(tmp_path):
         load_config(tmp_path)
 
 
-def test_fused_layer_stack_runs_windowed_llama_layers_bit_for_bit(tmp_path):
-    """Mistral's windowed layers run in csrc/decoder.cpp's fused stack, with the same bits
-    as the Python layer loop over the same kernels."""
-    build("mistral", tmp_path)
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "llama_bias"])
+def test_fused_layer_stack_runs_windowed_llama_layers_bit_for_bit(tmp_path, family):
+    """Mistral's windowed layers, Qwen3's per-head q/k norms and Llama's o bias run in
+    csrc/decoder.cpp's fused stack, with the same bits as the Python layer loop over the
+    same kernels (the logits tests above hold that loop to transformers)."""
+    build(family, tmp_path)
     cfg = load_config(tmp_path)
     model = _ours(cfg, load_weights(tmp_path, torch.float32))
     if model.kernels.c is None:
         pytest.skip("tokenserve._C not built")
-    assert model.decoder is not None and cfg.sliding_window
+    assert model.decoder is not None
+    assert {"mistral": cfg.sliding_window, "qwen3": model.arch.qk_norm == "head",
+            "llama_bias": model.layers[0]["o"].bias is not None}[family]
     ids = _prompt(5) + _prompt(6)  # 28 tokens, past the window
     fused = _prefill_logits(model, ids)
     model.decoder = None

@@ -18,7 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernel_checks import activations, assert_releases_gil, assert_rows_invariant
+from tests.kernel_checks import (
+    activations,
+    assert_releases_gil,
+    assert_rows_invariant,
+    inner_loop_params,
+)
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear
 from tokenserve.ops.quant import (
@@ -147,16 +152,6 @@ def test_portable_path_same_bits(qtype, dtype):
         assert torch.equal(slow, _gemm(x.float(), qw).to(slow.dtype))
 
 
-def _isas() -> list:
-    """The inner loops quant_gemm can take, with a skip where this CPU lacks one."""
-    f = C.cpu_features() if C is not None and hasattr(C, "cpu_features") else {}
-    return [pytest.param("avx512vnni", id="avx512vnni", marks=[] if f.get("avx512vnni") else
-                         [pytest.mark.skip(reason="this CPU has no AVX-512 VNNI")]),
-            pytest.param("avx2", id="avx2", marks=[] if f.get("avx2_fma") else
-                         [pytest.mark.skip(reason="this CPU has no AVX2+FMA")]),
-            pytest.param("portable", id="portable")]
-
-
 @pytest.fixture
 def isa(request):
     """quant_gemm held on one inner loop for the test (the hooks restore the old state)."""
@@ -168,7 +163,7 @@ def isa(request):
 
 
 @needs_c
-@pytest.mark.parametrize("isa", _isas(), indirect=True)
+@pytest.mark.parametrize("isa", inner_loop_params(C), indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_row_invariance_batch_and_threads(qtype, isa):
     """Bit for bit, on each inner loop this CPU has: a row alone == the same row at every

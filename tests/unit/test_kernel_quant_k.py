@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernel_checks import activations, assert_rows_invariant
+from tests.kernel_checks import activations, assert_rows_invariant, inner_loop_params
 from tokenserve.ops.dispatch import load_kernels
-from tokenserve.ops.linear import Linear
+from tokenserve.ops.linear import Linear, SplitLinear, fused_linear, leaf_linears
 from tokenserve.ops.quant import (
     act_sums16_ref,
     dequantize_ref,
@@ -228,13 +228,59 @@ def test_portable_path_same_bits(qtype, dtype):
         assert torch.equal(slow, _gemm(x.float(), qw).to(slow.dtype))
 
 
+@pytest.fixture
+def isa(request):
+    """quant_k_gemm held on one inner loop for the test (the hooks restore the old state)."""
+    old_p = C._quant_k_force_portable(request.param == "portable")
+    old_a = C._quant_k_force_avx2(request.param == "avx2")
+    yield request.param
+    C._quant_k_force_portable(old_p)
+    C._quant_k_force_avx2(old_a)
+
+
 @needs_c
+@pytest.mark.parametrize("isa", inner_loop_params(C), indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_row_invariance_batch_and_threads(qtype):
-    """Bit for bit: a row alone == the same row at every position of batches of 1..33 rows
-    (16 included), and with 1 or 2 threads."""
+def test_row_invariance_batch_and_threads(qtype, isa):
+    """Bit for bit, on each inner loop this CPU has: a row alone == the same row at every
+    position of batches of 1..33 rows (16 included), and with 1 or 2 threads."""
     qw = _weight(131, 512, qtype)
     assert_rows_invariant(lambda x: _gemm(x, qw), _x(33, 512), (2, 3, 5, 16, 33))
+
+
+@needs_c
+@pytest.mark.parametrize("isa", inner_loop_params(C), indirect=True)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_each_inner_loop_equals_reference(qtype, isa):
+    """Each inner loop against the pure-torch oracle at the row counts that cut its tiles
+    differently (8-row AVX-512 blocks, 4-row AVX2 blocks, an odd last group)."""
+    qw = _weight(37, 768, qtype)  # 5 groups: two pairs and a lone one
+    bias = torch.randn(37)
+    for M in (1, 2, 7, 9, 17):
+        x = _x(M, 768)
+        assert torch.equal(_gemm(x, qw, bias), quant_k_linear_ref(x, qw, bias, torch.float32)), M
+
+
+@needs_c
+@pytest.mark.skipif(not (HAVE_C and C.cpu_features().get("avx512vnni")),
+                    reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_avx512_tiles_same_bits_as_avx2(qtype):
+    """The AVX-512 VNNI tiles (two groups, up to 8 rows) give the AVX2 tiles' bits for every
+    row count and group parity, bf16 and fp32 out, with a bias."""
+    for N, K in ((40, 512), (37, 1024)):
+        qw = _weight(N, K, qtype)
+        bias = torch.randn(N) if N % 2 else None
+        for M in (1, 2, 3, 7, 8, 9, 16, 17, 64):
+            x = _x(M, K, torch.bfloat16)
+            for od in (torch.float32, torch.bfloat16):
+                fast = _gemm(x, qw, bias, od)
+                old = C._quant_k_force_avx2(True)
+                try:
+                    ref = _gemm(x, qw, bias, od)
+                finally:
+                    C._quant_k_force_avx2(old)
+                assert torch.equal(fast, ref), (N, K, M, od)
 
 
 @needs_c
@@ -265,3 +311,31 @@ def test_linear_picks_quant_k_backend_or_dequantises(qtype, monkeypatch):
     assert ref.backend == "torch"
     torch.testing.assert_close(ref(x.float()), quant_linear_fp32_ref(x.float(), qw, None,
                                                                      torch.float32))
+
+
+@needs_c
+def test_fused_rows_of_mixed_formats_run_per_part():
+    """A Q4_K_M layer's fused q|k|v (q, k Q4_K; v Q6_K) runs per run of same-format rows,
+    never widened: each part's bits are the k-quant kernel's, concatenated in order, and the
+    C++ spec is a split (csrc/proj_spec.h kind 5)."""
+    q, k, v = _weight(64, 512, "q4_k", 1), _weight(16, 512, "q4_k", 2), _weight(16, 512, "q6_k", 3)
+    bias = torch.randn(96)
+    lin = fused_linear([q, k, v], bias, torch.bfloat16)
+    assert isinstance(lin, SplitLinear) and lin.out_features == 96 and lin.in_features == 512
+    assert [(p.backend, p.qweight.qtype, p.out_features) for p in lin.parts] == [
+        ("tokenserve.quant_k_gemm", "q4_k", 80), ("tokenserve.quant_k_gemm", "q6_k", 16)]
+    x = _x(5, 512, torch.bfloat16)
+    want = torch.cat([quant_k_linear_ref(x, QuantWeight.cat([q, k]), bias[:80], torch.bfloat16),
+                      quant_k_linear_ref(x, v, bias[80:], torch.bfloat16)], dim=1)
+    assert torch.equal(lin(x), want)
+    spec = lin.c_spec()
+    assert spec[0] == 5 and spec[4] == 96 and [s[0] for s in spec[1]] == [3, 3]
+    assert leaf_linears([lin]) == lin.parts
+    # one format: one Linear over the concatenated blocks, as before
+    one = fused_linear([q, k], None, torch.bfloat16)
+    assert isinstance(one, Linear) and one.backend == "tokenserve.quant_k_gemm"
+    assert torch.equal(one(x), quant_k_linear_ref(x, QuantWeight.cat([q, k]), None, torch.bfloat16))
+    # a float part next to blocks: its own Linear too
+    f = torch.randn(8, 512)
+    mixed = fused_linear([q, f], None, torch.bfloat16)
+    assert isinstance(mixed, SplitLinear) and mixed.parts[1].backend == "tokenserve.gemm"

@@ -61,8 +61,10 @@ class HfBaseline:
         self.dtype = dtype
         self.device = select_device(device)
         t0 = time.perf_counter()
+        from tokenserve.models.loader import ensure_float_weights
+
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype)).to(self.device).eval()
+            str(ensure_float_weights(model_dir)), dtype=getattr(torch, dtype)).to(self.device).eval()
         cfg = self.model.config
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad)

@@ -48,6 +48,7 @@ from tokenserve.models.config import ModelConfig, kv_window, max_exact_positions
 from tokenserve.models.decoder import CausalLM
 from tokenserve.models.loader import load_config, load_weights, resolve_dtype, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
+from tokenserve.ops.host_memory import process_rss, returned_to_os_after_load
 from tokenserve.ops.linear import describe_gemms
 from tokenserve.sampling_params import StructuredOutput
 
@@ -136,10 +137,11 @@ class AsyncEngine:
         t0 = time.perf_counter()
 
         def load() -> ModelRunner:
-            model = CausalLM.from_state_dict(
-                model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization, cfg.model,
-                                        cfg.max_batch_size), cfg.torch_dtype, device,
-                consume=True)
+            with returned_to_os_after_load():
+                model = CausalLM.from_state_dict(
+                    model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization,
+                                            cfg.model, cfg.max_batch_size),
+                    cfg.torch_dtype, device, consume=True)
             kv_dtype = model.kv_cache_dtype(cfg.kv_cache_dtype)
             per_block = model.kv_bytes_per_token(kv_dtype) * cfg.block_size
             num_blocks = cfg.kv_cache_bytes // per_block
@@ -167,6 +169,14 @@ class AsyncEngine:
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size,
                  num_blocks * per_block / 2**20, per_token,
                  str(runner.kv_dtype).removeprefix("torch."))
+        rss = process_rss()
+        if rss is not None:  # where the resident bytes are (issue 42)
+            kv = num_blocks * per_block
+            log.info("memory: resident %.0f MiB (peak so far %.0f) = weights %.0f (%s) + KV cache "
+                     "%.0f + the rest %.0f (Python, torch, tokenizer, buffers)",
+                     rss[0] / 2**20, rss[1] / 2**20, model.weight_bytes / 2**20,
+                     model.weight_formats, kv / 2**20,
+                     (rss[0] - model.weight_bytes - kv) / 2**20)
         return engine
 
     # ------------------------------------------------------------------ lifecycle

@@ -146,12 +146,13 @@ class DecoderArch:
 
     @property
     def llama_layers(self) -> bool:
-        """Every layer is a plain pre-norm Llama layer (RMSNorm, SiLU MLP, optional q/k/v
-        biases, optional sliding window, one RoPE table): what ``csrc/decoder.cpp``'s fused
-        stack computes."""
+        """Every layer is a plain pre-norm Llama layer (RMSNorm, SiLU MLP, optional q/k/v/o
+        biases, optional per-head q/k RMSNorm (Qwen3), optional sliding window, one RoPE
+        table): what ``csrc/decoder.cpp``'s fused stack computes."""
         return (not self.norm_offset and self.pre_attn_norm and self.pre_mlp_norm
-                and not self.post_attn_norm and not self.post_mlp_norm and self.qk_norm is None
-                and not self.o_bias and self.act == "silu" and self.attn_softcap == 0.0
+                and not self.post_attn_norm and not self.post_mlp_norm
+                and self.qk_norm in (None, "head") and self.act == "silu"
+                and self.attn_softcap == 0.0
                 and self.residual_scale == 1.0 and self.moe is None
                 and all(r.rotary_dim == self.ropes[0].rotary_dim for r in self.ropes)
                 and all(layer.rope == 0 for layer in self.layers))

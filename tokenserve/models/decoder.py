@@ -7,7 +7,8 @@ projections at load (q|k|v into one GEMM, gate|up into one: on CPU fewer, larger
 markedly faster) and runs the layers. Numerics follow transformers' modeling files (RMSNorm
 in fp32, rotate-half RoPE, softmax in fp32), so fp32 logits match them tightly.
 
-A plain Llama layer (:attr:`DecoderArch.llama_layers`) is five kernels around four GEMMs
+A plain Llama layer (:attr:`DecoderArch.llama_layers`; Qwen3's per-head q/k norms and
+o biases included) is five kernels around four GEMMs
 (``tokenserve/ops/dispatch.py``: C++ when built, else torch references), and the whole stack
 runs as one C++ call a step (``csrc/decoder.cpp``) when every GEMM is a C++ one::
 
@@ -43,12 +44,12 @@ from tokenserve.models.config import (
     rope_inv_freq,
 )
 from tokenserve.models.families import family_for
-from tokenserve.models.families.base import LayerWeights, fuse_rows
+from tokenserve.models.families.base import LayerWeights
 from tokenserve.models.moe import MoE
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.host_memory import zeros_on_huge_pages
 from tokenserve.ops.layer_ref import KV_SCALE_BYTES, write_kv_ref
-from tokenserve.ops.linear import Linear
+from tokenserve.ops.linear import Linear, fused_linear, leaf_linears
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import QuantWeight
 
@@ -128,14 +129,14 @@ class CausalLM:
         """One layer's fused GEMMs and norms (see :class:`LayerWeights` for the roles)."""
         dt = self.dtype
         qkv_b = torch.cat(lw.qkv_bias) if lw.qkv_bias else None
-        layer = {"qkv": Linear(fuse_rows(lw.qkv, dt), qkv_b, fallback_dtype=dt),
+        layer = {"qkv": fused_linear(lw.qkv, qkv_b, dt),
                  "o": Linear(lw.o, lw.o_bias, fallback_dtype=dt)}
         for role in ("ln1", "attn_post", "ln2", "mlp_post", "q_norm", "k_norm"):
             layer[role] = self._norm(getattr(lw, role))
         if moe:
             layer["moe"] = MoE(self.arch.moe, lw, dt)
         else:
-            layer["gate_up"] = Linear(fuse_rows(lw.gate_up, dt), fallback_dtype=dt)
+            layer["gate_up"] = fused_linear(lw.gate_up, None, dt)
             layer["down"] = Linear(lw.down, fallback_dtype=dt)
         return layer
 
@@ -167,7 +168,8 @@ class CausalLM:
         dec = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                       cfg.head_dim ** -0.5)
         for layer, spec, la in zip(self.layers, specs, self.arch.layers):
-            dec.add_layer(*spec, layer["ln1"], layer["ln2"], window=la.window)
+            dec.add_layer(*spec, layer["ln1"], layer["ln2"], window=la.window,
+                          q_norm=layer["q_norm"], k_norm=layer["k_norm"])
         dec.set_final_norm(self.final_norm)
         return dec
 
@@ -203,12 +205,12 @@ class CausalLM:
 
     def linears(self) -> list[Linear]:
         """Every projection, lm_head first, then each layer's (attention, then MLP or the
-        experts')."""
+        experts'); a fused projection run per part (:class:`SplitLinear`) as its parts."""
         out = [self.lm_head]
         for layer in self.layers:
             out += [layer["qkv"], layer["o"]]
             out += layer["moe"].linears() if "moe" in layer else [layer["gate_up"], layer["down"]]
-        return out
+        return leaf_linears(out)
 
     def _weight_stats(self) -> tuple[int, str]:
         """(bytes of weights the kernels read, formats with their tensor counts): each

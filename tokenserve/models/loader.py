@@ -30,9 +30,11 @@ from tokenserve.config.tree import QUANTIZATIONS
 from tokenserve.models.config import ModelConfig, read_json
 from tokenserve.models.families import family_for
 from tokenserve.models.gguf_convert import (
+    COMPLETE_MARKER,
     convert_gguf,
     is_complete_conversion,
     read_quantized_tensors,
+    write_float_weights,
 )
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import quant_isa as this_cpu_quant_isa
@@ -82,6 +84,9 @@ def resolve_model(path: str | None, cache_dir: Path | None = None) -> Path:
     * a ``.gguf`` file -> converted once into ``cache_dir/<sha256(file)[:16]>/`` and reused
       while that directory is complete (its marker is written last). A file lock serialises
       concurrent converters of the same file; the converter's atomic rename covers the rest.
+      The float32 weights are not written here: a load that needs them
+      (:func:`load_weights` without ``gguf`` blocks, or :func:`ensure_float_weights` for
+      transformers) writes them the first time.
     * a directory with ``config.json`` -> itself.
 
     Args:
@@ -154,7 +159,23 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
             logger.warning("removing incomplete or outdated conversion %s", target)
             shutil.rmtree(target)
         logger.info("GGUF cache miss: converting %s -> %s", gguf_path, target)
-        return convert_gguf(gguf_path, target)
+        return convert_gguf(gguf_path, target, weights=False)
+
+
+def ensure_float_weights(model_dir: str | Path) -> Path:
+    """``model_dir`` with its float32 ``model.safetensors``: a GGUF conversion made without
+    them (:func:`resolve_model`) gets them written now (once, under the conversion's lock);
+    any other directory is returned as is.
+
+    Raises:
+        FileNotFoundError: the conversion's source GGUF is gone.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / COMPLETE_MARKER).is_file() or any(model_dir.glob("*.safetensors")):
+        return model_dir
+    with _exclusive_lock(model_dir.parent / f"{model_dir.name}.lock"):
+        write_float_weights(model_dir)
+    return model_dir
 
 
 # --------------------------------------------------------------------------- config
@@ -278,7 +299,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = 
     resolved = resolve_quantization(quantization, model, dtype, max_batch_size)
     if resolved == "gguf":
         return _load_gguf_blocks(gguf_source(model), dtype, Path(model_dir))
-    model_dir = Path(model_dir)
+    model_dir = ensure_float_weights(model_dir)
     index = read_json(model_dir / "model.safetensors.index.json")
     if index is not None:
         files = [model_dir / f for f in sorted(set(index["weight_map"].values()))]

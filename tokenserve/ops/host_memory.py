@@ -9,6 +9,8 @@ transparent_hugepage/enabled``) back only regions that ask for them with
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 
 import torch
@@ -53,3 +55,41 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
                                          torch.empty(tuple(shape), device="meta").stride())
     t.zero_()  # fault every page in now (anonymous memory reads as zero already)
     return t
+
+
+def process_rss() -> tuple[int, int] | None:
+    """(resident bytes now, peak resident bytes) of this process, from ``/proc/self/status``
+    (``VmRSS``, ``VmHWM``); None where that file does not exist (not Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return (int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+#: glibc's mallopt parameter (malloc.h) and the thresholds used around a model load (bytes).
+_M_MMAP_THRESHOLD = -3
+_LOAD_MMAP_THRESHOLD = 1 << 20
+_SERVE_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+
+@contextlib.contextmanager
+def returned_to_os_after_load():
+    """Around a model load: heap blocks of 1 MiB and more are mmapped (so the packing's
+    temporaries go back to the OS when freed instead of staying in glibc's arena), then the
+    threshold goes to 32 MiB (a step's activations reuse heap memory, no page faults per
+    step) and ``malloc_trim`` returns what is left free. Measured on a Llama-3.2-1B-shaped
+    Q4_K_M file: resident after the load 1425 -> 1010 MiB, peak 2458 -> 2121 MiB (763 MiB
+    of packed weights). A no-op where glibc is not the C library."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _SERVE_MMAP_THRESHOLD)
+        libc.malloc_trim(0)

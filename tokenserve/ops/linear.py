@@ -45,7 +45,10 @@ says which, for the start-up log):
 ``"tokenserve.quant_k_gemm"``
     the same for the k-quants Q4_K / Q5_K / Q6_K (``csrc/quant_k.cpp``, layout ``repack_k8``:
     8 rows interleaved per 256-weight super-block; one fp32 fma per 32- or 16-weight
-    sub-block).
+    sub-block): AVX-512 VNNI tiles (two 8-row groups per zmm, up to 8 activation rows) where
+    the CPU has them, else AVX2 or portable code, the same bits on each. A fused projection
+    whose parts differ in format (a Q4_K_M layer's q|k in Q4_K, v in Q6_K) runs per part
+    (:class:`SplitLinear`), never widened to bf16.
 ``"tokenserve.int8_gemm"``
     an :class:`~tokenserve.ops.quant_int8.Int8Weight` (``--quantization int8``: int8 quants,
     one fp32 scale per output row), packed 16 rows per k once (``pack_int8``), on our AVX2
@@ -118,6 +121,14 @@ def quant_isa(c) -> str:
     ``"avx2"`` or ``"portable"``; all of them give the same bits."""
     if c is not None and c.cpu_features().get("avx512vnni", False):
         return "avx512vnni+amx_int8" if amx_int8_available(c) else "avx512vnni"
+    return vector_isa(c)
+
+
+def quant_k_isa(c) -> str:
+    """The inner loops of ``quant_k_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpwssd`` on two
+    8-row groups per zmm), ``"avx2"`` or ``"portable"``; all give the same bits."""
+    if c is not None and c.cpu_features().get("avx512vnni", False):
+        return "avx512vnni"
     return vector_isa(c)
 
 
@@ -215,7 +226,7 @@ class Linear:
                 self._bias_f32 = None if bias is None else bias.float().contiguous()
                 self.backend = "tokenserve.quant_amx" if amx else f"tokenserve.{op}"
                 self.isa = ("amx_bf16" if amx else quant_isa(c) if op == "quant_gemm"
-                            else vector_isa(c))
+                            else quant_k_isa(c) if op == "quant_k_gemm" else vector_isa(c))
                 return
             weight = dequantize_ref(weight).to(fallback_dtype)
         if weight.dim() != 2:
@@ -331,6 +342,92 @@ class Linear:
         dtype = self.qweight.qtype if self.qweight is not None else self.weight.dtype
         return (f"Linear(N={self.out_features}, K={self.in_features}, "
                 f"dtype={dtype}, backend={self.backend})")
+
+
+
+class SplitLinear:
+    """A fused row-block projection (q | k | v, gate | up) whose parts are stored in
+    different formats, run part by part in their own formats and concatenated: a GGUF
+    Q4_K_M layer keeps q and k in Q4_K and v in Q6_K, and widening the whole fused weight to
+    bf16 would read ~3.5x its bytes per step. Each part is a :class:`Linear`, so the result
+    is row-invariant like its parts.
+
+    Args:
+        parts: the :class:`Linear` of each run of rows, in output order (same K).
+
+    Attributes:
+        parts: as given;  out_features: the sum of the parts' N;  in_features: K.
+    """
+
+    def __init__(self, parts: list[Linear]) -> None:
+        if len(parts) < 2 or len({p.in_features for p in parts}) != 1:
+            raise ValueError("SplitLinear: two or more parts with the same in_features")
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] -> [..., N] (the parts' outputs concatenated along the last dim)."""
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def c_spec(self) -> tuple | None:
+        """``(5, [part specs], None, 0, N, None)`` for ``csrc/proj_spec.h`` (kind 5: split),
+        or None when a part has no C++ spec."""
+        specs = [p.c_spec() for p in self.parts]
+        if any(s is None for s in specs):
+            return None
+        return (5, specs, None, 0, self.out_features, None)
+
+    def __repr__(self) -> str:
+        return f"SplitLinear({', '.join(map(repr, self.parts))})"
+
+
+
+def leaf_linears(lins) -> list[Linear]:
+    """Each :class:`Linear`, a :class:`SplitLinear` replaced by its parts (for byte counts
+    and the start-up log)."""
+    return [p for lin in lins for p in (lin.parts if isinstance(lin, SplitLinear) else [lin])]
+
+
+def fused_linear(parts: list[torch.Tensor | QuantWeight], bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> Linear | SplitLinear:
+    """One projection over row blocks (q | k | v, gate | up): a single :class:`Linear` over
+    the concatenated rows when they share a format (GGUF blocks of one type stay blocks,
+    ``QuantWeight.cat``), else a :class:`SplitLinear` with one :class:`Linear` per run of
+    consecutive same-format parts (nothing widened).
+
+    Args:
+        parts: [N_i, K] weights, float or :class:`QuantWeight`, in output order.
+        bias: [sum N_i] or None.
+        dtype: the model dtype (fallback for quantised weights the kernels cannot run).
+    """
+    def fmt(p):
+        return (p.qtype, p.shape[1]) if isinstance(p, QuantWeight) else ("float", p.dtype)
+
+    runs: list[list] = []
+    for p in parts:
+        if runs and fmt(runs[-1][-1]) == fmt(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+
+    def cat(run):
+        if len(run) == 1:
+            return run[0]
+        if isinstance(run[0], QuantWeight):
+            return QuantWeight.cat(run)
+        return torch.cat(run)
+
+    if len(runs) == 1 or not any(isinstance(p, QuantWeight) for p in parts):
+        w = cat(parts) if len(runs) == 1 else torch.cat([p.to(dtype) for p in parts])
+        return Linear(w, bias, fallback_dtype=dtype)
+    lins, n0 = [], 0
+    for run in runs:
+        w = cat(run)
+        n = w.shape[0]
+        lins.append(Linear(w, None if bias is None else bias[n0:n0 + n], fallback_dtype=dtype))
+        n0 += n
+    return SplitLinear(lins)
 
 
 def describe_gemms(linears) -> str:

@@ -16,8 +16,6 @@ from typing import Any, Protocol
 import torch
 
 from tokenserve.models.config import DecoderArch, LayerArch, config_rope
-from tokenserve.ops.quant import dequantize_ref
-from tokenserve.ops.quant_blocks import QuantWeight
 
 Tensor = Any  # torch.Tensor or tokenserve.ops.quant_blocks.QuantWeight
 
@@ -159,16 +157,3 @@ def standard_layer(ck: Checkpoint, i: int, arch: DecoderArch, *,
         w.gate_up = [ck(p + "mlp.gate_proj.weight"), ck(p + "mlp.up_proj.weight")]
         w.down = ck(p + "mlp.down_proj.weight")
     return w
-
-
-def fuse_rows(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """One GEMM weight from row blocks (q | k | v, gate | up): one part as it is; quantised
-    parts of one format stay blocks (``QuantWeight.cat``); mixed formats are dequantised and
-    cast to ``dtype``."""
-    if len(parts) == 1:
-        return parts[0]
-    if (all(isinstance(p, QuantWeight) for p in parts)
-            and len({(p.qtype, p.shape[1]) for p in parts}) == 1):
-        return QuantWeight.cat(parts)
-    return torch.cat([dequantize_ref(p).to(dtype) if isinstance(p, QuantWeight) else p
-                      for p in parts])
