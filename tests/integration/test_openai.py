@@ -114,18 +114,7 @@ async def test_stream_include_usage(sdk, server):
 
 
 async def test_n2_chat_and_completions(sdk, server):
-    if server.kind == "pd":  # PD serves one sequence per request (MindIE too): 422
-        from tokenserve.pd.node import PD_ONE_SEQUENCE
-
-        with pytest.raises(openai.UnprocessableEntityError) as exc:
-            await chat(sdk, server, "Write a word.", n=2, max_tokens=8, temperature=1.0,
-                       seed=3)
-        assert PD_ONE_SEQUENCE in exc.value.message
-        assert exc.value.body["type"] == "Input Validation Error"
-        with pytest.raises(openai.UnprocessableEntityError):
-            await cmpl(sdk, server, ["Hello", "Bye"], max_tokens=6, stream=True, seed=1)
-        await server.assert_idle_and_leak_free()
-        return
+    # PD: the coordinator splits the request into one-sequence ones (issue 40)
     out = await chat(sdk, server, "Write a word.", n=2, max_tokens=8, temperature=1.0, seed=3)
     assert [c.index for c in out.choices] == [0, 1]
     assert out.usage.completion_tokens == sum(
@@ -139,13 +128,11 @@ async def test_n2_chat_and_completions(sdk, server):
 
 
 async def test_seed_reproducible_with_sampling(sdk, server):
-    n = 1 if server.kind == "pd" else 2  # PD: one sequence per request
-    kw = {"n": n, "max_tokens": 12, "temperature": 1.2, "top_p": 0.95, "seed": 1234}
+    kw = {"n": 2, "max_tokens": 12, "temperature": 1.2, "top_p": 0.95, "seed": 1234}
     a = await chat(sdk, server, "Write a short poem about rain.", **kw)
     b = await chat(sdk, server, "Write a short poem about rain.", **kw)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
-    if n == 2:
-        assert a.choices[0].message.content != a.choices[1].message.content  # seed, seed+1
+    assert a.choices[0].message.content != a.choices[1].message.content  # seed, seed+1
 
 
 async def test_stop_string(sdk, server):

@@ -155,6 +155,21 @@ def test_forwarded_routes_answer_as_a_mixed_server(pd, route):
         assert got.content == want.content
 
 
+def test_info_and_slot_count_give_the_decode_instances_slots(pd):
+    """issue 40: ``/info`` ``max_concurrent_requests`` and ``getSlotCount`` ``total_slots``
+    are one number on the coordinator, the sum over its decode instances (``coord``: d and
+    d2, 32 each; coordinator/capacity.py); the rest of ``/info`` is what a mixed server
+    answers."""
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    got = httpx.get(pd["coord"].url + "/info", timeout=30)
+    want = httpx.get(pd["mixed"].url + "/info", timeout=30)
+    assert got.status_code == want.status_code == 200
+    assert got.headers["content-type"] == want.headers["content-type"]
+    slots = httpx.get(pd["coord"].url + f"/v2/models/{model}/getSlotCount", timeout=30).json()
+    assert got.json()["max_concurrent_requests"] == slots["total_slots"] == 32 + 32
+    assert {**got.json(), "max_concurrent_requests": 32} == want.json()
+
+
 def _counter(url: str, name: str) -> float:
     """The sum of ``name``'s samples in ``url``'s /metrics."""
     text = httpx.get(url + "/metrics", timeout=30).text

@@ -243,7 +243,8 @@ def test_management_port_offline_p_and_add_d(cl):
         text = httpx.get(coord.url + "/metrics", timeout=30).text
         assert 'coordinator_requests_total{route="generate",status="200"}' in text
         assert f'instance="{p.addr}"' in text and f'instance="{d.addr}"' in text
-        assert "request_success_total{" in text  # the instances' own series
+        assert "instance_request_success_total{" in text  # the instances' own series
+        assert "\nrequest_success_total{" in text  # the cluster's (issue 40)
         httpx.post(mgmt + "/v1/instances/remove", json={"decode": [d.addr]}, timeout=10)
         for proc in (p, p2, d3, d):
             proc.assert_leak_free()

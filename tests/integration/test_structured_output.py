@@ -176,6 +176,52 @@ async def test_openai_strict_json_schema_stream_and_not_validate(live):
     await live.assert_idle_and_leak_free()
 
 
+# plain pydantic models: their ``model_json_schema()`` has no additionalProperties (the
+# openai SDK's ``parse`` adds them; a client sending the schema itself does not)
+class Pet(BaseModel):
+    name: str = Field(max_length=20)
+    species: str = Field(max_length=12)
+    age: int = Field(ge=0, le=30)
+
+
+class Owner(BaseModel):
+    name: str = Field(max_length=20)
+    pet: Pet
+
+
+async def test_openai_strict_schema_without_additional_properties_adds_no_keys(live):
+    """``strict: true`` reads an absent ``additionalProperties`` as false (OpenAI,
+    xgrammar): sampled at temperature 1 (seeded), every answer's keys are declared ones,
+    at the top and in the nested model, and the answer ends (the model, left free to add
+    keys, invents them until ``max_tokens``)."""
+    schema = Owner.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema)
+    client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0,
+                                timeout=600)
+    fmt = {"type": "json_schema", "json_schema": {"name": "owner", "schema": schema,
+                                                  "strict": True}}
+    msgs = [{"role": "user", "content": "Invent a pet owner and their pet; answer in JSON "
+                                        "with any details you like."}]
+
+    async def one(seed: int):
+        return await client.chat.completions.create(
+            model=live.engine.model_name, messages=msgs, response_format=fmt,
+            temperature=1.0, seed=seed, max_tokens=120)
+
+    try:
+        answers = await asyncio.gather(*(one(s) for s in range(6)))
+    finally:
+        await client.close()
+    for r in answers:
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        obj = json.loads(text)
+        assert set(obj) <= set(Owner.model_fields), text
+        assert set(obj.get("pet", {})) <= set(Pet.model_fields), text
+        Owner.model_validate(obj)
+    await live.assert_idle_and_leak_free()
+
+
 async def test_tgi_client_grammar_json_and_regex(live):
     hf = InferenceClient(base_url=live.url)
     prompt = live.engine.tokenizer.apply_chat_template(

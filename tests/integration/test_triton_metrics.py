@@ -145,7 +145,7 @@ async def test_stop_infer_stops_running_stream(server, client):
 
 async def test_metrics_count_requests(server, client):
     model = server.engine.model_name
-    if server.kind == "pd":  # the instances' own counters (the coordinator's: issue 22 b)
+    if server.kind == "pd":  # the coordinator's cluster series and the instances' own
         await pd_metrics_count_requests(server, client, model)
         return
     before = await scrape(client)
@@ -167,13 +167,31 @@ async def test_metrics_count_requests(server, client):
     assert r.status_code == 200 and r.json()["resultType"] == "vector"
 
 
+async def sums(client) -> dict[str, float]:
+    """Every sample name of ``client``'s /metrics -> the sum over its series (what a
+    dashboard's ``sum(request_received_total)`` gives)."""
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if "le" not in s.labels:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
 async def pd_metrics_count_requests(server, client, model: str) -> None:
-    """PD's equivalent of the counts below, on P's and D's own /metrics: each request is
-    received and succeeds once on P (the hand-off counts as a success) and once on D."""
+    """PD's equivalent of the counts below (issue 40). On the coordinator, MindIE's names
+    are the cluster's: each of the N requests received and succeeding once, one TTFT and
+    one e2e observation each, so a sum over a name counts a request once (before, P's
+    and D's series had those names too: 2N). The instances' own series are there as
+    ``instance_*``; on P's and D's own /metrics each request is received and succeeds
+    once (on P the hand-off counts as a success)."""
     insts = [httpx.AsyncClient(base_url=i.url, timeout=30)
              for i in (server.pair.p, server.pair.d)]
     try:
         before = [await scrape(c) for c in insts]
+        coord_before = await sums(client)
         n = 3
         for i in range(n):
             r = await client.post(f"/v2/models/{model}/generate",
@@ -181,6 +199,14 @@ async def pd_metrics_count_requests(server, client, model: str) -> None:
                                         "parameters": {"max_new_tokens": 4}})
             assert r.status_code == 200
         await server.assert_idle_and_leak_free()
+        coord = await sums(client)
+        for name in ("request_received_total", "request_success_total",
+                     "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count"):
+            assert coord[name] - coord_before.get(name, 0.0) == n, name
+        assert coord["request_failed_total"] == coord_before.get("request_failed_total", 0)
+        assert coord["request_received_total"] == \
+            coord["request_success_total"] + coord["request_failed_total"]
+        assert "instance_request_received_total" in coord  # P's and D's, by instance
         for c, b in zip(insts, before, strict=True):
             a = await scrape(c)
             assert a["request_received_total"] - b["request_received_total"] == n
@@ -205,13 +231,11 @@ async def test_triton_metadata_and_tokenizer(server, client):
         assert slots["total_slots"] == slots["free_slots"] == server.engine.cfg.max_batch_size
         st = server.engine.stats()
         assert slots["available_tokens_length"] == st.num_free_blocks * server.engine.cfg.block_size
-    else:  # [I] a cluster's slots are the sum of its instances' (P and D)
-        each = []
-        for inst in (server.pair.p, server.pair.d):
-            async with httpx.AsyncClient(base_url=inst.url, timeout=30) as c:
-                each.append((await c.get(f"/v2/models/{model}/getSlotCount")).json())
-        assert each[0]["total_slots"] == server.engine.cfg.max_batch_size
-        assert slots == {k: each[0][k] + each[1][k] for k in slots}
+    else:  # [I] a cluster's slots are its decode instances' (coordinator/capacity.py)
+        async with httpx.AsyncClient(base_url=server.pair.d.url, timeout=30) as c:
+            d_slots = (await c.get(f"/v2/models/{model}/getSlotCount")).json()
+        assert d_slots["total_slots"] == server.engine.cfg.max_batch_size
+        assert slots == d_slots  # the pair's one D
         assert slots["free_slots"] == slots["total_slots"]  # idle
     r = await client.get("/v2/models/no-such-model/getSlotCount")
     assert r.status_code == 404 and "error" in r.json()

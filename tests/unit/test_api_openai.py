@@ -573,6 +573,10 @@ STRUCTURED_CHAT = [
     ({"response_format": {"type": "json_object"}}, ("json_object", "")),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "p", "schema": {"type": "object"}, "strict": True}}},
+     # strict: unspecified additionalProperties closed (OpenAI's strict mode, issue 40)
+     ("json_schema", '{"type": "object", "additionalProperties": false}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}}}},
      ("json_schema", '{"type": "object"}')),
     ({"response_format": {"type": "json", "value": {"type": "integer"}}},  # TGI chat form
      ("json_schema", '{"type": "integer"}')),

@@ -171,3 +171,31 @@ def test_json_whitespace_is_bounded(tok, lltok) -> None:
         assert GrammarMatcher(cg, tok.encode('{"a": 1}', add_special_tokens=False))
         with pytest.raises(ValueError):
             GrammarMatcher(cg, tok.encode('{\n\n  "a": 1}', add_special_tokens=False))
+
+
+def test_strict_response_format_grammar_rejects_extra_keys(lltok) -> None:
+    """``response_format`` json_schema with ``strict: true`` and a schema that does not
+    say ``additionalProperties`` (a pydantic model's plain ``model_json_schema()``): the
+    compiled grammar accepts the declared keys only, at every nesting level; without
+    ``strict`` an extra key is allowed (JSON Schema's default)."""
+    from tokenserve.api.structured import parse_response_format
+
+    schema = {"$defs": {"Tag": {"properties": {"label": {"type": "string"}},
+                                "required": ["label"], "type": "object"}},
+              "properties": {"name": {"type": "string"},
+                             "tags": {"items": {"$ref": "#/$defs/Tag"}, "type": "array"}},
+              "required": ["name"], "type": "object"}
+    c = GrammarCompiler(lltok)
+
+    def accepts(strict: bool, text: str) -> bool:
+        fmt = {"type": "json_schema",
+               "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+        m = c.compile(parse_response_format(fmt)).matcher()
+        return m.consume_tokens(lltok.tokenize_str(text)) and m.is_accepting()
+
+    good = '{"name": "a", "tags": [{"label": "b"}]}'
+    extra = '{"name": "a", "extra": 1}'
+    nested_extra = '{"name": "a", "tags": [{"label": "b", "color": "red"}]}'
+    assert accepts(True, good) and accepts(False, good)
+    assert not accepts(True, extra) and accepts(False, extra)
+    assert not accepts(True, nested_extra) and accepts(False, nested_extra)

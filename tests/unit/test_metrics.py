@@ -143,8 +143,9 @@ async def test_failures_timeout_disconnect_stop(env) -> None:
     assert (await task).status_code == 200
     m = await scrape(client)
     assert m["request_received_total"] == 3
-    # a timeout fails; a disconnect and a stopInfer are the client going away (issue 22 c)
-    assert m["request_failed_total"] == 1 and m["request_success_total"] == 0
+    # every request is a success or a failure (MindIE's sums, issue 40); a disconnect and
+    # a stopInfer are failures that are also the client going away (issue 22 c)
+    assert m["request_failed_total"] == 3 and m["request_success_total"] == 0
     assert m["request_disconnected_total"] == 2
     assert m["failed_request_perc"] == 1.0
 
@@ -170,7 +171,7 @@ async def test_metrics_json(env) -> None:
 def test_registry_per_server_and_npu_device() -> None:
     a, b = ServerMetrics(StatsEngine()), ServerMetrics(StatsEngine(cfg=Cfg("npu")))
     assert a.registry is not b.registry
-    a.received += 1
+    a.outcomes.received += 1
     ra, rb = a.render().decode(), b.render().decode()
     assert 'request_received_total{model_name="fake-model"} 1.0' in ra
     assert 'request_received_total{model_name="fake-model"} 0.0' in rb
@@ -247,9 +248,11 @@ def test_tpot_counts_only_timed_tokens() -> None:
     assert m.success + m.failed == 1
 
 
-def test_a_client_that_went_away_is_its_own_outcome() -> None:
-    """A disconnect (or stopInfer) is request_disconnected_total, not a failure; an engine
-    error still is a failure (issue 22 c)."""
+def test_a_client_that_went_away_is_a_failure_counted_once() -> None:
+    """A disconnect (or stopInfer) is a failure, also counted in
+    request_disconnected_total (issue 22 c); received == success + failed (issue 40). A
+    request that timed out and whose client then left is one failure, not a disconnect;
+    a second ``finished`` counts nothing."""
     from tokenserve.messages import GenerateRequest, RequestOutput
     from tokenserve.sampling_params import SamplingParams
 
@@ -262,7 +265,12 @@ def test_a_client_that_went_away_is_its_own_outcome() -> None:
     run(FinishReason.ABORT, disconnected=True)
     run(FinishReason.ERROR)
     run(FinishReason.LENGTH, disconnected=True)  # it had finished: a success
-    assert (m.success, m.failed, m.disconnected) == (1, 1, 1)
+    run(FinishReason.TIMEOUT, disconnected=True)  # timed out, then the client left
+    t = m.request_started(GenerateRequest("r", (1,), SamplingParams(), arrival_time=1.0))
+    t.finished(None, disconnected=True)  # gone before any final output
+    t.finished(RequestOutput("r", (), "", True, FinishReason.TIMEOUT, 1, 0))  # no-op
+    assert (m.success, m.failed, m.disconnected) == (1, 4, 2)
+    assert m.received == m.success + m.failed
     from prometheus_client import generate_latest
 
     text = generate_latest(m.registry).decode()

@@ -126,6 +126,8 @@ class FakeServer:
         router = self.router()
         router.post("/v2/models/{model}/stopInfer", self._stop)
         router.get("/v2/models/{model}/getSlotCount", self._slots)
+        router.get("/info", self._info)
+        router.get("/metrics", self._metrics)
         self.server = HttpServer(router)
         await self.server.start("127.0.0.1", 0)
 
@@ -146,6 +148,21 @@ class FakeServer:
         total, free, tokens = self.slots
         await response.send_json(200, {"total_slots": total, "free_slots": free,
                                        "available_tokens_length": tokens})
+
+    async def _info(self, request: HttpRequest, response: HttpResponse) -> None:
+        """TGI ``/info`` (spec/interfaces.md §3.5), its slots this fake's ``total_slots``."""
+        await response.send_json(200, {"max_concurrent_requests": self.slots[0],
+                                       "max_batch_total_tokens": 2048,
+                                       "models": [{"model_id": MODEL}]})
+
+    #: this fake's request_received_total (its own /metrics, as an instance's)
+    received = 1
+
+    async def _metrics(self, request: HttpRequest, response: HttpResponse) -> None:
+        text = ("# HELP request_received_total Requests received\n"
+                "# TYPE request_received_total counter\n"
+                f'request_received_total{{model_name="{MODEL}"}} {float(self.received)}\n')
+        await response.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     async def _stop(self, request: HttpRequest, response: HttpResponse) -> None:
         self.stops.append((request.path, orjson.loads(request.body)))
@@ -1049,15 +1066,31 @@ async def test_d_request_no_flow_waits_for_is_stopped_once() -> None:
 
 
 @bounded
-async def test_slot_count_is_the_sum_over_p_and_d() -> None:
-    """``getSlotCount`` on the coordinator: every usable P and D asked, fields summed
-    ([I] a cluster's slots); a P's 404 for an unknown model is relayed."""
+async def test_slots_are_the_decode_instances_sum_in_get_slot_count_and_info() -> None:
+    """issue 40: ``getSlotCount`` ``total_slots`` and ``/info`` ``max_concurrent_requests``
+    are one number on the coordinator, the cluster's slots: every usable D asked, fields
+    summed (coordinator/capacity.py: a request holds a D slot for its whole decode, a P
+    slot only until its hand-off); the Ps' slots are not in it. A D's 404 for an unknown
+    model is relayed."""
     async with cluster((100, 100), n_p=2) as cl:
+        for p in cl.ps:
+            p.slots = (64, 60, 9600)  # P's own: in neither answer
         cl.ds[0].slots = (20, 15, 3200)
         r = await cl.client.get(f"/v2/models/{MODEL}/getSlotCount")
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-        assert r.json() == {"total_slots": 10 + 10 + 20 + 10, "free_slots": 7 + 7 + 15 + 7,
-                            "available_tokens_length": 1600 * 3 + 3200}
+        assert r.json() == {"total_slots": 20 + 10, "free_slots": 15 + 7,
+                            "available_tokens_length": 3200 + 1600}
+        info = await cl.client.get("/info")
+        assert info.status_code == 200 and info.headers["content-type"] == "application/json"
+        assert info.json() == {"max_concurrent_requests": 20 + 10,
+                               "max_batch_total_tokens": 2048,
+                               "models": [{"model_id": MODEL}]}  # the rest: P's answer
+        assert info.json()["max_concurrent_requests"] == r.json()["total_slots"]
+        cl.ds[1].kill()  # unusable once noticed: out of both numbers alike
+        while (await cl.client.get(f"/v2/models/{MODEL}/getSlotCount")).json()[
+                "total_slots"] != 20:
+            await asyncio.sleep(0.01)
+        assert (await cl.client.get("/info")).json()["max_concurrent_requests"] == 20
         r = await cl.client.get("/v2/models/other/getSlotCount")
         assert r.status_code == 404 and r.json() == {"error": "no such model"}
 

@@ -8,10 +8,12 @@ import asyncio
 import logging
 
 import httpx
+import orjson
 import pytest
 
 from tests.unit.test_pd_coordinator import (
     D_LAST_JSON,
+    MODEL,
     FakeD,
     bounded,
     cluster,
@@ -199,11 +201,87 @@ async def test_coordinator_metrics_count_requests_retries_and_failovers() -> Non
                     (("route", "mindie.infer"), ("status", "200")))] == 2
     assert samples[("coordinator_retries_total", ())] == 1
     assert samples[("coordinator_failovers_total", (("kind", "prefill"),))] == 1
-    assert samples[("coordinator_ttft_seconds_count", ())] == 2
-    assert samples[("coordinator_e2e_seconds_count", ())] == 2
+    mindie = (("model_name", MODEL),)  # the cluster's series: each request once
+    assert samples[("request_received_total", mindie)] == 2
+    assert samples[("request_success_total", mindie)] == 2
+    assert samples[("time_to_first_token_seconds_count", mindie)] == 2
+    assert samples[("e2e_request_latency_seconds_count", mindie)] == 2
     assert samples[("coordinator_requests_in_flight", ())] == 0
     outstanding = [k for k in samples if k[0] == "coordinator_instance_outstanding"]
     assert len(outstanding) == 3 and all(samples[k] == 0 for k in outstanding)
+
+
+async def _settled(cl) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The coordinator's /metrics samples once no request is in flight."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    while True:
+        text = (await cl.client.get("/metrics")).text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        if samples[("coordinator_requests_in_flight", ())] == 0:
+            return samples
+        await asyncio.sleep(0.01)
+
+
+@bounded
+async def test_coordinator_counts_each_request_once_under_mindie_names() -> None:
+    """issue 40: the MindIE names on the coordinator are the cluster's, each request
+    counted once (P and D each also count it: their series are ``instance_*``, labelled
+    by instance); success = the whole 200 answer; P's validation refusal is not counted
+    (as on a mixed server); D's error and a client gone are failures, the latter also a
+    disconnect; received == success + failed; TTFT per request P answered."""
+
+    async def script(p, request):
+        rid, d = request.headers["req-id"], cl.d_for(request)
+        what = orjson.loads(request.body)["inputs"]
+        if what == "bad":
+            return 422, b'{"error":"bad","error_type":"Input Validation Error"}'
+        if what == "err":
+            d.say(rid, ("error", "boom"))
+        elif what == "ok":
+            d.say(rid, ("ids", "1,5"), ("lastData", D_LAST_JSON))
+        stream = what in ("gone", "ok-stream")
+        if what == "ok-stream":
+            d.say(rid, ("ids", "1,5"), ("lastData", 'data: {"x":1}\n\n'))
+        return 200, p_answer(rid, stream, output="data: {}\n\n" if stream else None)
+
+    async with cluster(n_p=2) as cl:
+        cl.script(script)
+        for p in cl.ps:
+            p.received = 5  # what the instances say about themselves
+        cl.ds[0].received = 5
+        assert (await cl.client.post("/infer", json={"inputs": "ok"})).status_code == 200
+        r = await cl.client.post("/infer", json={"inputs": "ok-stream", "stream": True})
+        assert r.status_code == 200
+        assert (await cl.client.post("/infer", json={"inputs": "bad"})).status_code == 422
+        assert (await cl.client.post("/infer", json={"inputs": "err"})).status_code == 500
+        async with cl.client.stream("POST", "/infer",
+                                    json={"inputs": "gone", "stream": True}) as s:
+            async for _ in s.aiter_bytes():
+                break  # hang up after P's first event: D never finishes it
+        await until(lambda: any(d.stops for d in cl.ds))
+        samples = await _settled(cl)
+        names = {f"127.0.0.1:{f.port}": k for k, fs in (("prefill", cl.ps), ("decode", cl.ds))
+                 for f in fs}
+    cluster_lbl = (("model_name", MODEL),)
+
+    def at(name: str) -> float:
+        return samples[(name, cluster_lbl)]
+
+    assert at("request_received_total") == 4  # the 422 never reached an engine
+    assert at("request_success_total") == 2 and at("request_failed_total") == 2
+    assert at("request_received_total") == \
+        at("request_success_total") + at("request_failed_total")
+    assert at("request_disconnected_total") == 1
+    assert at("failed_request_perc") == 0.5
+    assert at("time_to_first_token_seconds_count") == 4  # P answered each of the 4
+    assert at("e2e_request_latency_seconds_count") == 4
+    # a sum over a MindIE name is the cluster's: no instance series under it
+    assert sum(v for (n, _), v in samples.items() if n == "request_received_total") == 4
+    inst = {dict(lbl)["instance"]: (dict(lbl)["kind"], v) for (n, lbl), v in samples.items()
+            if n == "instance_request_received_total"}
+    assert inst == {name: (kind, 5.0) for name, kind in names.items()}
 
 
 @bounded

@@ -61,10 +61,13 @@ class Coord(str, enum.Enum):
     FORWARD = "forward"  # to the least loaded P, answer unchanged
     STOP = "stop"  # stopInfer: to the instances holding the request (else a P)
     MANAGE = "manage"  # the coordinator's own (management port, metrics)
-    #: [I] every usable instance (P and D) is asked; numeric fields of their 200 answers
-    #: are summed (a cluster's slots are the sum of its instances'), else the first
-    #: non-200 answer is relayed
+    #: [I] every usable decode instance is asked; numeric fields of their 200 answers
+    #: are summed (a cluster's slots are its decode instances': coordinator/capacity.py),
+    #: else the first non-200 answer is relayed
     SUM = "sum"
+    #: [I] TGI ``/info``: a P's answer with ``max_concurrent_requests`` = the cluster's
+    #: slots, the ``total_slots`` that :attr:`SUM` gives for getSlotCount (one number)
+    INFO = "info"
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ ROUTES: tuple[Route, ...] = (
     _r("POST", f"{_M}/generate_stream", "triton.generate_stream", _F.TRITON, _B,
        "triton.generate_stream", Stream.ALWAYS, "text_input", Coord.RELAY),
     # --- the families' other routes ---------------------------------------------------------
-    _r("GET", "/info", "tgi.info", _F.TGI, _MG, "tgi.info", coordinator=Coord.FORWARD),
+    _r("GET", "/info", "tgi.info", _F.TGI, _MG, "tgi.info", coordinator=Coord.INFO),
     _r("GET", "/v1/models", "openai.models", _F.OPENAI, _B, "openai.list_models",
        coordinator=Coord.FORWARD),
     _r("GET", "/v1/models/{model}", "openai.model", _F.OPENAI, _B, "openai.get_model",

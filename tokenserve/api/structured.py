@@ -13,6 +13,9 @@ Sources:
             ``/v1/chat/completions`` with it; TGI reads ``json_object`` with a ``value`` as
             ``json``, which ``huggingface_hub``'s ``chat_completion`` sends for a
             ``json_schema``), and ``strict: false`` is enforced too (as vLLM).
+            ``strict: true`` closes the schema's objects first (:func:`closed_objects`:
+            OpenAI's strict mode and xgrammar's ``strict_mode`` read an absent
+            ``additionalProperties`` as false; JSON Schema itself reads it as true).
     vLLM    ``guided_json`` (object or JSON text), ``guided_regex``, ``guided_choice``
             (list of strings), ``guided_grammar`` (docs.vllm.ai "Structured Outputs"); at
             most one of them, and not with a non-text ``response_format``.
@@ -35,6 +38,58 @@ from tokenserve.sampling_params import ConstraintKind, StructuredOutput
 #: OpenAI: ``json_schema.name`` is 1..64 of a-z, A-Z, 0-9, underscore and dash.
 _NAME_MAX = 64
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+#: where a schema holds subschemas :func:`closed_objects` closes: lists of them, maps of
+#: them, and single ones (``items`` may be a list too: the draft-4 tuple form).
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "additionalProperties")
+#: an object schema with one of these says what extra keys may be: left as it is.
+_EXTRA_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema (``type``
+    ``object``, or one listing ``properties``) that says nothing about extra keys [I]:
+    what OpenAI's strict mode and xgrammar's ``strict_mode`` do; an explicit value
+    (``true`` or a schema) is kept. A copy: ``schema`` is not changed.
+
+    Reached: ``properties``, ``patternProperties``, ``$defs`` / ``definitions``,
+    ``items`` (one or a list), ``prefixItems``, ``additionalItems``, a schema-valued
+    ``additionalProperties``, ``anyOf`` and ``oneOf`` branches. ``allOf`` is read as an
+    intersection (llguidance, as JSON Schema): closing its branches, or the object that
+    holds it, would reject the other branches' keys, so those stay open (the schemas
+    nested in them are closed). ``not`` and ``if``/``then``/``else`` are left as they are
+    (closing a negated or conditional schema would widen what it allows).
+
+    The grammar then generates only the declared properties: a 135M model left free to
+    add keys writes made-up ones until ``max_tokens``. Every such answer still validates
+    against the original schema (it allows a superset).
+    """
+    return _close(schema, close_self=True)
+
+
+def _close(schema: Any, *, close_self: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _close(v, close_self=True) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(v, close_self=True) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key], close_self=True)
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_close(v, close_self=False) for v in out["allOf"]]
+        close_self = False
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) \
+        or (kind is None and "properties" in out)
+    if close_self and is_object and not _EXTRA_KEYS & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def _json_text(value: Any, where: str) -> str:
@@ -46,7 +101,16 @@ def _json_text(value: Any, where: str) -> str:
     raise ValueError(f"Parameter {where} must be a JSON schema object.")
 
 
-def _schema_value(value: Any, where: str) -> StructuredOutput:
+def _schema_value(value: Any, where: str, *, strict: bool = False) -> StructuredOutput:
+    """A JSON_SCHEMA constraint; ``strict``: its objects closed (:func:`closed_objects`).
+    A schema text that is not JSON is kept as it is (the compiler's 400 names it)."""
+    if strict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return StructuredOutput(ConstraintKind.JSON_SCHEMA, value)
+        value = closed_objects(value)
     return StructuredOutput(ConstraintKind.JSON_SCHEMA, _json_text(value, where))
 
 
@@ -93,7 +157,7 @@ def parse_response_format(value: Any, *, name: str = "response_format") -> Struc
         schema = spec.get("schema")
         if schema is None:  # OpenAI: schema is optional; then any JSON value
             schema = {}
-        return _schema_value(schema, f"{name}.json_schema.schema")
+        return _schema_value(schema, f"{name}.json_schema.schema", strict=strict is True)
     if kind == "json":  # TGI chat
         return _schema_value(value.get("value"), f"{name}.value")
     if kind == "regex":  # TGI chat

@@ -14,13 +14,17 @@ One module per job: :mod:`~tokenserve.coordinator.reqids` (request ids),
 :mod:`~tokenserve.coordinator.ingress` (routes, stream detection, §3.2 errors),
 :mod:`~tokenserve.coordinator.pool` (status polling, P/D choice, stopInfer),
 :mod:`~tokenserve.coordinator.dlink` (the /dresult streams),
-:mod:`~tokenserve.coordinator.relay` (one request: submit, relay, resubmit).
+:mod:`~tokenserve.coordinator.relay` (one request: submit, relay, resubmit),
+:mod:`~tokenserve.coordinator.fanout` (a request for several sequences: one relay per
+sequence, answers merged by :mod:`~tokenserve.coordinator.merge`).
 
 Other routes on the same port (the route table's coordinator column): ``GET /health``,
-``/v1/models[/{m}]``, ``/info``, ``/v1/config``, ``/v2``, ``/v2/models/{m}[/config]`` and
+``/v1/models[/{m}]``, ``/v1/config``, ``/v2``, ``/v2/models/{m}[/config]`` and
 ``POST /v1/tokenizer``, ``/health/timed[-{n}]`` (a virtual inference on that P) and
 ``/metrics-json`` (that P's metrics, [I]) are forwarded to a P; Triton's
-``getSlotCount`` is the sum over the usable instances ([I]); the §9.4 status probes (``/v1/startup``,
+``getSlotCount`` is the sum over the usable decode instances, and ``/info`` a P's answer
+whose ``max_concurrent_requests`` is that sum's ``total_slots`` ([I] one number, the
+cluster's slots: :mod:`~tokenserve.coordinator.capacity`); the §9.4 status probes (``/v1/startup``,
 ``/v1/health``, ``/v1/readiness``, ``/v2/health/live``, ``/v2/health/ready``,
 ``/v2/models/{m}/ready``) answer 200 while a P and a D are usable, else 503.
 """
@@ -41,9 +45,16 @@ from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json
 from tokenserve.api.routes import ROUTES, Coord, Family, Route, match, path_of, plane_of
 from tokenserve.config.flags import coordinator_config
 from tokenserve.config.tree import CoordinatorConfig
+from tokenserve.coordinator import capacity
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.dlink import DLink
-from tokenserve.coordinator.ingress import AdmissionError, classify, forward_headers
+from tokenserve.coordinator.fanout import FanOut, max_sequences, plan_fan_out
+from tokenserve.coordinator.ingress import (
+    AdmissionError,
+    Ingress,
+    classify,
+    forward_headers,
+)
 from tokenserve.coordinator.manage import Management
 from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
@@ -165,7 +176,7 @@ class Coordinator:
         router = Router()
         handlers = {Coord.RELAY: self.infer, Coord.PROBE: self.probe,
                     Coord.FORWARD: self.forward, Coord.STOP: self.stop_infer,
-                    Coord.SUM: self.sum_over_instances}
+                    Coord.SUM: self.sum_over_instances, Coord.INFO: self.cluster_info}
         manage = Management(self.pool, self.watch, self.unwatch,
                             lambda: [f.cost for f in self._flows.values()])
         own = {**manage.handlers(), "server.metrics": self.serve_metrics}
@@ -179,7 +190,10 @@ class Coordinator:
     async def infer(self, request: HttpRequest, response: HttpResponse) -> None:
         """An inference request (§3.1-§3.3): admitted (429 / 503 in the family's error
         shape, §3.2 rule [I]), given a fresh req-id, then relayed through a P and a D
-        (:class:`Flow`). The body is not validated: P does (§3.2 rule [I] (b))."""
+        (:class:`Flow`). The body is not validated: P does (§3.2 rule [I] (b)). A
+        request for several sequences (OpenAI ``n``, vLLM ``n``) is split into
+        single-sequence ones whose answers are merged
+        (:mod:`tokenserve.coordinator.fanout`)."""
         ingress = classify(request.path, request.body, self.cfg.chars_per_token)
         try:
             if self.in_flight >= self.cfg.max_requests:
@@ -193,11 +207,24 @@ class Coordinator:
             self.metrics.requests.labels(route.name if route else "other",
                                          str(exc.status)).inc()
             return
+        plan = plan_fan_out(request.path, ingress, max_sequences(self.pool.prefill))
+        if plan is not None:  # n > 1: one single-sequence request per choice, merged
+            await FanOut(plan, request, response, self._relay,
+                         self.cfg.chars_per_token).run()
+            return
+        await self._relay(request, response, ingress)
+
+    async def _relay(self, request: HttpRequest, response: HttpResponse,
+                     ingress: Ingress, counted: bool = True) -> None:
+        """Relay one admitted single-sequence request through a P and a D
+        (:class:`Flow`, registered under a fresh req-id while it runs); ``counted``:
+        it is recorded in the metrics (a split request's first part only: the client's
+        request is counted once)."""
         req_id = self._ids.next()
         while req_id in self._flows:  # pragma: no cover - 2**64 ids
             req_id = self._ids.next()
         ctx = FlowContext(self.cfg, self.pool, self._client_or_fail(), self.spawn,
-                          self._rekey, self.metrics)
+                          self._rekey, self.metrics if counted else None)
         flow = Flow(ctx, req_id, request, response, ingress)
         self._flows[req_id] = flow  # before P sees it: D may answer first (§11)
         try:
@@ -271,55 +298,106 @@ class Coordinator:
 
     async def sum_over_instances(self, request: HttpRequest, response: HttpResponse) -> None:
         """The routes the table marks ``Coord.SUM`` (Triton's ``getSlotCount``, spec §6.2):
-        [I] every usable instance, P and D, is asked on the plane that serves the route;
-        the answer is their 200 answers with every numeric field summed (a cluster's
-        ``total_slots``, ``free_slots`` and ``available_tokens_length`` are the sums of
-        its instances'), so its shape and content type are a mixed server's. The first
-        non-200 answer (404 for a model the instances do not serve) is relayed
-        unchanged; 503 when no P or D is usable; 500 ``Connect to p instance failed``
-        when none answers."""
+        [I] every usable decode instance is asked on the plane that serves the route
+        (:mod:`~tokenserve.coordinator.capacity`: a cluster's slots are its decode
+        instances'); the answer is their 200 answers with every numeric field summed
+        (``total_slots``, ``free_slots``, ``available_tokens_length``), so its shape and
+        content type are a mixed server's. The first non-200 answer (404 for a model the
+        instances do not serve) is relayed unchanged; 503 when no P or D is usable; 500
+        ``Connect to p instance failed`` when none answers."""
         route = match(request.method, request.path)
         if not self.pool.ready():
             await _send_error(response, route, 503, msg.NOT_READY)
             return
-        insts = [i for i in self.pool.prefill + self.pool.decode if i.usable()]
-        answers = await asyncio.gather(*(self._ask(i, route, request) for i in insts))
-        got = [a for a in answers if a is not None]
-        bad = next((a for a in got if a.status_code != 200), None)
-        if bad is not None or not got:
-            if bad is None:
+        total, first = await self._cluster_slots(request, request.path)
+        if total is None:
+            if first is None:
                 await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
             else:
-                await response.send(bad.status_code, bad.content,
-                                    bad.headers.get("content-type", "application/json"))
+                await response.send(first.status_code, first.content,
+                                    first.headers.get("content-type", "application/json"))
             return
-        total: dict[str, Any] = {}
+        assert first is not None
+        await response.send(200, orjson.dumps(total),
+                            first.headers.get("content-type", "application/json"))
+
+    async def cluster_info(self, request: HttpRequest, response: HttpResponse) -> None:
+        """TGI ``GET /info`` (the table's ``Coord.INFO``, spec §3.5): a P's answer, as
+        :meth:`forward` relays it, with ``max_concurrent_requests`` = the cluster's
+        ``total_slots``, the number ``getSlotCount`` answers (both are MindIE's
+        ``maxBatchSize``; a cluster's is its decode instances' sum, the reasoning in
+        :mod:`~tokenserve.coordinator.capacity`). A P answer that is not a 200 ``/info``
+        document is relayed unchanged; 503 when no P or D is usable; 500 ``Connect to p
+        instance failed`` when no P, or no D, answers."""
+        route = match(request.method, request.path)
+        p = self.pool.choose_p()
+        if p is None or not self.pool.ready():
+            await _send_error(response, route, 503, msg.NOT_READY)
+            return
+        answer = await self._ask(p, route, request)
+        if answer is None:
+            await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
+            return
+        content_type = answer.headers.get("content-type", "application/json")
+        info: Any = None
+        if answer.status_code == 200:
+            try:
+                info = orjson.loads(answer.content)
+            except orjson.JSONDecodeError:
+                info = None
+        model = capacity.served_model(info) if isinstance(info, dict) else None
+        if model is None:
+            await response.send(answer.status_code, answer.content, content_type)
+            return
+        slots, _ = await self._cluster_slots(request, path_of("triton.slot_count",
+                                                                model=model))
+        if slots is None or not isinstance(slots.get(capacity.TOTAL_SLOTS), int):
+            await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
+            return
+        assert isinstance(info, dict)
+        await response.send(200, orjson.dumps(capacity.with_cluster_slots(info, slots)),
+                            content_type)
+
+    async def _cluster_slots(self, request: HttpRequest, path: str
+                             ) -> tuple[dict[str, Any] | None, httpx.Response | None]:
+        """``GET path`` (a getSlotCount path) on every usable decode instance
+        (:func:`capacity.slot_instances`), their answers summed
+        (:func:`capacity.sum_fields`), with the first answer (its content type). (None,
+        the first non-200 answer) when one refused; (None, None) when none answered or
+        an answer is not a JSON object."""
+        route = match("GET", path)
+        insts = capacity.slot_instances(self.pool)
+        answers = await asyncio.gather(*(self._ask(i, route, request, path)
+                                         for i in insts))
+        got = [a for a in answers if a is not None]
+        bad = next((a for a in got if a.status_code != 200), None)
+        if bad is not None:
+            return None, bad
+        parts = []
         for a in got:
             try:
                 part = orjson.loads(a.content)
             except orjson.JSONDecodeError:
                 part = None
             if not isinstance(part, dict):
-                await _send_error(response, route, 500, msg.CONNECT_P_FAILED)
-                return
-            for key, value in part.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    total[key] = total.get(key, 0) + value
-                else:
-                    total.setdefault(key, value)
-        await response.send(200, orjson.dumps(total),
-                            got[0].headers.get("content-type", "application/json"))
+                return None, None
+            parts.append(part)
+        if not parts:
+            return None, None
+        return capacity.sum_fields(parts), got[0]
 
-    async def _ask(self, inst: Instance, route: Route | None,
-                   request: HttpRequest) -> httpx.Response | None:
-        """The client's request sent to ``inst`` on the plane serving ``route``; None
-        when it fails."""
+    async def _ask(self, inst: Instance, route: Route | None, request: HttpRequest,
+                   path: str | None = None) -> httpx.Response | None:
+        """The client's request sent to ``inst`` on the plane serving ``route`` (to
+        ``path`` instead of the client's when given, without the query); None when it
+        fails."""
         plane = route.plane if route is not None else Plane.BUSINESS
         base = inst.addr.base_url if plane is Plane.BUSINESS else inst.addr.mgmt_url
-        url = base + request.path + (f"?{request.query}" if request.query else "")
+        if path is None:
+            path = request.path + (f"?{request.query}" if request.query else "")
         try:
             return await self._client_or_fail().request(
-                request.method, url, headers=forward_headers(request.headers),
+                request.method, base + path, headers=forward_headers(request.headers),
                 content=request.body or None, timeout=self.cfg.status_timeout_s)
         except httpx.HTTPError:
             return None

@@ -53,7 +53,7 @@ from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.history import TokenHistory
 from tokenserve.coordinator.ingress import Ingress, forward_headers
-from tokenserve.coordinator.metrics import CoordinatorMetrics
+from tokenserve.coordinator.metrics import CoordinatorMetrics, refused_before_engine
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.pd.wire import DMessage, WholeAnswer, vllm_body
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
@@ -169,7 +169,10 @@ class Flow:
         self._history = TokenHistory()
         self._p_lost = False  # the last submission's P failed before answering
         self._arrival = now
-        self._ttft_seen = False
+        self._delivered = False  # the client got the whole 200 answer
+        self._p_refused = False  # P's refusal (before its engine) was relayed
+        #: the cluster series (coordinator/metrics.py): counted once, ended once
+        self._count_in = ctx.metrics.request(now) if ctx.metrics is not None else None
 
     @property
     def cost(self) -> int:
@@ -206,10 +209,12 @@ class Flow:
         self._request.disconnected.subscribe(self._on_gone)
         if self._request.disconnected.is_set():
             self._on_gone()
+        gone = False
         try:
             while not await self._attempt():
                 pass
         except ClientDisconnected:
+            gone = True
             logger.info("request %s: client gone", self.req_id)
         except Failure as f:
             logger.warning("request %s failed: %d %s", self.req_id, f.status, f.message)
@@ -219,7 +224,7 @@ class Flow:
             self._request.disconnected.unsubscribe(self._on_gone)
             if self.d is not None:
                 self.d.outstanding -= 1
-            self._record_end()
+            self._record_end(gone)
             if not self._completed and self.p is not None:
                 stop = [i for i in (self.p, self.d) if i is not None]
                 self._ctx.spawn(self._ctx.pool.stop_infer(stop, self.req_id))
@@ -389,9 +394,9 @@ class Flow:
                 await self._send_whole(obj["outputBytes"])
             else:
                 await resp.send(200, output.encode(), "application/json")
-        self._first_byte()
+        self._first_token()
         self._answered = True
-        self._completed = last
+        self._completed = self._delivered = last
         return last
 
     async def _send_whole(self, text: str) -> None:
@@ -424,6 +429,7 @@ class Flow:
             raise Failure(reply.status, reply.body.decode(errors="replace"))
         await self._response.send(reply.status, reply.body, reply.content_type)
         self._completed = True  # P refused it: nothing runs
+        self._p_refused = refused_before_engine(reply.status)
         return True
 
     def _count_retry(self, status: int = 500, text: str = msg.RETRY_FAILED) -> None:
@@ -443,20 +449,24 @@ class Flow:
         else:
             m.failovers.labels(kind).inc()
 
-    def _first_byte(self) -> None:
-        """Metrics: the client got its first byte now (once)."""
-        if not self._ttft_seen and self._response.started and self._ctx.metrics is not None:
-            self._ttft_seen = True
-            self._ctx.metrics.ttft.observe(asyncio.get_running_loop().time() - self._arrival)
+    def _first_token(self) -> None:
+        """Metrics: P answered 200, so the first token exists (and a stream's first
+        bytes have just gone out): the request is received, its TTFT observed (once)."""
+        if self._count_in is not None:
+            self._count_in.first_token(asyncio.get_running_loop().time())
 
-    def _record_end(self) -> None:
+    def _record_end(self, gone: bool) -> None:
+        """Metrics: the request is over (``gone``: its client went away)."""
         m = self._ctx.metrics
         if m is None:
             return
         route = match(self._request.method, self._request.path)
         status = self._response.status if self._response.started else 499
         m.requests.labels(route.name if route else "other", str(status)).inc()
-        m.e2e.observe(asyncio.get_running_loop().time() - self._arrival)
+        if self._count_in is not None:
+            self._count_in.ended(asyncio.get_running_loop().time(), ok=self._delivered,
+                                 disconnected=gone and not self._delivered,
+                                 refused=self._p_refused)
 
     def _after_p_lost(self) -> None:
         """The P of the last submission failed before answering: whatever it handed to
@@ -510,7 +520,6 @@ class Flow:
         elif m.kind == "data":
             if stream:
                 await resp.write(self._stream_body(m.body))
-                self._first_byte()
         elif m.kind == "lastData":
             self._completed = True
             if stream:
@@ -521,12 +530,12 @@ class Flow:
                 await resp.end()
             else:
                 await resp.send(200, m.body.encode(), "application/json")
-            self._first_byte()
+            self._delivered = True
             return True
         elif m.kind == "lastBytes" and not stream:  # [I] not JSON text (pd/wire.py)
             self._completed = True
             await self._send_whole(m.body)
-            self._first_byte()
+            self._delivered = True
             return True
         elif m.kind == "error":
             self._completed = True

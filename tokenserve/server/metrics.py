@@ -21,13 +21,16 @@ Every series carries ``model_name="<engine.info.model_name>"`` (spec §7.7).
 [I] decisions:
 - MindIE serves ``/metrics`` only when env ``MIES_SERVICE_MONITOR_MODE=1`` (else 500);
   we always serve it (vLLM/TGI users expect ``/metrics``); the variable is not read.
-- success = the engine's final output ended with EOS/stop or length; a client that went
-  away (disconnect, or stopInfer: how a disconnect reaches a PD decode instance) is
-  ``request_disconnected_total`` (issue 22 c), neither success nor failure; anything
-  else (timeout, engine error) counts as failed, so
-  ``received == success + failed + disconnected`` whenever no request is in flight.
-  Requests rejected
-  by validation (4xx) never reach the engine and are not counted.
+- every received request ends in exactly one of ``request_success_total`` (the engine's
+  final output ended with EOS/stop or length; on a PD prefill instance, the hand-off) and
+  ``request_failed_total`` (anything else: timeout, engine error, the client gone), so
+  ``received == success + failed`` whenever no request is in flight (MindIE's sums,
+  issue 40). ``request_disconnected_total`` (issue 22 c) counts, among the failures, the
+  requests ended because their client went away (a disconnect, or stopInfer: how a
+  disconnect reaches a PD decode instance) before the engine ended them; a request that
+  timed out and whose client then left is one failure, not a disconnect. A tracker ends
+  once (:meth:`RequestTracker.finished` is idempotent), so nothing is counted twice.
+  Requests rejected by validation (4xx) never reach the engine and are not counted.
 - TPOT is observed once per request: the summed ``decode_time_ms`` of its outputs after
   the first, divided by the tokens those outputs carried (tokens merged into the first
   output have no decode time of their own).
@@ -41,7 +44,6 @@ Every series carries ``model_name="<engine.info.model_name>"`` (spec §7.7).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import time
@@ -49,60 +51,30 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenserve.api.prometheus import (
+    CONTENT_TYPE,
+    E2E_BUCKETS,
+    TOKEN_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+    Outcomes,
+    histogram_family,
+    request_families,
+)
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-#: spec §7.7 content type ([I] with the text-format version, as prometheus_client 0.x).
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-#: spec §7.7 buckets (seconds / tokens).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
-TOKEN_BUCKETS = (10, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 16000, 20000, 32000,
-                 50000, 64000, 128000)
+__all__ = ["CONTENT_TYPE", "E2E_BUCKETS", "RECENT_WINDOW", "TOKEN_BUCKETS", "TPOT_BUCKETS",
+           "TTFT_BUCKETS", "Histogram", "RequestTracker", "ServerMetrics"]
+
 #: /metrics-json: TTFT/TBT are averages over this many recent requests (spec §7.6).
 RECENT_WINDOW = 100
 _OK = (FinishReason.EOS, FinishReason.LENGTH)
-
-
-class Histogram:
-    """A plain histogram (observations on the event loop; read at scrape time)."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # last: above every bound (+Inf only)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative ``(le, count)`` pairs ending with ``+Inf``."""
-        out, acc = [], 0
-        for bound, n in zip(self.bounds, self.counts):
-            acc += n
-            out.append((_le(bound), acc))
-        out.append(("+Inf", self.count))
-        return out
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 class RequestTracker:
@@ -149,14 +121,18 @@ class RequestTracker:
         """The request is over (``last`` is its final output, or None when it never
         got one: disconnect, engine failure). ``handed_off``: it went on on a decode
         instance (PD), a success here; ``disconnected``: its client went away (or
-        stopped it), neither success nor failure. Idempotent."""
+        stopped it): a failure, also counted as a disconnect unless the engine had
+        already ended the request otherwise (a timeout, an engine error). Idempotent:
+        the first call counts, so a request is one success or one failure."""
         if self._done:
             return
         self._done = True
         ok = handed_off or (last is not None and last.finished and last.finish_reason in _OK)
+        ended_first = (last is not None and last.finished
+                       and last.finish_reason is not FinishReason.ABORT)
         tokens = max(self._tokens, last.num_output_tokens if last is not None else 0)
         self._metrics.record_end(
-            ok=ok, disconnected=disconnected and not ok,
+            ok=ok, disconnected=disconnected and not ok and not ended_first,
             prompt_tokens=self._prompt_tokens, generation_tokens=tokens,
             ttft_s=self._ttft_s,
             tpot_s=self._decode_ms / self._decode_tokens / 1e3 if self._decode_tokens else None,
@@ -179,10 +155,8 @@ class ServerMetrics:
         self.kv_device = device if device in ("npu", "cuda", "cpu") else "cpu"
         #: ``<managementIp>:<port>`` for ``/metrics-json`` (set by ``serve``).
         self.instance = ""
-        self.received = 0
-        self.success = 0
-        self.failed = 0
-        self.disconnected = 0
+        #: received requests and how they ended (``request_*_total``)
+        self.outcomes = Outcomes()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -198,23 +172,39 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
+    @property
+    def received(self) -> int:
+        """``request_received_total``."""
+        return self.outcomes.received
+
+    @property
+    def success(self) -> int:
+        """``request_success_total``."""
+        return self.outcomes.success
+
+    @property
+    def failed(self) -> int:
+        """``request_failed_total``."""
+        return self.outcomes.failed
+
+    @property
+    def disconnected(self) -> int:
+        """``request_disconnected_total`` (failures whose client went away)."""
+        return self.outcomes.disconnected
+
     # ------------------------------------------------------------------ recording
 
     def request_started(self, request: GenerateRequest) -> RequestTracker:
         """``request_received_total`` += 1; the tracker records the rest."""
-        self.received += 1
+        self.outcomes.received += 1
         return RequestTracker(self, request)
 
     def record_end(self, *, ok: bool, prompt_tokens: int, generation_tokens: int,
                    ttft_s: float | None, tpot_s: float | None, e2e_s: float,
                    disconnected: bool = False) -> None:
-        """Account one ended request (see the module docstring for what counts)."""
-        if ok:
-            self.success += 1
-        elif disconnected:
-            self.disconnected += 1
-        else:
-            self.failed += 1
+        """Account one ended request: a success when ``ok``, else a failure (and, when
+        ``disconnected``, also a disconnect); see the module docstring."""
+        self.outcomes.end(ok, disconnected)
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generation_tokens)
         self.e2e.observe(e2e_s)
@@ -300,19 +290,10 @@ class _Collector(Collector):
             g.add_metric(val, value)
             return g
 
-        def hist(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
-            f = HistogramMetricFamily(name, doc, labels=lbl)
-            f.add_metric(val, h.buckets(), h.sum)
-            return f
+        def hist(name: str, doc: str, h: Histogram) -> Metric:
+            return histogram_family(name, doc, lbl, val, h)
 
-        yield counter("request_received", "Requests received by the engine", m.received)
-        yield counter("request_success", "Requests completed", m.success)
-        yield counter("request_failed", "Requests failed", m.failed)
-        yield counter("request_disconnected",
-                      "Requests whose client went away (disconnect or stopInfer)",
-                      m.disconnected)
-        yield gauge("failed_request_perc", "Failed / finished requests (1 = 100%)",
-                    m.failed / (m.success + m.failed) if m.success + m.failed else 0.0)
+        yield from request_families(lbl, val, m.outcomes)
         yield hist("time_to_first_token_seconds", "Time to first token", m.ttft)
         yield hist("time_per_output_token_seconds", "Time per output token", m.tpot)
         yield hist("e2e_request_latency_seconds", "End-to-end request latency", m.e2e)
