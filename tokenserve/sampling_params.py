@@ -71,6 +71,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         stop_token_ids: extra token ids that end the request like EOS.
         skip_special_tokens: drop special tokens from the detokenized text.
+        keep_special_token_ids: special tokens whose text is kept even with
+            ``skip_special_tokens`` (every other special token, EOS included, is still
+            dropped). The OpenAI chat handler sets it to the tool-call format's marker
+            tokens while tools are active, so the tool-call reader sees the markers.
         stop: stop strings; the request ends (finish EOS) when the output text contains
             one, found across token boundaries and inside a token. Text from the match
             on is cut unless ``include_stop_str_in_output``; a possible partial match is
@@ -112,6 +116,7 @@ class SamplingParams:
     speculative: bool = True
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None
+    keep_special_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -134,6 +139,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if any(i < 0 for i in self.keep_special_token_ids):
+            raise ValueError("keep_special_token_ids must be token ids (>= 0)")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
 

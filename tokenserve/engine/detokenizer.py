@@ -24,11 +24,19 @@ SmolLM2, Llama 3, Qwen2), and no delta holds U+FFFD unless that full decode does
 SentencePiece tokenizers that strip a leading space at the start of a decode differ by
 that space: with the prompt as context the first delta keeps it (as in vLLM and TGI's
 stream), where ``decode(output_ids)`` drops it.
+
+Kept special tokens (``keep_special_ids``, a request's
+``SamplingParams.keep_special_token_ids``: the tool-call markers, which real tokenizers
+hold as special tokens): with ``skip_special_tokens`` every special id but those is
+filtered out before ``decode(..., skip_special_tokens=False)``; that is what
+``skip_special_tokens`` itself does (the tokenizers library drops the added tokens marked
+special, the ones ``all_special_ids`` lists, before its decoder), less the kept ones. The
+invariant above then holds with that filtered decode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 #: What an incomplete UTF-8 sequence decodes to.
@@ -58,6 +66,9 @@ class IncrementalDetokenizer:
             in front of the output as context (dropped if they end inside a character,
             so the output text does not depend on the prompt's broken tail).
         skip_special_tokens: drop special tokens from the text (passed to ``decode``).
+        keep_special_ids: special tokens whose text stays in despite
+            ``skip_special_tokens`` (module docstring); the tokenizer must then also have
+            ``all_special_ids``.
     """
 
     def __init__(
@@ -65,9 +76,16 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        keep_special_ids: Collection[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        #: ids filtered out before a decode (the special ones not kept), or None
+        self._drop: frozenset[int] | None = None
+        if skip_special_tokens and keep_special_ids:
+            special: Collection[int] = tokenizer.all_special_ids  # type: ignore[attr-defined]
+            self._drop = frozenset(special).difference(keep_special_ids)
+            self._skip = False
         context = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT) :])
         if self._decode(context).endswith(REPLACEMENT):
             context = []
@@ -128,6 +146,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._drop is not None:
+            ids = [i for i in ids if i not in self._drop]
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     def _clean_cut(self, prefix_text: str, text: str) -> tuple[int, str] | None:

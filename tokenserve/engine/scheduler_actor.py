@@ -249,7 +249,8 @@ class SchedulerActor:
             prompt_lp_pending=params.prompt_logprobs is not None and (
                 adopt is None or (pull == 0 and adopt.prompt_logprobs is None)))
         detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids,
-                                       params.skip_special_tokens)
+                                       params.skip_special_tokens,
+                                       params.keep_special_token_ids)
         self.scheduler.add(req)  # AsyncEngine.generate checked the id and the length
         stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                 if params.stop else None)

@@ -67,7 +67,7 @@ from tokenserve.api.openai.protocol import (
     parse_chat_body,
     parse_completion_body,
 )
-from tokenserve.api.openai.tool_formats import detect_tool_format
+from tokenserve.api.openai.tool_formats import detect_tool_format, special_marker_ids
 from tokenserve.api.openai.toolparse import ToolStream, message_tool_calls, split_tools
 from tokenserve.api.openai.tools import template_takes_tools, tool_constraint, tool_messages
 from tokenserve.api.vllm.protocol import vllm_prompt_logprobs
@@ -184,6 +184,9 @@ class OpenAIApi(FamilyApi):
         template = getattr(engine.tokenizer, "chat_template", None)
         self._takes_tools = template_takes_tools(template)
         self._tool_format = detect_tool_format(template)  # the family's call text
+        # its markers the tokenizer holds as special tokens: the grammar writes them as
+        # those tokens, and the detokeniser keeps their text while tools are active
+        self._tool_tokens = special_marker_ids(self._tool_format, engine.tokenizer)
 
     def wrap(self, handler: Handler) -> Handler:
         """Every §5 route answers its errors in the OpenAI shape (:func:`openai_errors`)."""
@@ -222,7 +225,10 @@ class OpenAIApi(FamilyApi):
                 messages, extra = tool_messages(messages, body.tool_choice, self._takes_tools,
                                                 self._tool_format)
             if body.tool_choice is not None and body.tool_choice.active:  # the model's format
-                body.sampling["structured"] = tool_constraint(body.tool_choice, self._tool_format)
+                body.sampling["structured"] = tool_constraint(body.tool_choice, self._tool_format,
+                                                              self._tool_tokens)
+                body.sampling["keep_special_token_ids"] = tuple(sorted(
+                    self._tool_tokens.values()))
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True,
                                                **body.template_kwargs, **extra)

@@ -37,6 +37,7 @@ Errors are ``ValueError`` (the family answers 422).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ import jsonschema
 import jsonschema.exceptions
 
 from tokenserve.api.openai.tool_formats import HERMES, ToolFormat
+from tokenserve.api.structured import closed_objects
 from tokenserve.sampling_params import ConstraintKind, StructuredOutput
 
 #: [I] most tools one request may list (a grammar over 128 tools still compiles in
@@ -143,37 +145,6 @@ def _check_parameters(schema: Any, where: str) -> None:
 # --------------------------------------------------------------------------- constraint
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
-
-
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that says
-    nothing about extra keys [I] (OpenAI's strict function schemas require it).
-
-    The grammar then generates only the declared properties: a 135M model left free to
-    add keys writes made-up ones until ``max_tokens``. Every such answer still validates
-    against the tool's own schema (it allows a superset). ``allOf`` branches are left
-    open (closing each would reject the other branches' keys).
-    """
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(v) for v in out[key]]
-    if isinstance(out.get("items"), dict):
-        out["items"] = closed_objects(out["items"])
-    is_object = out.get("type") == "object" or "properties" in out
-    if is_object and not {"additionalProperties", "patternProperties",
-                          "unevaluatedProperties"} & out.keys():
-        out["additionalProperties"] = False
-    return out
-
-
 _DEF_KEYS = ("$defs", "definitions")
 
 
@@ -229,14 +200,17 @@ def call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dic
     return {**schema, **({"$defs": defs} if has_refs else {}), "x-guidance": _JSON_LAYOUT}
 
 
-def tool_constraint(choice: ToolChoice, fmt: ToolFormat = HERMES) -> StructuredOutput | None:
+def tool_constraint(choice: ToolChoice, fmt: ToolFormat = HERMES,
+                    special: Mapping[str, int] | None = None) -> StructuredOutput | None:
     """The grammar of the answer in the model's format ``fmt`` (module docstring;
-    :meth:`ToolFormat.grammar`), or None for ``none``."""
+    :meth:`ToolFormat.grammar`), or None for ``none``. ``special``: the format's markers
+    the tokenizer holds as special tokens (``tool_formats.special_marker_ids``), written
+    as those tokens."""
     if not choice.active:
         return None
     body = json.dumps(call_schema(choice.offered(), fmt.args_key), ensure_ascii=False)
     return StructuredOutput(ConstraintKind.GRAMMAR, fmt.grammar(
-        body, choice.parallel and choice.mode != "named", choice.mode == "auto"))
+        body, choice.parallel and choice.mode != "named", choice.mode == "auto", special))
 
 
 # --------------------------------------------------------------------------- prompt
