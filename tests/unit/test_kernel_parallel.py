@@ -46,7 +46,9 @@ def test_idle_task_takes_the_slow_tasks_units():
         owners = C._parallel_units_owners(20, 2, 2000)
     assert all(o in (0, 1) for o in owners)
     assert owners[10:] == [1] * 10
-    assert owners[0] == 0 and 1 in owners[1:10], owners
+    # task 1 ran units of task 0's range (task 0 usually starts on its first unit, but on a
+    # loaded host its thread may start after task 1 has taken all ten)
+    assert 1 in owners[:10], owners
 
 
 def test_one_thread_runs_every_task_in_order():
