@@ -143,15 +143,24 @@ def test_whole_answer_rejects_malformed_text(text):
 def test_decode_parameters_body_base64_and_json_length():
     import base64
 
-    from tokenserve.pd.decode import client_body, json_length
+    import orjson
+
+    from tokenserve.pd.decode import json_length
+    from tokenserve.pd.messages import DecodeParameters, WireError
+
+    def params(**kw):
+        obj = {"reqId": "1", "tokens": [1], "firstToken": [2], "path": "/v2/models/m/infer",
+               "blockTable": [[0]], "pNodeAddr": "a;1", "numComputed": 1, **kw}
+        return DecodeParameters.decode(orjson.dumps(obj))
 
     raw = b'{"a":1}' + b"\xff\x00\x01\x02"
-    params = {"bodyB64": base64.b64encode(raw).decode(),
-              "headers": {"inference-header-content-length": "7"}}
-    assert client_body(params) == raw
-    assert json_length(params, raw) == 7
-    assert client_body({"body": '{"a":1}'}) == b'{"a":1}'
-    assert json_length({"headers": {}}, raw) == len(raw)
-    assert json_length({"headers": {"inference-header-content-length": "99"}}, raw) == len(raw)
-    with pytest.raises(ValueError):
-        client_body({"bodyB64": "@@"})
+    p = params(bodyB64=base64.b64encode(raw).decode(),
+               headers={"inference-header-content-length": "7"})
+    assert p.body == raw
+    assert json_length(p) == 7
+    assert params(body='{"a":1}').body == b'{"a":1}'
+    assert json_length(params(bodyB64=base64.b64encode(raw).decode(), headers={})) == len(raw)
+    assert json_length(params(bodyB64=base64.b64encode(raw).decode(),
+                              headers={"inference-header-content-length": "99"})) == len(raw)
+    with pytest.raises(WireError):
+        params(bodyB64="@@")

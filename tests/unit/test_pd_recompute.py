@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokenserve.pd.messages import History
 from tokenserve.pd.recompute import (
     build_recompute_body,
-    decode_history,
-    encode_history,
     parse_recompute_body,
 )
 
@@ -48,12 +47,12 @@ def test_triton_infer_uses_the_uint32_list():
 
 
 def test_history_codec():
-    assert encode_history([1, 2], [3]) == "2,1,2,3"
-    assert decode_history("2,1,2,3") == ([1, 2], [3])
-    assert decode_history("1,7") == ([7], [])
+    assert History((1, 2), (3,)).encode() == "2,1,2,3"
+    assert History.decode("2,1,2,3") == History((1, 2), (3,))
+    assert History.decode("1,7") == History((7,))
     for bad in ("", "0,1", "3,1,2", "a,b", "2,1,-2", None, [1.5, 2]):
         with pytest.raises(ValueError):
-            decode_history(bad)
+            History.decode(bad)
 
 
 def test_errors():

@@ -65,6 +65,20 @@ def error_json(family: str, status: int, message: str) -> bytes:
     return orjson.dumps(error_dict(family, status, message))
 
 
+def error_message(body: bytes | str) -> str:
+    """The message of an error body in any family's shape (``{"error": {"message"}}``,
+    ``{"error": "..."}``), else the body as text (invalid UTF-8 replaced): what PD carries
+    on of an instance's error (D's ``error:`` text, the coordinator's failure)."""
+    text = body if isinstance(body, str) else body.decode(errors="replace")
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return text
+    if isinstance(err, dict):
+        err = err.get("message")
+    return err if isinstance(err, str) else text
+
+
 def stream_error(family: str, message: str, status: int = 500) -> bytes:
     """The bytes that end ``family``'s stream on a failure (module table)."""
     obj = error_dict(family, status, message)

@@ -49,17 +49,13 @@ from tokenserve.coordinator import capacity
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.dlink import DLink
 from tokenserve.coordinator.fanout import FanOut, max_sequences, plan_fan_out
-from tokenserve.coordinator.ingress import (
-    AdmissionError,
-    Ingress,
-    classify,
-    forward_headers,
-)
+from tokenserve.coordinator.ingress import AdmissionError, Ingress, classify
 from tokenserve.coordinator.manage import Management
 from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
 from tokenserve.coordinator.reqids import ReqIdGenerator
+from tokenserve.pd.messages import forward_headers
 from tokenserve.pd.wire import DMessage
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.drain import drain

@@ -7,8 +7,9 @@ Per submission, D's first ``ids`` message is the whole history and later ones ap
     ids:o_a,o_b                 the ids of the text in the data/lastData right after it
 
 When the request's D is lost, the coordinator resubmits the client's body with the
-prompt field replaced by this history (:func:`tokenserve.pd.recompute.build_recompute_body`),
-so P and the next D continue exactly after the text the client already has.
+prompt field replaced by this history (:class:`tokenserve.pd.recompute.RecomputeBody`),
+so P and the next D continue exactly after the text the client already has. The bodies'
+codec is :mod:`tokenserve.pd.messages` (``History``, ``decode_ids``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
+from tokenserve.pd.messages import History, WireError, decode_ids
+from tokenserve.pd.recompute import RecomputeBody
 
 logger = logging.getLogger(__name__)
 
@@ -26,45 +28,41 @@ class TokenHistory:
     ``ids`` message."""
 
     def __init__(self) -> None:
-        self._ids: list[int] | None = None
-        self._num_prompt = 0
+        self._prompt: tuple[int, ...] | None = None
+        self._outputs: list[int] = []
 
     @property
     def known(self) -> bool:
         """D's first ``ids`` message of this submission has arrived."""
-        return self._ids is not None
+        return self._prompt is not None
 
     def __len__(self) -> int:
-        return len(self._ids or ())
+        return len(self._prompt or ()) + len(self._outputs)
 
     def reset(self) -> None:
         """A new submission: the next D reports the history afresh."""
-        self._ids, self._num_prompt = None, 0
+        self._prompt, self._outputs = None, []
 
     def feed(self, body: str) -> bool:
         """One ``ids`` message body; False (and nothing changes) when it is malformed."""
         try:
-            ids = [int(x) for x in body.split(",")]
-        except ValueError:
-            return False
-        if self._ids is not None:
-            self._ids.extend(ids)
-        elif ids and 1 <= ids[0] <= len(ids) - 1:
-            self._num_prompt, self._ids = ids[0], ids[1:]
-        else:
+            if self._prompt is None:
+                h = History.decode(body)
+                self._prompt, self._outputs = h.prompt, list(h.outputs)
+            else:
+                self._outputs.extend(decode_ids(body))
+        except WireError:
             return False
         return True
 
     def recompute_body(self, path: str, body: dict[str, Any]) -> bytes | None:
         """``body`` (the client's, for ``path``) with its prompt replaced by the history,
         serialised; None when the history is unknown or the body cannot carry it."""
-        if self._ids is None:
+        if self._prompt is None:
             return None
-        from tokenserve.pd.recompute import build_recompute_body
-
         try:
-            out = build_recompute_body(path, body, list(self._ids), self._num_prompt)
+            return RecomputeBody(body, History(self._prompt, tuple(self._outputs))
+                                 ).encode(path)
         except ValueError as exc:
             logger.warning("no recompute body for %s: %s", path, exc)
             return None
-        return orjson.dumps(out)

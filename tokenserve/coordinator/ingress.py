@@ -1,6 +1,6 @@
 """What the coordinator decides about a request before any instance sees it
-(spec/pd_disaggregation.md §3.1-§3.2, §4.1): its family, whether it streams, the minimal
-its cost, and the headers forwarded to P.
+(spec/pd_disaggregation.md §3.1-§3.2): its family, whether it streams and its cost. (The
+headers forwarded to P are :func:`tokenserve.pd.messages.forward_headers`.)
 
 The family and stream rule of each route are the route table's
 (:mod:`tokenserve.api.routes`, the server's own: ``/generate`` is vLLM when ``prompt`` is
@@ -33,15 +33,6 @@ SCHEDULE_TIMEOUT = "Request schedule timeout"
 FIRST_TOKEN_TIMEOUT = "Request first token timeout"
 INFER_TIMEOUT = "Request inference timeout"
 TOKENIZER_TIMEOUT = "Request tokenizer timeout"
-
-#: RFC 9110 §7.6.1 hop-by-hop fields, plus what the upstream client sets itself.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-    "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-    "host", "content-length", "expect",
-})
-#: §4.1: the headers the coordinator owns; a client's values are never forwarded.
-PD_HEADERS = frozenset({"req-type", "req-id", "d-target", "d-port", "is-recompute"})
 
 
 class AdmissionError(Exception):
@@ -126,10 +117,3 @@ def _cost(prompt: Any, chars_per_token: float) -> int:
         return max(1, len(prompt))
     return 1
 
-
-def forward_headers(headers: dict[str, str]) -> dict[str, str]:
-    """The client's headers to forward to P (§4.1): all but the hop-by-hop ones (and
-    those the client's ``Connection`` names) and the PD headers the coordinator sets."""
-    named = {t.strip().lower() for t in headers.get("connection", "").split(",")}
-    drop = HOP_BY_HOP | PD_HEADERS | named
-    return {k: v for k, v in headers.items() if k.lower() not in drop}

@@ -41,20 +41,19 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
-import orjson
 
-from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json, fail_stream
+from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json, error_message, fail_stream
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import match
 from tokenserve.config.tree import CoordinatorConfig
 from tokenserve.coordinator import ingress as msg
 from tokenserve.coordinator.history import TokenHistory
-from tokenserve.coordinator.ingress import Ingress, forward_headers
+from tokenserve.coordinator.ingress import Ingress
 from tokenserve.coordinator.metrics import CoordinatorMetrics, refused_before_engine
 from tokenserve.coordinator.pool import Instance, InstancePool
+from tokenserve.pd.messages import PrefillAnswer, PrefillHeaders, WireError, forward_headers
 from tokenserve.pd.wire import DMessage, WholeAnswer, vllm_body
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
 
@@ -112,18 +111,6 @@ def refused_for_good(status: int) -> bool:
     """A P answer that a resubmission of the same body would get again: a 4xx other than
     408 (timeout) and 429 (busy)."""
     return 400 <= status < 500 and status not in (408, 429)
-
-
-def _error_text(body: bytes) -> str:
-    """The message of a P error body in any family's shape (``{"error": {"message"}}``,
-    ``{"error": "..."}``), else the body as text."""
-    try:
-        err = orjson.loads(body).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
-        return body.decode(errors="replace")
-    if isinstance(err, dict):
-        err = err.get("message")
-    return err if isinstance(err, str) else body.decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -326,10 +313,8 @@ class Flow:
         """The request to P (§4.1); transport errors other than connect ones become
         the §3.2 failures."""
         headers = forward_headers(self._request.headers)
-        headers.update({"req-type": "prefill", "req-id": self.req_id,
-                        "d-target": d.d_target(), "d-port": str(d.addr.port)})
-        if self._recompute:
-            headers["is-recompute"] = "true"
+        headers.update(PrefillHeaders(self.req_id, d.d_target(), str(d.addr.port),
+                                      self._recompute).encode())
         url = p.addr.base_url + self._request.path
         if self._request.query:
             url += "?" + self._request.query
@@ -371,15 +356,15 @@ class Flow:
         if reply.status != 200:
             return await self._on_p_error(reply)
         try:
-            obj: Any = orjson.loads(reply.body)
-        except orjson.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict) or obj.get("reqId") != self.req_id:
+            ans = PrefillAnswer.decode(reply.body)
+        except WireError:
+            raise Failure(500, msg.P_ERROR) from None
+        if ans.req_id != self.req_id:
             raise Failure(500, msg.P_ERROR)
-        last, output = obj.get("isLastResp") is True, obj.get("output")
+        last, output = ans.is_last is True, ans.output
         resp = self._response
         if self._in.stream:
-            if not isinstance(output, str) or not isinstance(obj.get("isLastResp"), bool):
+            if output is None or ans.is_last is None:
                 raise Failure(500, msg.P_ERROR)
             if not resp.started:
                 await resp.start_stream(200, "text/event-stream")
@@ -388,10 +373,10 @@ class Flow:
             if last:
                 await resp.end()
         elif last:
-            if not isinstance(output, str):
+            if output is None:
                 raise Failure(500, msg.P_ERROR)
-            if isinstance(obj.get("outputBytes"), str):  # [I] not JSON text (pd/wire.py)
-                await self._send_whole(obj["outputBytes"])
+            if ans.output_bytes is not None:  # [I] not JSON text (pd/wire.py)
+                await self._send_whole(ans.output_bytes)
             else:
                 await resp.send(200, output.encode(), "application/json")
         self._first_token()
@@ -399,13 +384,9 @@ class Flow:
         self._completed = self._delivered = last
         return last
 
-    async def _send_whole(self, text: str) -> None:
+    async def _send_whole(self, whole: WholeAnswer) -> None:
         """A whole answer that is not JSON text (:class:`WholeAnswer`: Triton's binary
         tensors), sent with its own bytes, content type and headers."""
-        try:
-            whole = WholeAnswer.decode(text)
-        except ValueError:
-            raise Failure(500, msg.P_ERROR) from None
         await self._response.send(200, whole.body, whole.content_type, whole.headers)
 
     async def _on_p_error(self, reply: PReply) -> bool | None:
@@ -415,7 +396,7 @@ class Flow:
         if (self._recompute or self._d_lost) and refused_for_good(reply.status):
             # [I] P refused the resubmitted body itself (a 4xx other than 408/429):
             # sending it again cannot help; the client gets P's error now
-            raise Failure(reply.status, _error_text(reply.body))
+            raise Failure(reply.status, error_message(reply.body))
         if self._recompute or self._d_lost:
             self._count_retry()
             if self._d_lost:
@@ -534,7 +515,11 @@ class Flow:
             return True
         elif m.kind == "lastBytes" and not stream:  # [I] not JSON text (pd/wire.py)
             self._completed = True
-            await self._send_whole(m.body)
+            try:
+                whole = WholeAnswer.decode(m.body)
+            except ValueError:
+                raise Failure(500, msg.P_ERROR) from None
+            await self._send_whole(whole)
             self._delivered = True
             return True
         elif m.kind == "error":

@@ -27,5 +27,7 @@ correctness bar), for all five families and their options, with no second copy o
 encoder. What makes it work is that the engine re-delivers the tokens generated elsewhere
 as one ``replay`` output: the handler's own state (texts, token counts, ``first``
 flags, the OpenAI role chunk) is rebuilt from it, and the sink drops what it writes.
-node.py holds the instance's role, status and links (§9).
+node.py holds the instance's role, status and links (§9). messages.py types every JSON
+message and header set on this wire, the coordinator's side included (wire.py the /dresult
+framing, recompute.py the recompute body).
 """

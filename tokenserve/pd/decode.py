@@ -33,8 +33,6 @@ client disconnect ends it: its KV blocks are freed [I].
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import logging
 import time
@@ -42,11 +40,11 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
-import orjson
 
 from tokenserve.aio import Signal
 from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
 from tokenserve.api.engine_stream import observed
+from tokenserve.api.errors import error_message
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
 from tokenserve.api.triton.handlers import BINARY_HEADER
@@ -57,16 +55,17 @@ from tokenserve.messages import (
     KvAdoption,
     RequestOutput,
 )
-from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
-from tokenserve.pd.prefill import decode_prompt_logprobs, encode_prompt_logprobs
-from tokenserve.pd.recompute import (
-    ORIGIN_BINARY,
-    ORIGIN_LOGPROBS,
-    build_recompute_body,
-    encode_history,
+from tokenserve.pd.messages import (
+    DecodeParameters,
+    DecodeVerdict,
+    History,
+    Release,
+    encode_ids,
 )
+from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
+from tokenserve.pd.recompute import RecomputeBody
 from tokenserve.pd.sinks import CaptureResponse
-from tokenserve.pd.wire import HEARTBEAT, WholeAnswer, close_message, encode
+from tokenserve.pd.wire import HEARTBEAT, WholeAnswer, close_message, dresult_body, encode
 from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler, Router
@@ -143,12 +142,12 @@ class DresultHub:
 class DecodeObserver:
     """The engine side of one D request (module docstring)."""
 
-    def __init__(self, node: PdNode, hub: DresultHub, params: dict[str, Any],
+    def __init__(self, node: PdNode, hub: DresultHub, params: DecodeParameters,
                  body: dict[str, Any]) -> None:
         self.node, self.hub, self.params, self.body = node, hub, params, body
-        self.req_id: str = params["reqId"]
-        self.prompt: list[int] = params["tokens"]
-        self.delivered: list[int] = list(params["firstToken"])
+        self.req_id = params.req_id
+        self.prompt = list(params.tokens)
+        self.delivered = list(params.first_token)
         self.admitted = asyncio.Event()
         self.sink = DecodeSink(self)  # where the family handler writes
         # what the handler writes before the replay output ends (e.g. OpenAI's role
@@ -159,33 +158,24 @@ class DecodeObserver:
         self.pending_ids: tuple[int, ...] = ()
         self.error_message = "refused"  # why the handler refused it (before admission)
         self.ids_given = 0  # response ids handed to the handler (derived_id, as on P)
-        #: what P computed of the prompt's logprobs (checked by DecodeServer.decode)
-        self.prompt_logprobs = decode_prompt_logprobs(params.get("promptLogprobs"))
-        self.output_logprobs = decode_prompt_logprobs(params.get("firstTokenLogprobs"))
-        if self.output_logprobs is not None and None in self.output_logprobs:
-            raise ValueError("firstTokenLogprobs holds a null")
         #: the logprobs of ``delivered`` when the request asked (a recompute carries them)
-        self.delivered_logprobs: list[Any] = list(self.output_logprobs or ())
+        self.delivered_logprobs = list(params.first_token_logprobs or ())
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():
             raise HttpError(422, PD_ONE_SEQUENCE)
         p = self.params
-        state = p.get("generatorState")
-        source = {"reqId": self.req_id, "kv": p.get("kv"), "blocks": p["blockTable"][0],
-                  "pNodeAddr": p["pNodeAddr"]}
         self.admitted.set()
         params = greq.params
-        if isinstance(p.get("seed"), int):  # the seed P drew (or the client gave)
-            params = replace(params, seed=p["seed"])
-        return replace(greq, request_id=self.req_id, prompt_token_ids=tuple(self.prompt),
+        if p.seed is not None:  # the seed P drew (or the client gave)
+            params = replace(params, seed=p.seed)
+        # the KV source, opaque to the engine, is P's DecodeParameters (DecodeServer.pull)
+        return replace(greq, request_id=self.req_id, prompt_token_ids=p.tokens,
                        params=params,
                        arrival_time=time.monotonic(), adopt=KvAdoption(
-                           tuple(p["firstToken"]),
-                           base64.b64decode(state) if state is not None else None,
-                           int(p["numComputed"]), source,
-                           int(p.get("prefixCachedTokenNums") or 0),
-                           self.prompt_logprobs, self.output_logprobs))
+                           p.first_token, p.generator_state, p.num_computed, p,
+                           p.prefix_cached_tokens, p.prompt_logprobs,
+                           p.first_token_logprobs))
 
     async def before_wait(self) -> None:
         return
@@ -210,26 +200,28 @@ class DecodeObserver:
         if out.finish_reason is FinishReason.RECOMPUTE or pull_failed:
             # [I] a failed pull (P died before D read its blocks) is recomputed on a P
             # as an eviction is, not failed
-            rb = build_recompute_body(self.params["path"], self.body,
-                                      [*self.prompt, *self.delivered], len(self.prompt))
-            raw = client_body(self.params)
-            tail = raw[json_length(self.params, raw):]
-            if tail:  # [I] Triton's binary tensors ride along, base64 (pd/recompute.py)
-                rb[ORIGIN_BINARY] = base64.b64encode(tail).decode()
-            if self.delivered_logprobs and len(self.delivered_logprobs) == len(self.delivered):
-                rb[ORIGIN_LOGPROBS] = encode_prompt_logprobs(tuple(self.delivered_logprobs))
-            self.send_last("retry", orjson.dumps(rb).decode())
+            lps = self.delivered_logprobs
+            rb = RecomputeBody(
+                self.body, self.history(),
+                # [I] Triton's binary tensors ride along (pd/recompute.py)
+                self.params.body[json_length(self.params):],
+                tuple(lps) if lps and len(lps) == len(self.delivered) else None)
+            self.send_last("retry", rb.encode(self.params.path).decode())
         elif out.finish_reason in FAILED_FINISH:
             self.send_last("error", failure_text(out))
 
+    def history(self) -> History:
+        """The prompt and every output token the client has been sent so far."""
+        return History(tuple(self.prompt), tuple(self.delivered))
+
     def _ids(self) -> bytes:
         ids, self.pending_ids = self.pending_ids, ()
-        return encode(self.req_id, "ids", ",".join(map(str, ids))) if ids else b""
+        return encode(self.req_id, "ids", encode_ids(ids)) if ids else b""
 
     def send_data(self, chunk: bytes) -> None:
         if self.done:
             return
-        self.hub.publish(self._ids() + encode(self.req_id, "data", _body(chunk)))
+        self.hub.publish(self._ids() + encode(self.req_id, "data", dresult_body(chunk)))
 
     def send_last(self, kind: str, body: str) -> None:
         if self.done:
@@ -256,7 +248,7 @@ class DecodeSink(CaptureResponse):
             self.obs.send_data(chunk)
 
     def on_end(self) -> None:
-        self.obs.send_last("lastData", _body(b"".join(self.tail)))
+        self.obs.send_last("lastData", dresult_body(b"".join(self.tail)))
 
     def on_whole(self, status: int, body: bytes) -> None:
         text = body.decode("utf-8", errors="replace")
@@ -268,49 +260,21 @@ class DecodeSink(CaptureResponse):
         elif status == 200:
             self.obs.send_last("lastData", text)
         else:
-            self.obs.send_last("error", _error_text(text))
+            self.obs.send_last("error", error_message(body))
 
 
-def client_body(params: dict[str, Any]) -> bytes:
-    """The client's body from ``DecodeParameters``: ``bodyB64`` [I] (bytes that are not
-    UTF-8 text: Triton's binary tensors) or ``body`` (text).
-
-    Raises:
-        ValueError: a malformed ``bodyB64``.
-        KeyError: neither is there.
-    """
-    b64 = params.get("bodyB64")
-    if b64 is None:
-        return params["body"].encode()
-    try:
-        return base64.b64decode(b64, validate=True)
-    except (binascii.Error, TypeError) as exc:
-        raise ValueError(f"bad bodyB64: {exc}") from None
-
-
-def json_length(params: dict[str, Any], raw: bytes) -> int:
+def json_length(params: DecodeParameters) -> int:
     """How many leading bytes of the client's body are its JSON: the client's
     ``Inference-Header-Content-Length`` (Triton's binary extension, spec/interfaces.md
     §6.4) when it is a number, else all of them (the handler itself rejects a bad one)."""
-    headers = params.get("headers") or {}
-    value = next((str(v) for k, v in headers.items()
-                  if str(k).lower() == BINARY_HEADER), "")
+    raw = params.body
+    value = next((v for k, v in params.headers.items() if k.lower() == BINARY_HEADER), "")
     return int(value) if value.strip().isdigit() and int(value) <= len(raw) else len(raw)
 
 
-def _body(chunk: bytes) -> str:
-    """A /dresult body never holds NUL (spec §6.3): [I] the NUL that ends each vLLM
-    stream chunk (``{json}\\0``) travels as a newline (JSON never holds a raw one); the
-    coordinator turns them back (:func:`tokenserve.pd.wire.vllm_body`)."""
-    return chunk.decode("utf-8").replace("\0", "\n")
-
-
-def _error_text(body: str) -> str:
-    try:
-        obj = orjson.loads(body)
-        return str(obj.get("error", body)) if isinstance(obj, dict) else body
-    except orjson.JSONDecodeError:
-        return body
+async def _verdict(response: HttpResponse, valid: bool, error: str = "") -> None:
+    """D's 200 answer to P's hand-off (:class:`DecodeVerdict`)."""
+    await response.send(200, DecodeVerdict(valid, error).encode(), "application/json")
 
 
 class DecodeServer:
@@ -353,17 +317,18 @@ class DecodeServer:
 
     # ------------------------------------------------------------------ KV pull (thread)
 
-    def pull(self, source: dict[str, Any], dst_blocks: list[int], num_tokens: int) -> None:
-        """The engine's KV puller (worker thread): read P's blocks with the transfer
+    def pull(self, source: DecodeParameters, dst_blocks: list[int], num_tokens: int) -> None:
+        """The engine's KV puller (worker thread): read P's blocks (``source``: what P
+        handed over, the adopted request's ``KvAdoption.source``) with the transfer
         engine, then release them on P whatever happened (spec §6.1, §8.1)."""
-        p_addr = source["pNodeAddr"]
+        p_addr = source.p_node_addr
         try:
             if self.node.kv is None:
                 raise RuntimeError("no KV transfer engine")
             from tokenserve.pd.kv_transfer import KvRegion
 
-            src = KvRegion.from_dict(source["kv"])
-            self.node.kv.pull(src, list(source["blocks"][:len(dst_blocks)]), dst_blocks)
+            src = KvRegion.from_dict(dict(source.kv) if source.kv is not None else None)
+            self.node.kv.pull(src, list(source.block_table[0][:len(dst_blocks)]), dst_blocks)
             self.node.links[p_addr] = "ok"
         except Exception:
             self.node.links[p_addr] = "failed : pull kv failed."
@@ -371,9 +336,10 @@ class DecodeServer:
         finally:
             try:
                 self._release.post(inter_comm_url(p_addr, path_of("pd.release")),
-                                   json={"reqId": source["reqId"]})
+                                   content=Release(source.req_id).encode(),
+                                   headers={"content-type": "application/json"})
             except httpx.HTTPError as exc:
-                logger.warning("release of %s on %s failed: %s", source["reqId"], p_addr, exc)
+                logger.warning("release of %s on %s failed: %s", source.req_id, p_addr, exc)
 
     # ------------------------------------------------------------------ routes
 
@@ -393,34 +359,22 @@ class DecodeServer:
         if not self.node.is_decode:
             raise HttpError(400, f"not a decode instance (role {self.node.role or 'none'})")
         try:
-            params = parse_json_object(request.body, 64)
-            raw = client_body(params)
-            body = parse_json_object(raw[:json_length(params, raw)], 64)
-            for key in ("reqId", "tokens", "firstToken", "path", "blockTable", "pNodeAddr",
-                        "numComputed"):
-                params[key]
-            handler, path_params = self.router.resolve(params.get("method", "POST"),
-                                                       params["path"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            await response.send_json(200, {"isValidDecodeParameters": False,
-                                           "errorMessage": f"bad DecodeParameters: {exc}"})
+            params = DecodeParameters.decode(request.body)
+            body = parse_json_object(params.body[:json_length(params)], 64)
+            handler, path_params = self.router.resolve(params.method, params.path)
+        except ValueError as exc:  # WireError, or the client's body is not a JSON object
+            await _verdict(response, False, f"bad DecodeParameters: {exc}")
             return
         except HttpError as exc:
-            await response.send_json(200, {"isValidDecodeParameters": False,
-                                           "errorMessage": exc.message})
+            await _verdict(response, False, exc.message)
             return
-        try:
-            obs = DecodeObserver(self.node, self.hub, params, body)
-        except ValueError as exc:
-            await response.send_json(200, {"isValidDecodeParameters": False,
-                                           "errorMessage": f"bad DecodeParameters: {exc}"})
-            return
-        inner = HttpRequest(method=params.get("method", "POST"), path=params["path"],
-                            query=params.get("query", ""), headers=params.get("headers", {}),
-                            body=raw, disconnected=Signal(),
+        obs = DecodeObserver(self.node, self.hub, params, body)
+        inner = HttpRequest(method=params.method, path=params.path, query=params.query,
+                            headers=dict(params.headers), body=params.body,
+                            disconnected=Signal(),
                             arrival_time=time.monotonic(), path_params=path_params)
         # the coordinator learns the request's history first (plan: ids)
-        self.hub.publish(encode(obs.req_id, "ids", encode_history(obs.prompt, obs.delivered)))
+        self.hub.publish(encode(obs.req_id, "ids", obs.history().encode()))
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch_orphans())
         task = asyncio.create_task(self._run(handler, inner, obs), name=f"pd-decode-{obs.req_id}")
@@ -434,10 +388,9 @@ class DecodeServer:
         await asyncio.wait({task, admitted}, return_when=asyncio.FIRST_COMPLETED)
         admitted.cancel()
         if obs.admitted.is_set():
-            await response.send_json(200, {"isValidDecodeParameters": True, "errorMessage": ""})
+            await _verdict(response, True)
         else:
-            await response.send_json(200, {"isValidDecodeParameters": False,
-                                           "errorMessage": obs.error_message})
+            await _verdict(response, False, obs.error_message)
 
     async def _run(self, handler: Handler, request: HttpRequest, obs: DecodeObserver) -> None:
         try:

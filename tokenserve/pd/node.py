@@ -23,6 +23,7 @@ import httpx
 from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_client import EngineClient
 from tokenserve.config.tree import ROLES, PdConfig
+from tokenserve.pd.messages import Release, WireError
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 
@@ -126,11 +127,9 @@ class PdNode:
         """``POST /v1/pd/release`` ``{"reqId": ...}`` (management plane): D has pulled the
         request's KV blocks (spec §8.1 ``ReleaseKVCacheChannel``); 200 ``{}`` either way."""
         try:
-            rid = parse_json_object(request.body).get("reqId")
-        except ValueError as exc:
+            rid = Release.decode(request.body).req_id
+        except WireError as exc:
             raise HttpError(400, str(exc)) from None
-        if not isinstance(rid, str):
-            raise HttpError(400, "reqId must be a string")
         self.engine.release(rid)
         await response.send_json(200, {})
 

@@ -21,14 +21,9 @@ calls ``POST /v1/pd/release`` (management plane); P frees them then, or after
 
 from __future__ import annotations
 
-import base64
-import binascii
-import ipaddress
 import logging
-import re
 import time
 from dataclasses import replace
-from typing import Any
 
 import orjson
 
@@ -44,8 +39,16 @@ from tokenserve.messages import (
     RequestOutput,
     TokenLogprob,
 )
+from tokenserve.pd.messages import (
+    DecodeParameters,
+    DecodeVerdict,
+    PrefillAnswer,
+    PrefillHeaders,
+    WireError,
+    forward_headers,
+)
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, RoleStatus, inter_comm_url
-from tokenserve.pd.recompute import ORIGIN_BINARY, ORIGIN_LOGPROBS, parse_recompute_body
+from tokenserve.pd.recompute import RecomputeBody
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import WholeAnswer
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
@@ -54,15 +57,10 @@ from tokenserve.transport.router import Handler
 
 logger = logging.getLogger(__name__)
 
-_HEX = re.compile(r"[0-9a-fA-F]+")
-MAX_REQ_ID = 1024
-#: hop-by-hop and PD headers not carried to D with the request
-_DROP_HEADERS = frozenset({"connection", "content-length", "transfer-encoding", "keep-alive",
-                           "req-type", "req-id", "d-target", "d-port", "is-recompute", "host"})
 
-
-def prefill_gate(node: PdNode, headers: dict[str, str]) -> tuple[str, str, bool]:
-    """spec §4.2 checks, in order; returns (req-id, d-target, is-recompute).
+def prefill_gate(node: PdNode, headers: dict[str, str]) -> PrefillHeaders:
+    """spec §4.2 checks, in order: the role here, then the headers
+    (:meth:`PrefillHeaders.decode`).
 
     Raises:
         HttpError: 503 (unknown role status) or 400 with the spec's messages.
@@ -73,45 +71,28 @@ def prefill_gate(node: PdNode, headers: dict[str, str]) -> tuple[str, str, bool]
     if not node.is_prefill:
         raise HttpError(400, "DMI inference requests can be sent only to the prefill node "
                         "or p_percentage of the flex node == 0")
-    req_type, req_id, target = (headers.get("req-type"), headers.get("req-id"),
-                                headers.get("d-target"))
-    if req_type is None or req_id is None or target is None:
-        raise HttpError(400, "DMI request must have req-type, req-id, d-target headers")
-    if not _HEX.fullmatch(req_id):
-        raise HttpError(400, "Invalid req-id, the character of req-id should be hex char "
-                        f"[0-9, a-f, A-F], but got {req_id}")
-    if len(req_id) > MAX_REQ_ID:
-        raise HttpError(400, f"The length of req-id cannot exceed {MAX_REQ_ID}")
-    if req_type != "prefill":
-        raise HttpError(400, f"Parameter req-type must be prefill but got {req_type}")
     try:
-        ipaddress.ip_address(target.partition(";")[0])
-    except ValueError:
-        raise HttpError(400, "Parameter d-target must be an IPv4 address") from None
-    recompute = headers.get("is-recompute")
-    if recompute not in (None, "true", "false"):
-        raise HttpError(400, "Parameter is-recompute is an optional parameter. When it is "
-                        "set, it must be true or false.")
-    return req_id, target, recompute == "true"
+        return PrefillHeaders.decode(headers)
+    except WireError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
 class PrefillObserver:
     """The engine side of one P request (see the module docstring)."""
 
     def __init__(self, node: PdNode, req_id: str, target: str, request: HttpRequest,
-                 body: bytes,
-                 history: tuple[list[int], list[int], tuple[TokenLogprob, ...] | None] | None,
+                 body: bytes, recompute: RecomputeBody | None,
                  sink: CaptureResponse) -> None:
         self.node = node
         self.sink = sink
         # recompute: the client already has what the handler writes before the replay
         # ends (e.g. OpenAI's role chunk)
-        sink.muted = history is not None
+        sink.muted = recompute is not None
         self.req_id = req_id
         self.target = target
         self.request = request
         self.body = body  # what D renders from: the client's body (recompute: restored)
-        self.history = history
+        self.recompute = recompute
         self.greq: GenerateRequest | None = None
         self.output_ids: list[int] = []  # every output token so far (replayed included)
         self.delivered = 0  # of which already shown to the client before this P
@@ -131,10 +112,11 @@ class PrefillObserver:
             raise HttpError(422, PD_ONE_SEQUENCE)
         prompt = greq.prompt_token_ids
         adopt = None
-        if self.history is not None:
-            prompt = tuple(self.history[0])
-            adopt = KvAdoption(tuple(self.history[1]), output_logprobs=self.history[2])
-            self.delivered = len(self.history[1])
+        if self.recompute is not None:
+            h = self.recompute.history
+            prompt = h.prompt
+            adopt = KvAdoption(h.outputs, output_logprobs=self.recompute.logprobs)
+            self.delivered = len(h.outputs)
         self.greq = replace(greq, request_id=self.req_id, prompt_token_ids=prompt,
                             prefill_only=True, adopt=adopt)
         return self.greq
@@ -168,46 +150,40 @@ class PrefillObserver:
             self.node.engine.release(self.req_id)
         raise RequestHandedOff()
 
-    def decode_parameters(self) -> dict[str, Any]:
-        """Our ``DecodeParameters`` (spec §5.2 field names where one exists)."""
+    def decode_parameters(self) -> DecodeParameters:
+        """What this P hands D (spec §5.2, :class:`DecodeParameters`)."""
         assert self.greq is not None and self.handoff is not None
         h, g, node = self.handoff, self.greq, self.node
-        kv = node.kv.descriptor().to_dict() if node.kv is not None else None
-        headers = {k: v for k, v in self.request.headers.items() if k not in _DROP_HEADERS}
-        return {
-            "reqId": self.req_id,
-            "tokens": list(g.prompt_token_ids),
-            "firstToken": self.output_ids,
-            "method": self.request.method,
-            "path": self.request.path,
-            "query": self.request.query,
-            "headers": headers,
-            **_client_body(self.body),
-            "generatorState": (base64.b64encode(h.generator_state).decode()
-                               if h.generator_state is not None else None),
-            "numComputed": h.num_computed,
-            "seed": g.params.seed,
-            "prefixCachedTokenNums": self.num_cached_tokens,
-            "blockTable": [list(h.block_table)],
-            "pNodeAddr": node.address,
-            "kv": kv,
-            "postsingletext": self.text,
-            "prefillTokenNum": len(self.output_ids) - self.delivered,
-            "preOutputTokenNum": self.delivered,
-            "e2eStartTime": int(time.time() * 1e6),
-            # ours [I]: the prompt's logprobs (echo / prompt_logprobs /
-            # decoder_input_details), so D's answer carries them as a mixed server's
-            "promptLogprobs": encode_prompt_logprobs(self.prompt_logprobs),
-            # ours [I]: the logprobs of firstToken (when asked; a recompute: its history's
-            # entries first, as the recompute body carried them)
-            "firstTokenLogprobs": encode_prompt_logprobs(self._all_output_logprobs()),
-        }
+        return DecodeParameters(
+            req_id=self.req_id,
+            tokens=tuple(g.prompt_token_ids),
+            first_token=tuple(self.output_ids),
+            path=self.request.path,
+            block_table=(tuple(h.block_table),),
+            p_node_addr=node.address,
+            num_computed=h.num_computed,
+            body=self.body,
+            method=self.request.method,
+            query=self.request.query,
+            headers=forward_headers(self.request.headers),
+            generator_state=h.generator_state,
+            seed=g.params.seed,
+            prefix_cached_tokens=self.num_cached_tokens,
+            kv=node.kv.descriptor().to_dict() if node.kv is not None else None,
+            post_single_text=self.text,
+            prefill_token_num=len(self.output_ids) - self.delivered,
+            pre_output_token_num=self.delivered,
+            e2e_start_time_us=int(time.time() * 1e6),
+            prompt_logprobs=self.prompt_logprobs,
+            # a recompute: its history's entries first, as the recompute body carried them
+            first_token_logprobs=self._all_output_logprobs(),
+        )
 
     def _all_output_logprobs(self) -> tuple[TokenLogprob, ...] | None:
         """The logprobs of every one of ``output_ids`` (a recompute's history first, as
         the recompute body carried them), or None when they are not all known."""
         history = () if not self.delivered else (
-            self.history[2] if self.history is not None else None)
+            self.recompute.logprobs if self.recompute is not None else None)
         if history is None:
             return None
         out = (*history, *self.output_logprobs)
@@ -216,86 +192,33 @@ class PrefillObserver:
     async def _send_decode(self) -> None:
         url = inter_comm_url(self.target, path_of("pd.decode"))
         t0 = time.perf_counter()
-        r = await self.node.http().post(url, content=orjson.dumps(self.decode_parameters()),
+        r = await self.node.http().post(url, content=self.decode_parameters().encode(),
                                         headers={"content-type": "application/json"})
         logger.debug("request %s handed to %s in %.1f ms", self.req_id, self.target,
                      (time.perf_counter() - t0) * 1e3)
         if r.status_code != 200:
             raise RuntimeError(f"D answered {r.status_code}: {r.text[:200]}")
-        ans = r.json()
-        if not ans.get("isValidDecodeParameters"):
-            raise RuntimeError(ans.get("errorMessage") or "D refused the request")
-
-
-def _binary_tail(restored: dict[str, Any]) -> bytes:
-    """The binary tensor bytes a restored recompute body carries in ``origin_binary``
-    (removed from it; :data:`~tokenserve.pd.recompute.ORIGIN_BINARY`), else ``b""``.
-
-    Raises:
-        HttpError: 422, a malformed ``origin_binary``.
-    """
-    b64 = restored.pop(ORIGIN_BINARY, None)
-    if b64 is None:
-        return b""
-    try:
-        return base64.b64decode(b64, validate=True)
-    except (binascii.Error, TypeError, ValueError) as exc:
-        raise HttpError(422, f"bad {ORIGIN_BINARY}: {exc}") from None
-
-
-def _client_body(body: bytes) -> dict[str, str]:
-    """``DecodeParameters.body`` (the client's body as text) or, for bytes that are not
-    UTF-8 (Triton's binary tensors, spec/interfaces.md §6.4), ``bodyB64`` [I]: base64."""
-    try:
-        return {"body": body.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"bodyB64": base64.b64encode(body).decode()}
-
-
-def encode_prompt_logprobs(entries: tuple[TokenLogprob | None, ...] | None
-                           ) -> list[Any] | None:
-    """``DecodeParameters.promptLogprobs`` and ``firstTokenLogprobs`` [I]: per token null
-    (the prompt's first) or ``[token_id, logprob, rank, [[id, logprob], ...]]``; None when
-    there are none. JSON floats round-trip exactly, so D answers the bits P computed."""
-    if entries is None:
-        return None
-    return [None if e is None else [e.token_id, e.logprob, e.rank, [list(t) for t in e.top]]
-            for e in entries]
-
-
-def decode_prompt_logprobs(value: Any) -> tuple[TokenLogprob | None, ...] | None:
-    """The inverse of :func:`encode_prompt_logprobs`.
-
-    Raises:
-        ValueError: a malformed value."""
-    if value is None:
-        return None
-    try:
-        return tuple(None if e is None else TokenLogprob(
-            int(e[0]), float(e[1]), tuple((int(t), float(lp)) for t, lp in e[3]), int(e[2]))
-            for e in value)
-    except (TypeError, IndexError, ValueError) as exc:
-        raise ValueError(f"bad promptLogprobs: {exc}") from None
+        verdict = DecodeVerdict.decode(r.content)
+        if not verdict.valid:
+            raise RuntimeError(verdict.error_message or "D refused the request")
 
 
 def _answer(req_id: str, sink: CaptureResponse, *, last: bool) -> bytes:
-    """spec §5.3 body, key order reqId, isStream, isLastResp, output."""
-    body: dict[str, Any] = {"reqId": req_id, "isStream": sink.is_stream}
-    if sink.is_stream or last:
-        body["isLastResp"] = last
-        body["output"] = sink.text
+    """The spec §5.3 body (:class:`PrefillAnswer`) for what ``sink`` captured."""
+    whole = None
     if last and not sink.is_stream and WholeAnswer.needed(sink.content_type, sink.headers):
         # [I] an answer that is not JSON text (Triton's binary tensors): its bytes,
         # content type and headers, base64 (the coordinator sends them as they are)
-        body["outputBytes"] = WholeAnswer(sink.content_type, sink.headers,
-                                          b"".join(sink.chunks)).encode()
-    return orjson.dumps(body)
+        whole = WholeAnswer(sink.content_type, sink.headers, b"".join(sink.chunks))
+    return PrefillAnswer.of(req_id, sink.is_stream, sink.text, last=last,
+                            whole=whole).encode()
 
 
 async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
                         response: HttpResponse) -> None:
     """Run one coordinator request on this prefill instance (module docstring)."""
-    req_id, target, recompute = prefill_gate(node, request.headers)
+    gate = prefill_gate(node, request.headers)
+    req_id, target, recompute = gate.req_id, gate.d_target, gate.recompute
     # a resubmission of a request this P still parks for a D that died before pulling
     # it: the new submission replaces the parked copy (its blocks freed first)
     if await node.engine.evict(req_id):
@@ -304,28 +227,20 @@ async def serve_prefill(node: PdNode, handler: Handler, request: HttpRequest,
         await handler(request, response)
         return
     body = request.body
-    history = None
+    rb = None
     if recompute:
         try:
-            restored, prompt, outputs = parse_recompute_body(
-                request.path, parse_json_object(request.body))
+            rb = RecomputeBody.decode(request.path, parse_json_object(request.body))
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        tail = _binary_tail(restored)
-        try:
-            logprobs = decode_prompt_logprobs(restored.pop(ORIGIN_LOGPROBS, None))
-        except ValueError as exc:
-            raise HttpError(422, str(exc)) from None
-        if logprobs is not None and (len(logprobs) != len(outputs) or None in logprobs):
-            raise HttpError(422, f"{ORIGIN_LOGPROBS} must hold one entry per output token")
-        head = orjson.dumps(restored)
-        body, history = head + tail, (prompt, outputs, logprobs)
-        if tail:  # the JSON, then the binary tensors, as the client sent them
+        head = orjson.dumps(rb.original)
+        body = head + rb.binary
+        if rb.binary:  # the JSON, then the binary tensors, as the client sent them
             request = replace(request, headers={**request.headers,
                                                 BINARY_HEADER: str(len(head))})
     sink = CaptureResponse()
     inner = replace(request, body=body)
-    obs = PrefillObserver(node, req_id, target, inner, body, history, sink)
+    obs = PrefillObserver(node, req_id, target, inner, body, rb, sink)
     try:
         with observed(obs):
             await handler(inner, sink)

@@ -11,14 +11,31 @@ client sent. The prompt field of each route is the route table's ``prompt`` colu
 (:mod:`tokenserve.api.routes`); Triton ``/infer`` carries the history as
 ``inputs[0].data = [L, p.., o..]`` (UINT32) with ``origin_inputs`` the original ``inputs[0]``,
 and a native body that used ``input_id`` moves it to ``origin_inputs`` (``origin_field``).
+
+:class:`RecomputeBody` is the message (D's ``retry:`` body, the coordinator's body after a
+lost D, what P reads under ``is-recompute: true``); :func:`build_recompute_body` and
+:func:`parse_recompute_body` are its prompt-field rewrite. The history's own codec is
+:class:`tokenserve.pd.messages.History`.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from tokenserve.api.routes import BY_NAME, Family, Route, inference_route
+from tokenserve.messages import TokenLogprob
+from tokenserve.pd.messages import (
+    History,
+    WireError,
+    b64_bytes,
+    b64_text,
+    decode_logprobs,
+    encode_logprobs,
+)
 
 _TRITON_INFER = BY_NAME["triton.infer"]
 
@@ -59,32 +76,6 @@ def _route(path: str) -> Route:
     return route
 
 
-def encode_history(prompt_ids: list[int], output_ids: list[int]) -> str:
-    """``"L,p1,..,pL,o1,..,oK"`` (spec §7.2)."""
-    return ",".join(map(str, [len(prompt_ids), *prompt_ids, *output_ids]))
-
-
-def decode_history(value: Any) -> tuple[list[int], list[int]]:
-    """(prompt ids, output ids) from ``"L,p..,o.."`` or the Triton list ``[L, p.., o..]``.
-
-    Raises:
-        ValueError: not that shape (non-integers, L < 1 or longer than the list).
-    """
-    if isinstance(value, str):
-        try:
-            nums = [int(x) for x in value.split(",")]
-        except ValueError:
-            raise ValueError("recompute prompt must be 'L,p1,...,pL,o1,...'") from None
-    elif isinstance(value, list) and all(type(x) is int for x in value):
-        nums = list(value)
-    else:
-        raise ValueError("recompute prompt must be 'L,p1,...,pL,o1,...'")
-    if not nums or not 1 <= nums[0] <= len(nums) - 1 or any(x < 0 for x in nums):
-        raise ValueError("recompute prompt must be 'L,p1,...,pL,o1,...' with 1 <= L")
-    n = nums[0]
-    return nums[1:1 + n], nums[1 + n:]
-
-
 def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
                          num_prompt: int) -> dict[str, Any]:
     """The recompute body for the client's original ``body`` at ``path``: prompt field =
@@ -99,13 +90,13 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
     route = _route(path)
     field = _prompt_field(route, body)
     out = copy.deepcopy(body)
-    prompt, outputs = history[:num_prompt], history[num_prompt:]
+    h = History(tuple(history[:num_prompt]), tuple(history[num_prompt:]))
     if route is _TRITON_INFER:
         inputs = out.get("inputs")
         if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
             raise ValueError("Triton infer body without inputs[0]")
         out[ORIGIN] = copy.deepcopy(inputs[0])
-        data = [num_prompt, *prompt, *outputs]
+        data = h.numbers()
         inputs[0]["data"] = data
         inputs[0]["shape"] = [1, len(data)]
         return out
@@ -115,7 +106,7 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
         out[ORIGIN_FIELD] = "input_id"
     else:
         out[ORIGIN] = out.get(field)
-    out[field] = encode_history(prompt, outputs)
+    out[field] = h.encode()
     return out
 
 
@@ -136,15 +127,69 @@ def parse_recompute_body(path: str, body: dict[str, Any]
         inputs = out.get("inputs")
         if not (isinstance(inputs, list) and inputs and isinstance(inputs[0], dict)):
             raise ValueError("Triton infer body without inputs[0]")
-        prompt, outputs = decode_history(inputs[0].get("data"))
+        h = History.decode(inputs[0].get("data"))
         if not isinstance(origin, dict):
             raise ValueError(f"{ORIGIN} of a Triton infer body must be its inputs[0]")
         inputs[0] = origin
-        return out, prompt, outputs
-    prompt, outputs = decode_history(out.get(field))
+        return out, list(h.prompt), list(h.outputs)
+    h = History.decode(out.get(field))
     if out.pop(ORIGIN_FIELD, None) == "input_id":
         del out[field]
         out["input_id"] = origin
     else:
         out[field] = origin
-    return out, prompt, outputs
+    return out, list(h.prompt), list(h.outputs)
+
+
+@dataclass(frozen=True)
+class RecomputeBody:
+    """A recompute body (§7.2, module docstring) as a message.
+
+    Attributes:
+        original: the client's JSON body as it sent it (its binary tail apart).
+        history: the prompt's ids and the output ids the client already has.
+        binary: [I] ``origin_binary``: the bytes that followed the JSON (Triton's
+            ``Inference-Header-Content-Length`` extension); ``b""``: none.
+        logprobs: [I] ``origin_logprobs``: one entry per ``history.outputs``
+            (:func:`~tokenserve.pd.messages.encode_logprobs`), when the request asked.
+    """
+
+    original: dict[str, Any]
+    history: History
+    binary: bytes = b""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def encode(self, path: str) -> bytes:
+        """The JSON body for the inference route at ``path``.
+
+        Raises:
+            ValueError: ``path`` is not an inference route, or ``original`` cannot carry
+                a history (a Triton infer body without ``inputs[0]``).
+        """
+        h = self.history
+        out = build_recompute_body(path, self.original, [*h.prompt, *h.outputs],
+                                   len(h.prompt))
+        if self.binary:
+            out[ORIGIN_BINARY] = b64_text(self.binary)
+        if self.logprobs is not None:
+            out[ORIGIN_LOGPROBS] = encode_logprobs(self.logprobs)
+        return orjson.dumps(out)
+
+    @staticmethod
+    def decode(path: str, body: dict[str, Any]) -> RecomputeBody:
+        """The inverse of :meth:`encode`, from the parsed JSON ``body``.
+
+        Raises:
+            ValueError: no ``origin_inputs``, a prompt field that is not ``"L,..."``, a
+                malformed ``origin_binary`` / ``origin_logprobs``, or not one logprob
+                entry per output token (P answers 422).
+        """
+        restored, prompt, outputs = parse_recompute_body(path, body)
+        binary = restored.pop(ORIGIN_BINARY, None)
+        logprobs = decode_logprobs(restored.pop(ORIGIN_LOGPROBS, None), ORIGIN_LOGPROBS,
+                                   nulls=False)
+        if logprobs is not None and len(logprobs) != len(outputs):
+            raise WireError(f"{ORIGIN_LOGPROBS} must hold one entry per output token")
+        return RecomputeBody(restored, History(tuple(prompt), tuple(outputs)),
+                             b64_bytes(binary, ORIGIN_BINARY) if binary is not None else b"",
+                             logprobs)  # type: ignore[arg-type]  # no null entries

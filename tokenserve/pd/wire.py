@@ -55,10 +55,21 @@ def encode(req_id: str, kind: str, body: str) -> bytes:
     return f"reqId:{req_id}\0{kind}:{body}\0".encode()
 
 
+def dresult_body(chunk: bytes) -> str:
+    """A rendered chunk as a /dresult body (D's side). [I] A body never holds NUL, so
+    the NUL that ends each vLLM stream chunk (``{json}\\0``, spec/interfaces.md §4.1)
+    travels as a newline (JSON text never holds a raw one); :func:`vllm_body` turns it
+    back.
+
+    Raises:
+        UnicodeDecodeError: ``chunk`` is not UTF-8 (a family renders text).
+    """
+    return chunk.decode("utf-8").replace("\0", "\n")
+
+
 def vllm_body(body: str) -> str:
-    """[I] A /dresult body never holds NUL, so D sends the NUL that ends each vLLM stream
-    chunk (``{json}\\0``, spec/interfaces.md §4.1) as a newline (JSON text never holds a
-    raw one); this turns a vLLM stream body back into the bytes the client expects."""
+    """The inverse of :func:`dresult_body` for a vLLM stream body (the coordinator's
+    side): the bytes the client expects, as text."""
     return body.replace("\n", "\0")
 
 
