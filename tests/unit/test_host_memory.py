@@ -72,3 +72,43 @@ def test_llama_kv_cache_on_huge_pages():
     k0, v1 = caches[0][0], caches[1][1]
     assert k0.shape == (4, 3, 16, 68) and k0.dtype == torch.int8
     assert k0.data_ptr() % HUGE_PAGE == 0 and v1.data_ptr() - k0.data_ptr() == 3 * 4 * 3 * 16 * 68
+
+
+def test_large_packed_weights_move_to_huge_pages_small_ones_stay():
+    """weight_on_huge_pages: a copy with the same bytes on 2 MiB-aligned memory from
+    HUGE_WEIGHT_MIN_BYTES on; smaller, non-contiguous tensors are returned as they are."""
+    from tokenserve.ops.host_memory import HUGE_WEIGHT_MIN_BYTES, weight_on_huge_pages
+
+    big = torch.randint(0, 256, (HUGE_WEIGHT_MIN_BYTES // 64, 64), dtype=torch.uint8)
+    moved = weight_on_huge_pages(big)
+    assert moved.data_ptr() % HUGE_PAGE == 0 and torch.equal(moved, big)
+    small = torch.randn(4, 8)
+    assert weight_on_huge_pages(small) is small
+    strided = big.t()
+    assert weight_on_huge_pages(strided) is strided
+
+
+def test_linear_keeps_a_large_quantised_weight_on_huge_pages():
+    """Linear's packed GGUF blocks (here k-quants, 16384 x 2048 Q4_K: 18 MiB) land on huge
+    pages; the GEMM's results are those of the same blocks elsewhere."""
+    from tests.unit.test_kernel_quant_k import HAVE_C, _gemm, _weight
+    from tokenserve.ops.linear import Linear
+
+    if not HAVE_C:
+        pytest.skip("tokenserve._C not built")
+    qw = _weight(16384, 2048, "q4_k")
+    lin = Linear(qw, out_dtype=torch.float32)
+    assert lin.qweight.data.data_ptr() % HUGE_PAGE == 0
+    x = torch.randn(3, 2048)
+    assert torch.equal(lin(x), _gemm(x, qw))
+
+
+def test_returned_to_os_after_load_restores_and_trims():
+    """The load context runs its body and leaves (glibc: threshold pinned, then trimmed)."""
+    from tokenserve.ops.host_memory import process_rss, returned_to_os_after_load
+
+    with returned_to_os_after_load():
+        t = torch.ones(4 << 20)
+        del t
+    rss = process_rss()
+    assert rss is None or (rss[0] > 0 and rss[1] >= rss[0])

@@ -57,6 +57,29 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return t
 
 
+
+#: Weights from this size up are moved onto huge pages (:func:`weight_on_huge_pages`): the
+#: partly used last 2 MiB page wastes under 2 MiB, at most a fifth of such a tensor.
+HUGE_WEIGHT_MIN_BYTES = 8 << 20
+
+
+def weight_on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A packed weight of ``HUGE_WEIGHT_MIN_BYTES`` or more copied onto huge pages
+    (:func:`zeros_on_huge_pages`); smaller, non-contiguous or non-CPU tensors as they are.
+
+    A batch-1 step streams every weight from DRAM once; on 4 KiB pages the hardware
+    prefetchers stop at each page boundary. Measured on Zen 4 (2 threads, Llama-3.2-1B
+    shapes, 6 copies of each weight, best of 5): gate_up [16384, 2048] Q4_K 32.8 -> 36.2
+    GB/s, Q6_K 28.7 -> 32.9, down [2048, 8192] Q4_K 37.4 -> 39.2, Q6_K 30.9 -> 34.8; the
+    2-4 MB tensors (in cache there) unchanged. Same bytes, so the same results.
+    """
+    if (t.device.type != "cpu" or not t.is_contiguous()
+            or t.numel() * t.element_size() < HUGE_WEIGHT_MIN_BYTES):
+        return t
+    h = zeros_on_huge_pages(tuple(t.shape), t.dtype)
+    h.copy_(t)
+    return h
+
 def process_rss() -> tuple[int, int] | None:
     """(resident bytes now, peak resident bytes) of this process, from ``/proc/self/status``
     (``VmRSS``, ``VmHWM``); None where that file does not exist (not Linux)."""

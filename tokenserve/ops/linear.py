@@ -75,6 +75,7 @@ blocks on ``tokenserve.quant_amx`` where AMX-BF16 exists), ``onednn``, ``torch``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -82,6 +83,7 @@ import torch.nn.functional as F
 
 from tokenserve.config import env
 from tokenserve.ops.dispatch import Kernels
+from tokenserve.ops.host_memory import weight_on_huge_pages
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import K_QTYPES, QTYPE_IDS, QuantWeight, repack_t16
 
@@ -218,7 +220,8 @@ class Linear:
                        and amx_available(c))
                 # GGUF blocks -> t16 tiles (AMX) or x8 (k-quants: k8) groups; Int8Weight ->
                 # x16 panels
-                self.qweight = repack_t16(weight) if amx else repack_x8(weight)
+                packed = repack_t16(weight) if amx else repack_x8(weight)
+                self.qweight = dataclasses.replace(packed, data=weight_on_huge_pages(packed.data))
                 self.bias, self.out_dtype = bias, out_dtype
                 self.weight = None
                 self.out_features, self.in_features = weight.shape
@@ -251,7 +254,7 @@ class Linear:
             self._c = c
             pairs = (weight.dtype == torch.bfloat16 and force != "c-fma"
                      and pair_dot_available(c))
-            self._packed = c.gemm_prepack(weight, pairs)
+            self._packed = weight_on_huge_pages(c.gemm_prepack(weight, pairs))
             if bias is not None:
                 self._bias_f32 = bias.float().contiguous()
             self.backend = "tokenserve.gemm"
