@@ -112,3 +112,28 @@ def test_returned_to_os_after_load_restores_and_trims():
         del t
     rss = process_rss()
     assert rss is None or (rss[0] > 0 and rss[1] >= rss[0])
+
+
+def test_drop_file_pages_releases_a_mapped_files_pages_and_keeps_its_bytes(tmp_path):
+    """A tensor viewing a mapped file (as a GGUF's blocks are) leaves the resident set once
+    dropped, and reads back the file's bytes; anonymous memory is never touched."""
+    import mmap as _mmap
+
+    from tokenserve.ops.host_memory import drop_file_pages, process_rss
+
+    data = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(data.numpy().tobytes())
+    import numpy as np
+
+    view = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))  # private, not written
+    assert torch.equal(view, data)  # every page touched: resident
+    before = process_rss()
+    dropped = drop_file_pages(view)
+    assert dropped >= (32 << 20) - 2 * _mmap.PAGESIZE
+    after = process_rss()
+    if before is not None:
+        assert after[0] <= before[0] - (16 << 20)
+    assert torch.equal(view, data)  # faulted back in from the file
+    anon = data.clone()
+    assert drop_file_pages(anon) == 0 and torch.equal(anon, data)

@@ -80,6 +80,55 @@ def weight_on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     h.copy_(t)
     return h
 
+
+_MADV_DONTNEED = 4  # asm-generic/mman-common.h
+
+
+def _file_backed(addr: int) -> bool:
+    """True when ``addr`` lies in a file-backed mapping of this process
+    (``/proc/self/maps``: a non-zero inode)."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                if lo <= addr < hi:
+                    return fields[4] != "0"
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def drop_file_pages(t: torch.Tensor) -> int:
+    """Unmap from this process the pages of a tensor that views a file mapping (a GGUF's
+    blocks read through ``mmap``), once its bytes have been packed elsewhere: they leave the
+    process's resident set and a later read faults them back in from the file, so nothing
+    can be lost (``madvise(MADV_DONTNEED)`` on a file mapping we never wrote). Anonymous
+    memory is left alone. Only whole pages inside the tensor are dropped.
+
+    Without it a load holds every mapped source page beside its packed copy until the end:
+    peak resident 2x the weights (Llama-3.2-1B-shaped Q6_K file: 2668 MiB vs llama-server's
+    1230).
+
+    Returns:
+        Bytes dropped (0 where nothing was file-backed, or not Linux).
+    """
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return 0
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + nbytes) // page * page
+    if hi <= lo or not _file_backed(start):
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return hi - lo
+
 def process_rss() -> tuple[int, int] | None:
     """(resident bytes now, peak resident bytes) of this process, from ``/proc/self/status``
     (``VmRSS``, ``VmHWM``); None where that file does not exist (not Linux)."""

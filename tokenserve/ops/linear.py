@@ -83,7 +83,7 @@ import torch.nn.functional as F
 
 from tokenserve.config import env
 from tokenserve.ops.dispatch import Kernels
-from tokenserve.ops.host_memory import weight_on_huge_pages
+from tokenserve.ops.host_memory import drop_file_pages, weight_on_huge_pages
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import K_QTYPES, QTYPE_IDS, QuantWeight, repack_t16
 
@@ -222,6 +222,8 @@ class Linear:
                 # x16 panels
                 packed = repack_t16(weight) if amx else repack_x8(weight)
                 self.qweight = dataclasses.replace(packed, data=weight_on_huge_pages(packed.data))
+                if packed is not weight:  # the file's blocks, if mapped, leave the RSS
+                    drop_file_pages(weight.data)
                 self.bias, self.out_dtype = bias, out_dtype
                 self.weight = None
                 self.out_features, self.in_features = weight.shape
@@ -418,7 +420,10 @@ def fused_linear(parts: list[torch.Tensor | QuantWeight], bias: torch.Tensor | N
         if len(run) == 1:
             return run[0]
         if isinstance(run[0], QuantWeight):
-            return QuantWeight.cat(run)
+            fused = QuantWeight.cat(run)
+            for p in run:  # copied: the file's blocks, if mapped, leave the RSS
+                drop_file_pages(p.data)
+            return fused
         return torch.cat(run)
 
     if len(runs) == 1 or not any(isinstance(p, QuantWeight) for p in parts):
