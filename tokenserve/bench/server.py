@@ -123,14 +123,10 @@ class ChildServer:
         so far; None when it is not running or not on Linux."""
         if self.proc is None:
             return None
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        from tokenserve.ops.host_memory import process_rss
+
+        rss = process_rss(self.proc.pid)
+        return None if rss is None else rss[1] / 2**20
 
     def log_tail(self, n: int = 4000) -> str:
         self._log.flush()

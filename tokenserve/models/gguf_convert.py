@@ -425,7 +425,9 @@ def _layer_arrays(t, arch: GgufArch, config: dict[str, Any], arr: np.ndarray
 def _convert_tensors(
     reader: GGUFReader, config: dict[str, Any], arch: GgufArch, progress: bool
 ) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 ``[out, in]`` (row-major) under its HF name."""
+    """Dequantize every tensor to float32 ``[out, in]`` (row-major) under its HF name
+    (after :func:`_check_tensors`: names and the embedding's shape)."""
+    _check_tensors(reader, config, arch)
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="convert GGUF", unit="tensor", disable=not progress):
         if t.name in _CONFIG_TENSORS:
@@ -436,18 +438,12 @@ def _convert_tensors(
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         for name, a in _layer_arrays(t, arch, config, arr):
             out[name] = np.ascontiguousarray(a)
-    embed = out.get("model.embed_tokens.weight")
-    if embed is None or embed.shape != (config["vocab_size"], config["hidden_size"]):
-        raise ValueError(
-            f"token_embd shape {None if embed is None else embed.shape} does not match "
-            f"vocab {config['vocab_size']} x hidden {config['hidden_size']}"
-        )
     return out
 
 
 def _check_tensors(reader: GGUFReader, config: dict[str, Any], arch: GgufArch) -> None:
-    """What :func:`_convert_tensors` refuses, without dequantising: a tensor the architecture
-    does not name, an embedding of the wrong shape.
+    """What a conversion refuses, without dequantising: a tensor the architecture does not
+    name, an embedding of the wrong shape.
 
     Raises:
         ValueError: as :func:`convert_gguf`.

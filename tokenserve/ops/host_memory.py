@@ -129,11 +129,12 @@ def drop_file_pages(t: torch.Tensor) -> int:
         return 0
     return hi - lo
 
-def process_rss() -> tuple[int, int] | None:
-    """(resident bytes now, peak resident bytes) of this process, from ``/proc/self/status``
-    (``VmRSS``, ``VmHWM``); None where that file does not exist (not Linux)."""
+def process_rss(pid: int | str = "self") -> tuple[int, int] | None:
+    """(resident bytes now, peak resident bytes) of a process (this one by default), from
+    ``/proc/PID/status`` (``VmRSS``, ``VmHWM``); None where that file cannot be read (the
+    process is gone, or not Linux)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         return (int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024)
     except (OSError, KeyError, ValueError):

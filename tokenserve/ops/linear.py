@@ -117,21 +117,20 @@ def vector_isa(c) -> str:
     return "avx2" if c is not None and c.cpu_features().get("avx2_fma", False) else "portable"
 
 
-def quant_isa(c) -> str:
-    """The inner loops of ``quant_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpwssd`` on two
-    8-row groups per zmm), with ``"+amx_int8"`` where 16+ rows run on AMX-INT8 tiles,
-    ``"avx2"`` or ``"portable"``; all of them give the same bits."""
-    if c is not None and c.cpu_features().get("avx512vnni", False):
-        return "avx512vnni+amx_int8" if amx_int8_available(c) else "avx512vnni"
-    return vector_isa(c)
-
-
 def quant_k_isa(c) -> str:
     """The inner loops of ``quant_k_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpwssd`` on two
     8-row groups per zmm), ``"avx2"`` or ``"portable"``; all give the same bits."""
     if c is not None and c.cpu_features().get("avx512vnni", False):
         return "avx512vnni"
     return vector_isa(c)
+
+
+def quant_isa(c) -> str:
+    """The inner loops of ``quant_gemm`` on this CPU: those of :func:`quant_k_isa`, with
+    ``"+amx_int8"`` after ``"avx512vnni"`` where 16+ rows run on AMX-INT8 tiles; all of them
+    give the same bits."""
+    isa = quant_k_isa(c)
+    return isa + "+amx_int8" if isa == "avx512vnni" and amx_int8_available(c) else isa
 
 
 def amx_available(c) -> bool:
