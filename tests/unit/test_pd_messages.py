@@ -3,6 +3,7 @@ one is refused with a WireError naming the key, unknown keys are ignored."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import replace
 
@@ -13,12 +14,14 @@ from tokenserve.messages import TokenLogprob
 from tokenserve.pd.messages import (
     HOP_BY_HOP,
     PD_HEADERS,
+    SAMPLING_FIELDS,
     DecodeParameters,
     DecodeVerdict,
     History,
     PrefillAnswer,
     PrefillHeaders,
     Release,
+    RequestPlan,
     WireError,
     decode_ids,
     decode_logprobs,
@@ -28,9 +31,18 @@ from tokenserve.pd.messages import (
 )
 from tokenserve.pd.recompute import RecomputeBody
 from tokenserve.pd.wire import WholeAnswer
+from tokenserve.sampling_params import ConstraintKind, SamplingParams, StructuredOutput
 
 LP = TokenLogprob(7, -0.125, ((7, -0.125), (9, -2.5)), 1)
 LP2 = TokenLogprob(9, -1e-30, (), 3)
+#: every sampling field off its default (the test below checks that it is)
+PARAMS = SamplingParams(
+    max_new_tokens=7, temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.1,
+    do_sample=True, seed=42, ignore_eos=True, stop_token_ids=(3, 4),
+    skip_special_tokens=False, stop=("\n\n", "END"), include_stop_str_in_output=True,
+    presence_penalty=0.5, frequency_penalty=-0.25, logprobs=2, min_p=0.05,
+    speculative=False, structured=StructuredOutput(ConstraintKind.REGEX, "[a-z]+"),
+    prompt_logprobs=1, keep_special_token_ids=(9,))
 
 
 def full_parameters(**kw) -> DecodeParameters:
@@ -44,7 +56,7 @@ def full_parameters(**kw) -> DecodeParameters:
             "block_bytes": 4},
         post_single_text="text", prefill_token_num=1, pre_output_token_num=1,
         e2e_start_time_us=1_700_000_000_000_000, prompt_logprobs=(None, LP),
-        first_token_logprobs=(LP, LP2))
+        first_token_logprobs=(LP, LP2), plan=RequestPlan(PARAMS, 2, 1.5))
     return replace(full, **kw)
 
 
@@ -63,8 +75,34 @@ def test_decode_parameters_wire_keys_are_today_s() -> None:
         "reqId", "tokens", "firstToken", "method", "path", "query", "headers", "body",
         "generatorState", "numComputed", "seed", "prefixCachedTokenNums", "blockTable",
         "pNodeAddr", "kv", "postsingletext", "prefillTokenNum", "preOutputTokenNum",
-        "e2eStartTime", "promptLogprobs", "firstTokenLogprobs"]
+        "e2eStartTime", "promptLogprobs", "firstTokenLogprobs", "plan"]
     assert obj["promptLogprobs"] == [None, [7, -0.125, 1, [[7, -0.125], [9, -2.5]]]]
+
+
+def test_plan_carries_every_sampling_field_but_the_seed() -> None:
+    """Issue 40: D runs P's plan as it is, so every field of the engine request's
+    parameters crosses (a new SamplingParams field fails here until it does); the seed
+    is ``seed``, one key."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(SAMPLING_FIELDS) == names - {"seed"}
+    default = SamplingParams(seed=42)
+    assert all(getattr(PARAMS, n) != getattr(default, n) for n in SAMPLING_FIELDS)
+    obj = orjson.loads(full_parameters().encode())
+    assert obj["plan"]["priority"] == 2 and obj["plan"]["timeoutS"] == 1.5
+    assert obj["plan"]["sampling"]["structured"] == {"kind": "regex", "value": "[a-z]+"}
+    assert "seed" not in obj["plan"]["sampling"] and obj["seed"] == 42
+    assert DecodeParameters.decode(orjson.dumps(obj)).plan == RequestPlan(PARAMS, 2, 1.5)
+
+
+def test_plan_absent_or_sparse() -> None:
+    """No ``plan`` (a P from before it): None, D plans itself; absent or null sampling
+    fields take their defaults."""
+    obj = orjson.loads(full_parameters().encode())
+    del obj["plan"]
+    assert DecodeParameters.decode(orjson.dumps(obj)).plan is None
+    obj["plan"] = {"sampling": {"max_new_tokens": 3, "logprobs": None}}
+    assert DecodeParameters.decode(orjson.dumps(obj)).plan == RequestPlan(
+        SamplingParams(max_new_tokens=3, seed=42))
 
 
 def test_decode_parameters_binary_body_travels_as_base64() -> None:
@@ -250,6 +288,17 @@ def test_malformed_recompute_bodies_are_refused(change, text) -> None:
     ({"promptLogprobs": [[1, "x", 1, []]]}, "bad promptLogprobs"),
     ({"promptLogprobs": 3}, "bad promptLogprobs"),
     ({"firstTokenLogprobs": [None, None]}, "bad firstTokenLogprobs: a null entry"),
+    ({"plan": []}, "plan must be an object"),
+    ({"plan": {}}, "sampling is missing"),
+    ({"plan": {"sampling": {"top_k": 1.5}}}, "plan.sampling.top_k must be int"),
+    ({"plan": {"sampling": {"do_sample": 1}}}, "plan.sampling.do_sample must be bool"),
+    ({"plan": {"sampling": {"stop": ["a", 1]}}}, "plan.sampling.stop must be strs"),
+    ({"plan": {"sampling": {"stop_token_ids": [-1]}}}, "plan.sampling.stop_token_ids"),
+    ({"plan": {"sampling": {"structured": {"kind": "x", "value": ""}}}},
+     "plan.sampling.structured must be structured"),
+    ({"plan": {"sampling": {"top_p": 2.0}}}, "plan.sampling: top_p must be in (0, 1]"),
+    ({"plan": {"sampling": {}, "priority": "1"}}, "priority must be an integer"),
+    ({"plan": {"sampling": {}, "timeoutS": "1"}}, "timeoutS must be a number"),
 ])
 def test_malformed_decode_parameters_are_refused_naming_the_key(change, key) -> None:
     obj = {**orjson.loads(full_parameters().encode()), **change}

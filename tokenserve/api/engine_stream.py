@@ -27,7 +27,7 @@ from tokenserve.api.context import ServeContext
 from tokenserve.api.engine_client import EngineClient
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.messages import EngineOverloadedError, GenerateRequest, RequestOutput
-from tokenserve.transport.cycle import ClientDisconnected, HandlerExit
+from tokenserve.transport.cycle import ClientDisconnected
 from tokenserve.transport.errors import HttpError
 
 logger = logging.getLogger(__name__)
@@ -36,26 +36,33 @@ logger = logging.getLogger(__name__)
 NO_FINAL_OUTPUT = "Engine stream ended without a final output."
 
 
-class RequestHandedOff(HandlerExit):
-    """Raised out of the family handler when its request continues on another instance
-    (PD prefill -> decode, spec/pd_disaggregation.md §5): the handler stops, and the engine
-    request is NOT aborted (its KV blocks wait for the decode instance). Not a disconnect:
-    the prefill side (:func:`tokenserve.pd.prefill.serve_prefill`) matches it and answers
-    the coordinator."""
-
-
 class StreamObserver(Protocol):
     """PD: watches the engine side of one HTTP request (installed with :func:`observed`
     around the family handler) so the handler runs unchanged on a prefill or decode
-    instance."""
+    instance. A family handler runs in stages, parse -> plan -> run -> render; the
+    observer plugs in between them: it may hand the handler a plan made elsewhere
+    (:meth:`handed_plan`, the decode side: P's), it sees the engine request admitted
+    (:meth:`admit`) and each output before it is rendered (:meth:`on_output`), and it may
+    end the handler there (:meth:`before_wait`, the prefill side's hand-off)."""
+
+    def handed_plan(self) -> GenerateRequest | None:
+        """The engine request planned for this HTTP request elsewhere (its prompt ids,
+        sampling and stopping parameters, priority and timeout): the family submits it
+        instead of planning its own, so it neither templates nor tokenizes the prompt
+        (:func:`handed_plan`). None: the family plans as usual."""
 
     def admit(self, request: GenerateRequest) -> GenerateRequest:
         """The engine request to submit instead of ``request`` (id, prompt, PD fields);
         raises HttpError to refuse (e.g. a second request of a fan-out)."""
 
     async def before_wait(self) -> None:
-        """Called before the handler waits for the next output; may raise
-        :class:`RequestHandedOff`."""
+        """Called before the handler waits for the next output; may raise an exception
+        that :meth:`hands_off` (the prefill side's hand-off)."""
+
+    def hands_off(self, exc: BaseException | None) -> bool:
+        """Whether ``exc``, leaving the handler, hands its engine request on to another
+        instance (PD prefill -> decode): the request is then NOT aborted (its KV blocks
+        wait for the decode instance) and the metrics count it as handed off."""
 
     def on_output(self, out: RequestOutput) -> None:
         """Called with every output, before the handler renders it."""
@@ -80,6 +87,14 @@ def observed(observer: StreamObserver) -> Iterator[None]:
         yield
     finally:
         _OBSERVER.reset(token)
+
+
+def handed_plan() -> GenerateRequest | None:
+    """The family's plan stage asks this first: under a PD decode observer, the engine
+    request P planned (:meth:`StreamObserver.handed_plan`), which the family runs as it
+    is (no chat template, no tokenizer); None: plan from the body."""
+    observer = _OBSERVER.get()
+    return None if observer is None else observer.handed_plan()
 
 
 def response_id(fresh: str) -> str:
@@ -219,8 +234,8 @@ class EngineStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if self._handle is not None and not self.finished \
-                and not isinstance(exc, RequestHandedOff):
+        handed_off = self._observer is not None and self._observer.hands_off(exc)
+        if self._handle is not None and not self.finished and not handed_off:
             self._handle.abort()
         ctx = self._context
         if ctx is not None:
@@ -229,7 +244,7 @@ class EngineStream:
                 try:
                     self._tracker.finished(
                         self.last if self.finished else None,
-                        handed_off=isinstance(exc, RequestHandedOff),
+                        handed_off=handed_off,
                         disconnected=isinstance(exc, ClientDisconnected) or self.stopped)
                 except Exception:
                     logger.exception("metrics: finished failed")

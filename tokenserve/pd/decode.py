@@ -3,9 +3,13 @@
 ``POST /v1/pd/decode`` (management plane; our stand-in for MindIE's gRPC
 ``DecodeRequestChannel``) carries the request P started (its ``DecodeParameters``, §5.2:
 the client's method, path and body, the prompt ids, the tokens generated so far, the
-generator state, P's block ids and KV region). D then runs the SAME family handler on
-the client's body, so every byte it sends is what a mixed instance would send::
+generator state, P's block ids and KV region, and P's plan of the engine request:
+sampling and stopping parameters, priority, timeout). D then runs the SAME family handler
+on the client's body, so every byte it sends is what a mixed instance would send; its
+plan stage takes P's plan instead of templating and tokenizing the prompt again::
 
+    handler parses the body             -> what it renders with (stream, details, tools..)
+    handler's plan stage                -> observer: P's plan (prompt = P's ids), as is
     handler admits its engine request   -> observer: id = reqId, prompt = P's ids,
                                            adopt (tokens so far, generator, KV source)
     engine: allocate blocks, pull K/V   -> puller (worker thread): Mooncake read of P's
@@ -160,6 +164,19 @@ class DecodeObserver:
         self.ids_given = 0  # response ids handed to the handler (derived_id, as on P)
         #: the logprobs of ``delivered`` when the request asked (a recompute carries them)
         self.delivered_logprobs = list(params.first_token_logprobs or ())
+
+    def handed_plan(self) -> GenerateRequest | None:
+        """P's plan (:class:`RequestPlan`) as the engine request the family runs: its
+        prompt is P's tokens, so D neither templates nor tokenizes it; None from a P that
+        sends no plan (the family then plans from the body, as P did)."""
+        p = self.params
+        if p.plan is None:
+            return None
+        return GenerateRequest(self.req_id, p.tokens, p.plan.params, p.plan.priority,
+                               p.plan.timeout_s)
+
+    def hands_off(self, exc: BaseException | None) -> bool:
+        return False
 
     def admit(self, greq: GenerateRequest) -> GenerateRequest:
         if self.admitted.is_set():

@@ -6,6 +6,7 @@ and decoded here and nowhere else::
                        + the client's headers through forward_headers()
     P -> coordinator   PrefillAnswer      {reqId, isStream, isLastResp, output, outputBytes}
     P -> D             DecodeParameters   POST /v1/pd/decode (MindIE's gRPC message, §5.2)
+                       + RequestPlan      [I] its ``plan``: the engine request P planned
     D -> P             DecodeVerdict      {isValidDecodeParameters, errorMessage}
     D -> P             Release            POST /v1/pd/release {reqId}
     D -> coordinator   History / ids      the ``ids:`` bodies on /dresult (§7.2 "L,p..,o..")
@@ -36,6 +37,7 @@ import orjson
 
 from tokenserve.messages import TokenLogprob
 from tokenserve.pd.wire import WholeAnswer
+from tokenserve.sampling_params import ConstraintKind, SamplingParams, StructuredOutput
 
 # ---------------------------------------------------------------------- headers (§4.1)
 
@@ -166,7 +168,10 @@ def _id_list(value: Any, key: str) -> tuple[int, ...]:
 
     Raises:
         WireError: not a list of non-negative integers."""
-    if not isinstance(value, list) or not all(type(x) is int and x >= 0 for x in value):
+    # C-level passes (a prompt's ids are thousands on D's hand-off path); a bool's type
+    # is not int
+    if not isinstance(value, list) or (value and (set(map(type, value)) != {int}
+                                                  or min(value) < 0)):
         raise WireError(f"{key} must be a list of non-negative integers")
     return tuple(value)
 
@@ -313,6 +318,98 @@ class History:
         return History(nums[1:1 + n], nums[1 + n:])
 
 
+# ---------------------------------------------------------------------- P's plan ([I])
+
+#: [I] ``plan.sampling``: every :class:`SamplingParams` field but ``seed``, under its
+#: own name, and the JSON it travels as (``ids``: non-negative integers, ``strs``: strings,
+#: ``int?``: an integer or null, ``structured``: ``{"kind", "value"}`` or null).
+SAMPLING_FIELDS: dict[str, str] = {
+    "max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float",
+    "repetition_penalty": "float", "do_sample": "bool", "ignore_eos": "bool",
+    "stop_token_ids": "ids", "skip_special_tokens": "bool", "stop": "strs",
+    "include_stop_str_in_output": "bool", "presence_penalty": "float",
+    "frequency_penalty": "float", "logprobs": "int?", "min_p": "float",
+    "speculative": "bool", "structured": "structured", "prompt_logprobs": "int?",
+    "keep_special_token_ids": "ids",
+}
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """[I] ``plan`` of :class:`DecodeParameters`: the engine request P planned from the
+    client's body, so D submits it as it is, without templating or tokenizing the prompt
+    again (issue 40). Its prompt is ``tokens``, its seed ``seed``; wire form
+    ``{"sampling": {<SAMPLING_FIELDS>}, "priority", "timeoutS"}``.
+
+    Attributes:
+        params: the sampling and stopping parameters (stop strings and ids, the
+            structured-output constraint, logprobs, ``max_new_tokens``).
+        priority: 1 (most urgent) .. 5.
+        timeout_s: the client's timeout, seconds; None: none.
+    """
+
+    params: SamplingParams
+    priority: int = 5
+    timeout_s: float | None = None
+
+    def encode(self) -> dict[str, Any]:
+        sampling: dict[str, Any] = {}
+        for name, kind in SAMPLING_FIELDS.items():
+            value = getattr(self.params, name)
+            if kind == "structured" and value is not None:
+                value = {"kind": value.kind.value, "value": value.value}
+            elif kind in ("ids", "strs"):
+                value = list(value)
+            sampling[name] = value
+        return {"sampling": sampling, "priority": self.priority, "timeoutS": self.timeout_s}
+
+    @staticmethod
+    def decode(value: Any, seed: int | None) -> RequestPlan:
+        """The inverse of :meth:`encode`, its parameters seeded with ``seed`` (None: a
+        fresh one). An absent field takes its default.
+
+        Raises:
+            WireError: a malformed plan or a parameter out of range.
+        """
+        if not isinstance(value, dict):
+            raise WireError("plan must be an object")
+        raw = _get(value, "sampling", dict, "an object")
+        fields: dict[str, Any] = {} if seed is None else {"seed": seed}
+        for name, kind in SAMPLING_FIELDS.items():
+            if raw.get(name) is not None:
+                fields[name] = _sampling_field(raw[name], kind, f"plan.sampling.{name}")
+        timeout = value.get("timeoutS")
+        if timeout is not None and not _number(timeout):
+            raise WireError("timeoutS must be a number")
+        try:
+            params = SamplingParams(**fields)
+        except ValueError as exc:
+            raise WireError(f"plan.sampling: {exc}") from None
+        return RequestPlan(params, _get(value, "priority", int, "an integer", 5),
+                           None if timeout is None else float(timeout))
+
+
+def _sampling_field(v: Any, kind: str, key: str) -> Any:
+    """One ``plan.sampling`` value (not null) of ``kind`` (:data:`SAMPLING_FIELDS`).
+
+    Raises:
+        WireError: not that kind."""
+    if kind in ("int", "int?") and type(v) is int:
+        return v
+    if kind == "float" and _number(v):
+        return float(v)
+    if kind == "bool" and type(v) is bool:
+        return v
+    if kind == "ids":
+        return _id_list(v, key)
+    if kind == "strs" and isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    if kind == "structured" and isinstance(v, dict) and isinstance(v.get("value"), str) \
+            and v.get("kind") in {k.value for k in ConstraintKind}:
+        return StructuredOutput(ConstraintKind(v["kind"]), v["value"])
+    raise WireError(f"{key} must be {kind}, got {type(v).__name__}")
+
+
 # ---------------------------------------------------------------------- P -> D (§5.2)
 
 
@@ -349,6 +446,8 @@ class DecodeParameters:
         prompt_logprobs: [I] ``promptLogprobs`` (:func:`encode_logprobs`), when asked.
         first_token_logprobs: [I] ``firstTokenLogprobs``, one entry per ``first_token``
             (no null), when asked.
+        plan: [I] the engine request P planned (:class:`RequestPlan`); None: D plans it
+            from ``body`` itself (a P without it, during a rolling upgrade).
     """
 
     req_id: str
@@ -372,6 +471,7 @@ class DecodeParameters:
     e2e_start_time_us: int = 0
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     first_token_logprobs: tuple[TokenLogprob, ...] | None = None
+    plan: RequestPlan | None = None
 
     def encode(self) -> bytes:
         """The JSON body of ``POST /v1/pd/decode``."""
@@ -402,6 +502,7 @@ class DecodeParameters:
             "e2eStartTime": self.e2e_start_time_us,
             "promptLogprobs": encode_logprobs(self.prompt_logprobs),
             "firstTokenLogprobs": encode_logprobs(self.first_token_logprobs),
+            "plan": self.plan.encode() if self.plan is not None else None,
         })
 
     @staticmethod
@@ -427,6 +528,8 @@ class DecodeParameters:
         state = p.get("generatorState")
         first_lp = decode_logprobs(p.get("firstTokenLogprobs"), "firstTokenLogprobs",
                                    nulls=False)
+        seed = _get(p, "seed", int, "an integer", None)
+        plan = p.get("plan")
         return DecodeParameters(
             req_id=_get(p, "reqId", str, "a string"),
             tokens=_id_list(_get(p, "tokens", list, "a list"), "tokens"),
@@ -440,7 +543,7 @@ class DecodeParameters:
             query=_get(p, "query", str, "a string", ""),
             headers=headers,
             generator_state=b64_bytes(state, "generatorState") if state is not None else None,
-            seed=_get(p, "seed", int, "an integer", None),
+            seed=seed,
             prefix_cached_tokens=_get(p, "prefixCachedTokenNums", int, "an integer", 0),
             kv=_get(p, "kv", dict, "an object", None),
             post_single_text=_get(p, "postsingletext", str, "a string", ""),
@@ -449,6 +552,7 @@ class DecodeParameters:
             e2e_start_time_us=_get(p, "e2eStartTime", int, "an integer", 0),
             prompt_logprobs=decode_logprobs(p.get("promptLogprobs"), "promptLogprobs"),
             first_token_logprobs=first_lp,  # type: ignore[arg-type]  # no nulls
+            plan=RequestPlan.decode(plan, seed) if plan is not None else None,
         )
 
 

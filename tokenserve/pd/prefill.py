@@ -28,7 +28,7 @@ from dataclasses import replace
 import orjson
 
 from tokenserve.api.common import parse_json_object
-from tokenserve.api.engine_stream import RequestHandedOff, observed
+from tokenserve.api.engine_stream import observed
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
 from tokenserve.api.triton.handlers import BINARY_HEADER
@@ -44,6 +44,7 @@ from tokenserve.pd.messages import (
     DecodeVerdict,
     PrefillAnswer,
     PrefillHeaders,
+    RequestPlan,
     WireError,
     forward_headers,
 )
@@ -51,11 +52,18 @@ from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, RoleStatus, inter_comm_u
 from tokenserve.pd.recompute import RecomputeBody
 from tokenserve.pd.sinks import CaptureResponse
 from tokenserve.pd.wire import WholeAnswer
-from tokenserve.transport.cycle import HttpRequest, HttpResponse
+from tokenserve.transport.cycle import HandlerExit, HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler
 
 logger = logging.getLogger(__name__)
+
+
+class RequestHandedOff(HandlerExit):
+    """Raised out of the family handler (by :meth:`PrefillObserver.before_wait`) when its
+    request continues on a decode instance (spec §5): the handler stops, and the engine
+    request is NOT aborted (:meth:`PrefillObserver.hands_off`: its KV blocks wait for D).
+    Not a disconnect: :func:`serve_prefill` matches it and answers the coordinator."""
 
 
 def prefill_gate(node: PdNode, headers: dict[str, str]) -> PrefillHeaders:
@@ -121,6 +129,12 @@ class PrefillObserver:
                             prefill_only=True, adopt=adopt)
         return self.greq
 
+    def handed_plan(self) -> GenerateRequest | None:
+        return None  # P plans (templates, tokenizes) the request itself
+
+    def hands_off(self, exc: BaseException | None) -> bool:
+        return isinstance(exc, RequestHandedOff)
+
     def response_id(self, fresh: str) -> str:
         self.ids_given += 1
         return derived_id(self.req_id, self.ids_given)
@@ -177,6 +191,8 @@ class PrefillObserver:
             prompt_logprobs=self.prompt_logprobs,
             # a recompute: its history's entries first, as the recompute body carried them
             first_token_logprobs=self._all_output_logprobs(),
+            # D runs this plan as it is: no chat template, no tokenizer there (issue 40)
+            plan=RequestPlan(g.params, g.priority, g.timeout_s),
         )
 
     def _all_output_logprobs(self) -> tuple[TokenLogprob, ...] | None:

@@ -45,7 +45,7 @@ class Connection(Protocol):
 
 class HandlerExit(Exception):
     """A handler stops without answering, and it is not an error: the subclass says why
-    (:class:`ClientDisconnected`; the API layer's ``RequestHandedOff``). Error handlers
+    (:class:`ClientDisconnected`; PD prefill's ``RequestHandedOff``). Error handlers
     re-raise it untouched; whoever started the handler matches the subclass it expects."""
 
 

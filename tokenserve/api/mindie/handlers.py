@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from tokenserve.api.common import FamilyApi, collect, encode_text, run_stream, step_times
+from tokenserve.api.engine_stream import handed_plan
 from tokenserve.api.framing import sse
 from tokenserve.api.mindie.protocol import (
     MindieBody,
@@ -37,19 +38,26 @@ class MindIEApi(FamilyApi):
     """Handlers of the MindIE native family (spec §2.1)."""
 
 
-    async def _build(self, request: HttpRequest) -> tuple[MindieBody, GenerateRequest]:
-        """Steps 3-8 of spec §0.4; raises HttpError 422/424."""
+    def _parse(self, request: HttpRequest) -> MindieBody:
+        """Steps 3-7 of spec §0.4; raises HttpError 422."""
         try:
-            body = parse_mindie_body(self._json(request), self._info.vocab_size)
-            if body.input_ids is not None:
-                ids = body.input_ids
-            else:
-                assert body.text is not None
-                ids = await encode_text(self._engine.tokenizer, body.text)
+            return parse_mindie_body(self._json(request), self._info.vocab_size)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
+
+    async def _plan(self, request: HttpRequest, body: MindieBody) -> GenerateRequest:
+        """Step 8 of spec §0.4: the prompt's ids (tokenised ``inputs``) and the engine
+        request; raises HttpError 422/424."""
+        if body.input_ids is not None:
+            ids = body.input_ids
+        else:
+            assert body.text is not None
+            try:
+                ids = await encode_text(self._engine.tokenizer, body.text)
+            except ValueError as exc:
+                raise HttpError(422, str(exc)) from None
         self._check_fits(len(ids))
-        greq = GenerateRequest(
+        return GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=tuple(ids),
             params=body.params,
@@ -57,11 +65,12 @@ class MindIEApi(FamilyApi):
             timeout_s=body.timeout_s,
             arrival_time=request.arrival_time,
         )
-        return body, greq
 
     async def infer(self, request: HttpRequest, response: HttpResponse) -> None:
-        """``POST /infer`` and ``POST /infer_token`` (spec §2.1)."""
-        body, greq = await self._build(request)
+        """``POST /infer`` and ``POST /infer_token`` (spec §2.1): parse -> plan (or the
+        plan handed over, PD decode) -> run and render."""
+        body = self._parse(request)
+        greq = handed_plan() or await self._plan(request, body)
         if body.stream:
             await self._stream(request, response, body, greq)
         else:

@@ -50,7 +50,7 @@ from tokenserve.api.common import (
     tokenizer_call,
 )
 from tokenserve.api.context import ServeContext
-from tokenserve.api.engine_stream import FanOut, response_id
+from tokenserve.api.engine_stream import FanOut, handed_plan, response_id
 from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import choice_seed
 from tokenserve.api.framing import EVENT_STREAM, SSE_DONE, sse
@@ -211,58 +211,59 @@ class OpenAIApi(FamilyApi):
     # ------------------------------------------------------------------ requests
 
     async def chat_completions(self, request: HttpRequest, response: HttpResponse) -> None:
-        """``POST /v1/chat/completions`` (spec §5.1)."""
+        """``POST /v1/chat/completions`` (spec §5.1): parse -> plan (or the plan handed
+        over, PD decode) -> run and render."""
         try:
-            obj = self._json(request)
-            body = parse_chat_body(obj, self._native)
+            body = parse_chat_body(self._json(request), self._native)
             self._check_model(body.model, "Got model {m}, but not found in server"
                               if self._native else "Model not found")
-            tok = self._engine.tokenizer
-            assert body.messages is not None
-            messages, extra = body.messages, {}
-            if body.tool_choice is not None or any(
-                    m["role"] == "tool" or m.get("tool_calls") for m in messages):
-                messages, extra = tool_messages(messages, body.tool_choice, self._takes_tools,
-                                                self._tool_format)
-            if body.tool_choice is not None and body.tool_choice.active:  # the model's format
-                body.sampling["structured"] = tool_constraint(body.tool_choice, self._tool_format,
-                                                              self._tool_tokens)
-                body.sampling["keep_special_token_ids"] = tuple(sorted(
-                    self._tool_tokens.values()))
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               **body.template_kwargs, **extra)
-            except Exception as exc:  # a template failure on client input is a 4xx
-                raise ValueError(f"Failed to apply the chat template: {exc}") from None
-            ids = await self._encode_chat(text)
+            given = handed_plan()
+            ids = list(given.prompt_token_ids) if given else await self._chat_prompt(body)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        plan = self._plan("chatcmpl", True, body, [ids], [""], request.arrival_time)
+        plan = self._plan("chatcmpl", True, body, [ids], [""], request.arrival_time, given)
         await self._run(request, response, plan)
 
-    async def completions(self, request: HttpRequest, response: HttpResponse) -> None:
-        """``POST /v1/completions`` (spec §5.2)."""
+    async def _chat_prompt(self, body: OpenAIBody) -> list[int]:
+        """The chat plan's prompt: ``messages`` (tools folded in) through the chat
+        template, tokenised; with active tools, their constraint goes into
+        ``body.sampling``. Raises ValueError (422)."""
+        assert body.messages is not None
+        messages, extra = body.messages, {}
+        if body.tool_choice is not None or any(
+                m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages, extra = tool_messages(messages, body.tool_choice, self._takes_tools,
+                                            self._tool_format)
+        if body.tool_choice is not None and body.tool_choice.active:  # the model's format
+            body.sampling["structured"] = tool_constraint(body.tool_choice, self._tool_format,
+                                                          self._tool_tokens)
+            body.sampling["keep_special_token_ids"] = tuple(sorted(self._tool_tokens.values()))
         try:
-            obj = self._json(request)
-            body = parse_completion_body(obj, self._info.vocab_size)
+            text = self._engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, **body.template_kwargs, **extra)
+        except Exception as exc:  # a template failure on client input is a 4xx
+            raise ValueError(f"Failed to apply the chat template: {exc}") from None
+        return await self._encode_chat(text)
+
+    async def completions(self, request: HttpRequest, response: HttpResponse) -> None:
+        """``POST /v1/completions`` (spec §5.2): parse -> plan (or the plan handed over,
+        PD decode) -> run and render."""
+        tok = self._engine.tokenizer
+        try:
+            body = parse_completion_body(self._json(request), self._info.vocab_size)
             self._check_model(body.model,
                               "Not found given model, please check modelName in config file.")
             assert body.prompts is not None
-            prompts: list[list[int]] = []
-            echoes: list[str] = []
             skip = body.sampling["skip_special_tokens"]
-            for p in body.prompts:
-                if p.ids is not None:
-                    prompts.append(p.ids)
-                    echoes.append(self._engine.tokenizer.decode(p.ids, skip_special_tokens=skip)
-                                  if body.echo else "")
-                else:
-                    assert p.text is not None
-                    prompts.append(await encode_text(self._engine.tokenizer, p.text))
-                    echoes.append(p.text if body.echo else "")
+            echoes = [("" if not body.echo else p.text if p.ids is None
+                       else tok.decode(p.ids, skip_special_tokens=skip)) for p in body.prompts]
+            given = handed_plan()
+            prompts = ([list(given.prompt_token_ids)] * len(body.prompts) if given else
+                       [p.ids if p.ids is not None else await encode_text(tok, p.text or "")
+                        for p in body.prompts])
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        plan = self._plan("cmpl", False, body, prompts, echoes, request.arrival_time)
+        plan = self._plan("cmpl", False, body, prompts, echoes, request.arrival_time, given)
         await self._run(request, response, plan)
 
     def _check_model(self, model: str, message: str) -> None:
@@ -289,11 +290,13 @@ class OpenAIApi(FamilyApi):
 
     def _plan(
         self, prefix: str, chat: bool, body: OpenAIBody, prompts: list[list[int]],
-        echoes: list[str], arrival: float,
+        echoes: list[str], arrival: float, given: GenerateRequest | None = None,
     ) -> Plan:
         """One engine request per (prompt, choice); 424 for a prompt that leaves no room
         (spec §0.4 step 8). ``max_tokens`` defaults to ``maxIterTimes`` and is capped by
-        the context (spec §1.2)."""
+        the context (spec §1.2). ``given``: the plan handed over (PD decode), whose
+        parameters every choice takes as they are (a second choice is refused at
+        admission)."""
         total = len(prompts) * body.n
         if total > self._info.max_batch_size:
             raise HttpError(422, f"The request asks for {total} sequences; at most "
@@ -301,19 +304,12 @@ class OpenAIApi(FamilyApi):
         rid = f"{prefix}-{response_id(uuid.uuid4().hex)}"
         choices: list[Choice] = []
         for p, ids in enumerate(prompts):
-            self._check_fits(len(ids))
-            room = self._info.max_model_len - len(ids)
-            want = (body.max_tokens if body.max_tokens is not None
-                    else self._info.max_iter_times or room)
-            try:
-                params = SamplingParams(max_new_tokens=min(want, room), **body.sampling)
-            except ValueError as exc:
-                raise HttpError(422, str(exc)) from None
+            params = given.params if given is not None else self._params(body, ids)
             for i in range(body.n):
                 index = p * body.n + i
-                if body.seed is not None:
+                if given is None and body.seed is not None:  # (P's plan has its seed)
                     params = replace(params, seed=choice_seed(body.seed, i))
-                elif i:  # a fresh random seed per choice
+                elif given is None and i:  # a fresh random seed per choice
                     params = replace(params, seed=random.randint(0, MAX_SEED))
                 greq = GenerateRequest(f"{rid}-{index}", tuple(ids), params,
                                        arrival_time=arrival)
@@ -323,6 +319,18 @@ class OpenAIApi(FamilyApi):
                                       tools=tools))
         return Plan(rid, chat, body, int(time.time()), self._info.model_name,
                     [len(ids) for ids in prompts], choices)
+
+    def _params(self, body: OpenAIBody, ids: list[int]) -> SamplingParams:
+        """A prompt's sampling parameters: 424 when it leaves no room, 422 when they
+        are out of range."""
+        self._check_fits(len(ids))
+        room = self._info.max_model_len - len(ids)
+        want = (body.max_tokens if body.max_tokens is not None
+                else self._info.max_iter_times or room)
+        try:
+            return SamplingParams(max_new_tokens=min(want, room), **body.sampling)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
 
     async def _run(self, request: HttpRequest, response: HttpResponse, plan: Plan) -> None:
         if plan.body.stream:

@@ -19,6 +19,7 @@ from typing import Any
 
 from tokenserve.api.common import FamilyApi, collect, encode_text, run_stream
 from tokenserve.api.engine_client import engine_healthy
+from tokenserve.api.engine_stream import handed_plan
 from tokenserve.api.fields import get_bool
 from tokenserve.api.framing import sse
 from tokenserve.api.tgi.protocol import (
@@ -74,31 +75,34 @@ class TgiApi(FamilyApi):
 
     # ------------------------------------------------------------------ pipeline
 
-    async def _build(
-        self, request: HttpRequest, obj: dict[str, Any], stream: bool
-    ) -> tuple[TgiBody, GenerateRequest]:
-        """Steps 5-8 of spec §0.4; raises HttpError 422/424."""
+    async def _plan(self, request: HttpRequest, body: TgiBody) -> GenerateRequest:
+        """Step 8 of spec §0.4: the prompt's ids and the engine request; raises
+        HttpError 422/424."""
         try:
-            body = parse_tgi_body(obj, stream, self._info.model_name)
             ids = await encode_text(self._engine.tokenizer, body.text)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         if body.truncate is not None and len(ids) > body.truncate:
             ids = ids[-body.truncate:]  # spec §1.2: keep the last N prompt tokens
         self._check_fits(len(ids))
-        greq = GenerateRequest(
+        return GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=tuple(ids),
             params=body.params,
             arrival_time=request.arrival_time,
         )
-        return body, greq
 
     async def _run(
         self, request: HttpRequest, response: HttpResponse, obj: dict[str, Any], *,
         stream: bool, wrap: bool,
     ) -> None:
-        body, greq = await self._build(request, obj, stream)
+        """Parse (steps 5-7 of spec §0.4, 422) -> plan (or the plan handed over, PD
+        decode) -> run and render."""
+        try:
+            body = parse_tgi_body(obj, stream, self._info.model_name)
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+        greq = handed_plan() or await self._plan(request, body)
         if stream:
             await self._stream(request, response, body, greq)
         else:

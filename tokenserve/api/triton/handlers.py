@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,7 @@ from tokenserve.api.common import (
     step_times,
 )
 from tokenserve.api.engine_client import EngineStats, engine_healthy
-from tokenserve.api.engine_stream import response_id
+from tokenserve.api.engine_stream import handed_plan, response_id
 from tokenserve.api.fields import INT32_MAX, get_int, get_object, required
 from tokenserve.api.framing import sse
 from tokenserve.api.management import kv_mem_sizes
@@ -81,17 +82,26 @@ class TritonApi(FamilyApi):
             logger.exception("engine.stats() failed")
             return None
 
-    async def _prompt(self, text: str | None, ids: list[int] | None) -> list[int]:
-        if ids is None:
-            assert text is not None
-            ids = await encode_text(self._engine.tokenizer, text)
-        self._check_fits(len(ids))
-        return ids
-
-    @staticmethod
-    def _request(request: HttpRequest, ids: list[int], p: TritonParams) -> GenerateRequest:
-        return GenerateRequest(request_id=response_id(uuid.uuid4().hex), prompt_token_ids=tuple(ids),
-                               params=p.sampling, priority=p.priority, timeout_s=p.timeout_s,
+    async def _plan(self, request: HttpRequest, text: str | None, ids: list[int] | None,
+                    p: TritonParams) -> GenerateRequest:
+        """The plan stage: the prompt's ids (``text`` tokenised: 422; too long: 424) and
+        the engine request, or the plan handed over (PD decode), under this request's
+        id."""
+        given = handed_plan()
+        if given is None:
+            if ids is None:
+                assert text is not None
+                try:
+                    ids = await encode_text(self._engine.tokenizer, text)
+                except ValueError as exc:
+                    raise HttpError(422, str(exc)) from None
+            self._check_fits(len(ids))
+        rid = response_id(uuid.uuid4().hex)
+        if given is not None:
+            return replace(given, request_id=rid, arrival_time=request.arrival_time)
+        assert ids is not None
+        return GenerateRequest(request_id=rid, prompt_token_ids=tuple(ids), params=p.sampling,
+                               priority=p.priority, timeout_s=p.timeout_s,
                                arrival_time=request.arrival_time)
 
     # ------------------------------------------------------------------ health / metadata
@@ -175,7 +185,7 @@ class TritonApi(FamilyApi):
                                              binary, self._info.vocab_size)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        greq = self._request(request, await self._prompt(None, parsed.input_ids), parsed.params)
+        greq = await self._plan(request, None, parsed.input_ids, parsed.params)
         aliases = (parsed.id,) if parsed.id else ()
         async with collect(self._engine, greq, request, context=self._context, aliases=aliases) as got:
             ids = got.ids
@@ -206,10 +216,9 @@ class TritonApi(FamilyApi):
             if max_tokens is not None and p.get("max_new_tokens") is None:
                 p = {**p, "max_new_tokens": max_tokens}  # [I] TensorRT-LLM benchmark alias
             params = parse_parameters(p, typical_p=True)
-            ids = await self._prompt(text, None)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
-        return rid, params, self._request(request, ids, params)
+        return rid, params, await self._plan(request, text, None, params)
 
     def _text_output(self, rid: str, text: str) -> dict[str, Any]:
         return triton_text_output(rid, self._info.model_name, text)

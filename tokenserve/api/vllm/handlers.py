@@ -27,7 +27,7 @@ from tokenserve.api.common import (
     failure_text,
     guard_stream,
 )
-from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, FanOut
+from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, FanOut, handed_plan
 from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import MAX_N
 from tokenserve.api.framing import EVENT_STREAM, nul_chunk
@@ -60,29 +60,36 @@ class VllmApi(FamilyApi):
         """vLLM ``POST /generate``; ``body`` is the parsed JSON when the dispatcher has it."""
         if body is None:
             body = self._body(request)
-        vb, reqs = await self._build(request, body)
+        vb = self._parse(body)
+        given = handed_plan()  # PD decode: P's plan of its one sequence (a second
+        # one is refused at admission, as without a plan)
+        reqs = [given] * vb.count if given is not None else await self._plan(request, vb)
         async with FanOut(self._engine, reqs, request.disconnected, context=self._context) as fan:
             if vb.stream:
                 await self._stream(response, vb, fan, self._token_text)
             else:
                 await self._complete(response, vb, fan)
 
-    async def _build(
-        self, request: HttpRequest, obj: dict[str, Any]
-    ) -> tuple[VllmBody, list[GenerateRequest]]:
-        """Steps 5-8 of spec §0.4; raises HttpError 422/424."""
+    def _parse(self, obj: dict[str, Any]) -> VllmBody:
+        """Steps 5-7 of spec §0.4; raises HttpError 422."""
         max_n = self._info.max_batch_size or MAX_N
         try:
-            vb = parse_vllm_body(obj, default_max_tokens=self.default_max_tokens,
-                                 model_name=self._info.model_name, max_n=min(max_n, MAX_N))
+            return parse_vllm_body(obj, default_max_tokens=self.default_max_tokens,
+                                   model_name=self._info.model_name, max_n=min(max_n, MAX_N))
+        except ValueError as exc:
+            raise HttpError(422, str(exc)) from None
+
+    async def _plan(self, request: HttpRequest, vb: VllmBody) -> list[GenerateRequest]:
+        """Step 8 of spec §0.4: the prompt's ids and one engine request per sequence;
+        raises HttpError 422/424."""
+        try:
             ids = await encode_text(self._engine.tokenizer, vb.text)
         except ValueError as exc:
             raise HttpError(422, str(exc)) from None
         self._check_fits(len(ids))
-        reqs = [GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
+        return [GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
                                 params=p, arrival_time=request.arrival_time)
                 for p in sequence_params(vb)]
-        return vb, reqs
 
     async def _complete(self, response: HttpResponse, vb: VllmBody, fan: FanOut) -> None:
         outs: list[list[RequestOutput]] = [[] for _ in range(vb.count)]
