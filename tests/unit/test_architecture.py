@@ -89,3 +89,82 @@ def test_generate_without_prompt_or_inputs_is_refused() -> None:
         routes.BY_NAME["generate"].resolve({"stream": True})
     assert routes.inference_route("GET", "/generate") is None
     assert routes.BY_NAME["triton.generate_stream"].stream is Stream.ALWAYS
+
+
+# ------------------------------------------------------------------ family descriptions
+
+#: the one module that may compare a family's name with a literal (issue 40)
+DESCRIPTION_MODULE = PACKAGE / "api" / "families.py"
+#: Not this server's families: the benchmark is a client of other servers too; its
+#: ``--backend`` names are its own table's (bench/clients.py ``BACKEND_TABLE``: nine, with
+#: ``openai-chat``, ``mindie-text``, ``llamacpp``), of which five are spelled as families.
+OUT_OF_SCOPE = (PACKAGE / "bench",)
+#: (file, literal) comparisons left for now, each with why. Only in files another engineer
+#: is reworking (the PD hand-off in api/<family>/handlers.py); remove an entry with its
+#: comparison.
+ALLOWED_FAMILY_COMPARISONS = {
+    # MindIE's ``ServerConfig.openAiSupport`` value ("vllm" is its default), a setting
+    # spelled like the family, not a family: `openai_support != "vllm"`
+    ("tokenserve/api/openai/handlers.py", "vllm"),
+}
+
+
+def _family_literal_comparisons(path: pathlib.Path, names: frozenset[str]) -> set[str]:
+    """The family names ``path`` compares with a string literal: either side of ``==``,
+    ``!=``, ``is``, ``in`` (a tuple, list or set of literals too), or a ``case`` pattern."""
+
+    def literals(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return {n.value for n in node.elts
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        return set()
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                found |= literals(side) & names
+        elif isinstance(node, ast.MatchValue):
+            found |= literals(node.value) & names
+    return found
+
+
+def test_only_the_description_module_compares_family_names() -> None:
+    """Issue 40: a family's knowledge (prompt fields, framing, error shape, several
+    sequences) is read from its description (api/families.py), never re-derived by
+    comparing its name with a literal."""
+    from tokenserve.api.families import FAMILIES
+
+    names = frozenset(f.value for f in FAMILIES)
+    offenders, allowed_seen = [], set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == DESCRIPTION_MODULE or any(d in path.parents for d in OUT_OF_SCOPE):
+            continue
+        rel = str(path.relative_to(ROOT))
+        for name in sorted(_family_literal_comparisons(path, names)):
+            if (rel, name) in ALLOWED_FAMILY_COMPARISONS:
+                allowed_seen.add((rel, name))
+            else:
+                offenders.append(f"{rel}: compares a family name with {name!r}")
+    assert not offenders, "\n".join(offenders)
+    stale = ALLOWED_FAMILY_COMPARISONS - allowed_seen
+    assert not stale, f"allow-list entries with no comparison left: {sorted(stale)}"
+
+
+def test_the_family_check_sees_every_spelling(tmp_path: pathlib.Path) -> None:
+    """The negative control: each way of comparing a name with a literal is caught."""
+    names = frozenset({"vllm", "openai", "triton"})
+    src = tmp_path / "m.py"
+    src.write_text("def f(family, x):\n"
+                   "    a = family == 'vllm'\n"
+                   "    b = 'openai' != x.family\n"
+                   "    c = family in ('triton', 'other')\n"
+                   "    match family:\n"
+                   "        case 'vllm' | 'x':\n"
+                   "            pass\n"
+                   "    return family.replace('openai', '')  # not a comparison\n")
+    assert _family_literal_comparisons(src, names) == {"vllm", "openai", "triton"}
+    src.write_text("d = {'vllm': 1}\nf('openai')\n")
+    assert _family_literal_comparisons(src, names) == set()

@@ -5,15 +5,14 @@ One module so a mixed server and the PD coordinator write an error the same way,
 byte: the coordinator makes its own errors (not ready, overload, timeouts, no P) with
 :func:`error_json` / :func:`fail_stream`, the families raise :class:`HttpError` (answered
 by the server or, for OpenAI, by its wrapper with :func:`openai_error`) and end a failed
-stream with :func:`fail_stream`.
-
-Shapes (``family`` is :class:`tokenserve.api.routes.Family`'s value):
+stream with :func:`fail_stream`. The shapes are the families' descriptions'
+(:mod:`tokenserve.api.families`: error object and framing):
 
 ========  =====================================  ==========================================
 family    whole answer (``application/json``)    in a started stream (then the stream ends)
 ========  =====================================  ==========================================
-openai    ``{"error": {message, type, param,     ``data: {that object}\\n\\n`` then
-          code}, "error_type"}``                 ``data: [DONE]\\n\\n`` (vLLM's server)
+openai    ``{"error": {message, type, param,     ``data: {that object}\\n\\n`` (no
+          code}, "error_type"}``                 ``[DONE]``)
 vllm      ``{"error", "error_type"}`` (§0.3)     ``{"error", "error_type"}\\0``
 triton    ``{"error", "error_type"}``            ``data:{"error", "error_type"}\\n\\n``
 tgi,      ``{"error", "error_type"}``            ``data: {"error", "error_type"}\\n\\n``
@@ -32,37 +31,25 @@ from typing import Any
 
 import orjson
 
-from tokenserve.api.framing import nul_chunk, sse
+from tokenserve.api.families import describe, openai_error
+from tokenserve.api.routes import Family
 from tokenserve.transport.cycle import HttpResponse
-from tokenserve.transport.errors import error_obj, error_type_for
+
+__all__ = ["ERROR_CONTENT_TYPE", "error_dict", "error_json", "error_message", "fail_stream",
+           "openai_error", "stream_error"]
 
 #: the content type of every whole error answer
 ERROR_CONTENT_TYPE = "application/json"
 
 
-def openai_error(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
-    """The error body of every OpenAI route ([I], issue "errors in each family's own shape").
-
-    OpenAI's ``{"error": {message, type, param, code}}``, so the ``openai`` SDK shows the
-    message, plus MindIE's top-level ``error_type`` (spec §0.3) for MindIE tooling; both
-    ``type`` fields carry the MindIE class of ``status`` (e.g. ``Input Validation Error``)
-    and ``code`` is the status. The status codes themselves are MindIE's (spec §0.4).
-    """
-    kind = error_type or error_type_for(status)
-    return {"error": {"message": message, "type": kind, "param": None, "code": status},
-            "error_type": kind}
-
-
-def error_dict(family: str, status: int, message: str) -> dict[str, Any]:
+def error_dict(family: Family | str, status: int, message: str) -> dict[str, Any]:
     """``family``'s error object for ``status`` / ``message`` (module table)."""
-    if family == "openai":
-        return openai_error(status, message)
-    return error_obj(status, message)
+    return describe(family).error_object(status, message)
 
 
-def error_json(family: str, status: int, message: str) -> bytes:
+def error_json(family: Family | str, status: int, message: str) -> bytes:
     """A whole error answer's body in ``family``'s shape (:data:`ERROR_CONTENT_TYPE`)."""
-    return orjson.dumps(error_dict(family, status, message))
+    return describe(family).error_body(status, message)
 
 
 def error_message(body: bytes | str) -> str:
@@ -79,15 +66,12 @@ def error_message(body: bytes | str) -> str:
     return err if isinstance(err, str) else text
 
 
-def stream_error(family: str, message: str, status: int = 500) -> bytes:
+def stream_error(family: Family | str, message: str, status: int = 500) -> bytes:
     """The bytes that end ``family``'s stream on a failure (module table)."""
-    obj = error_dict(family, status, message)
-    if family == "vllm":
-        return nul_chunk(obj)
-    return sse(obj, space=family != "triton")
+    return describe(family).error_event(message, status)
 
 
-async def fail_stream(response: HttpResponse, family: str, message: str,
+async def fail_stream(response: HttpResponse, family: Family | str, message: str,
                       status: int = 500) -> None:
     """End a started stream with ``family``'s error event (:func:`stream_error`), then
     close the connection."""

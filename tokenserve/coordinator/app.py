@@ -42,6 +42,7 @@ import httpx
 import orjson
 
 from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json
+from tokenserve.api.families import answering
 from tokenserve.api.routes import ROUTES, Coord, Family, Route, match, path_of, plane_of
 from tokenserve.config.flags import coordinator_config
 from tokenserve.config.tree import CoordinatorConfig
@@ -255,7 +256,7 @@ class Coordinator:
             else:
                 await self.forward(request, response)
         else:
-            await response.send(503, error_json("mindie", 503, msg.NOT_READY),
+            await response.send(503, error_json(Family.MINDIE, 503, msg.NOT_READY),
                                 ERROR_CONTENT_TYPE)
 
     async def forward(self, request: HttpRequest, response: HttpResponse) -> None:
@@ -443,9 +444,10 @@ class Coordinator:
 async def _send_error(response: HttpResponse, route: Route | None, status: int,
                       message: str) -> None:
     """A coordinator-made error on a non-inference route, in the shape a mixed server
-    answers that route's errors (OpenAI's routes: its object; the rest: MindIE's)."""
-    family = "openai" if route is not None and route.family is Family.OPENAI else "mindie"
-    await response.send(status, error_json(family, status, message), ERROR_CONTENT_TYPE)
+    answers that route's errors (its family's shape: OpenAI's object on OpenAI's routes,
+    MindIE's on the rest)."""
+    family = answering(route.family if route is not None else Family.SERVER)
+    await response.send(status, family.error_body(status, message), ERROR_CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------------- serving

@@ -45,6 +45,7 @@ import orjson
 
 from tokenserve.aio import Signal
 from tokenserve.api.errors import ERROR_CONTENT_TYPE, error_json
+from tokenserve.api.families import Several
 from tokenserve.api.fields import MAX_BEST_OF, MAX_N, choice_seed
 from tokenserve.api.routes import match
 from tokenserve.coordinator import ingress as msg
@@ -177,13 +178,14 @@ def plan_fan_out(path: str, ingress: Ingress, limit: int | None) -> FanOutPlan |
     if route is None:
         return None
     body = ingress.body
+    several = ingress.description.several
     prompts: list[Any] | None = None
-    if ingress.family == "openai" and route.name in _OPENAI_ROUTES:
+    if several is Several.CHOICES and route.name in _OPENAI_ROUTES:
         completions = route.name == "openai.completions"
         count = _openai_count(body, ingress.stream, completions)
         if completions:
             prompts = _prompts(body)
-    elif ingress.family == "vllm" and route.name == _VLLM_ROUTE:
+    elif several is Several.TEXTS and route.name == _VLLM_ROUTE:
         count = _vllm_count(body)
         if count is not None and count > MAX_N:
             return None
@@ -203,8 +205,9 @@ def plan_fan_out(path: str, ingress: Ingress, limit: int | None) -> FanOutPlan |
                 sub["prompt"] = prompt
             if seeded:
                 sub["seed"] = choice_seed(seed, i)
-            if ingress.family == "vllm" and i > 0:
-                sub.pop("prompt_logprobs", None)  # computed once, by the first sequence
+            if i > 0:
+                for key in ingress.description.first_sequence_only:
+                    sub.pop(key, None)  # e.g. prompt_logprobs: computed once
             parts.append(Part(p * count + i, p, orjson.dumps(sub)))
     return FanOutPlan(ingress.family, ingress.stream, tuple(parts))
 

@@ -4,7 +4,8 @@ headers forwarded to P are :func:`tokenserve.pd.messages.forward_headers`.)
 
 The family and stream rule of each route are the route table's
 (:mod:`tokenserve.api.routes`, the server's own: ``/generate`` is vLLM when ``prompt`` is
-non-null, else TGI).
+non-null, else TGI); where a family keeps its prompt, its description's
+(:mod:`tokenserve.api.families`).
 
 The coordinator validates nothing (§3.2 rule [I] (b), unlike MindIE Motor's checks in
 §3.1): every body is P's to validate, and P's non-200 answer reaches the client unchanged.
@@ -18,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from tokenserve.api.families import FamilyDescription, describe
 from tokenserve.api.routes import Family, inference_route
 
 #: §3.2: MindIE-MS's messages, the text of the errors the coordinator makes itself (in the
@@ -64,6 +66,11 @@ class Ingress:
     cost: int
     prompt: str = ""
 
+    @property
+    def description(self) -> FamilyDescription:
+        """The family's description (:mod:`tokenserve.api.families`)."""
+        return describe(self.family)
+
 
 def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
     """Family, stream flag and cost of an inference request on ``path``; never refuses.
@@ -90,19 +97,11 @@ def classify(path: str, raw: bytes, chars_per_token: float = 4.0) -> Ingress:
         resolved = route.resolve(body)
     except ValueError:  # /generate with neither prompt nor inputs: P answers 422
         return Ingress(Family.TGI.value, False, body, 1)
-    family = resolved.family.value
-    prompt = body.get(resolved.prompt)
-    if family == "mindie" and prompt is None:
-        prompt = body.get("input_id")
-    if family == "openai" and prompt is None:
-        prompt = body.get("prompt")
-    if family == "triton" and not isinstance(prompt, str):
-        inputs = body.get("inputs")
-        first = inputs[0] if isinstance(inputs, list) and inputs else None
-        prompt = first.get("data") if isinstance(first, dict) else None
+    prompt = describe(resolved.family).prompt(body, resolved.prompt)
     text = "" if prompt is None else (
         prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode())
-    return Ingress(family, resolved.stream, body, _cost(prompt, chars_per_token), text)
+    return Ingress(resolved.family.value, resolved.stream, body,
+                   _cost(prompt, chars_per_token), text)
 
 
 def _cost(prompt: Any, chars_per_token: float) -> int:

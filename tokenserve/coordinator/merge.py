@@ -18,6 +18,9 @@ vllm       ``{"text": [every part's, in index order]}``  each part's ``{"text": 
            (``prompt_logprobs``: part 0's)               ``{"text": ["", .., t, .., ""]}``
 =========  ===========================================  ====================================
 
+Which of the two a family's answers take is its description's ``several``
+(:class:`tokenserve.api.families.Several`), their event bytes its framing.
+
 ``usage`` (OpenAI): prompt tokens count once per prompt (its first part's, with its
 ``prompt_tokens_details``), completion tokens are summed over every part, total is their sum.
 A part's in-stream error event ends the merged stream (:meth:`StreamMerge.feed` says so).
@@ -32,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from tokenserve.api.framing import SSE_DONE, nul_chunk, sse
+from tokenserve.api.families import FamilyDescription, Several, describe
 
 
 def merged_usage(usages: Sequence[dict[str, Any] | None],
@@ -88,7 +91,7 @@ def merge_whole(family: str, bodies: Sequence[bytes], index_of: Sequence[int],
             raise ValueError("a part's answer is not a JSON object")  # noqa: TRY004 - a P_ERROR
         objs.append(obj)
     head = objs[0]
-    if family == "vllm":
+    if describe(family).several is Several.TEXTS:
         texts: list[Any] = []
         for obj in objs:
             if not isinstance(obj.get("text"), list):
@@ -133,22 +136,20 @@ class StreamMerge:
     _id: Any = None
     _created: Any = None
     _usage_head: dict[str, Any] | None = None  # the include_usage chunk, less its usage
+    _desc: FamilyDescription = field(init=False)
 
     def __post_init__(self) -> None:
+        self._desc = describe(self.family)
         n = len(self.index_of)
         self._buffers = [b""] * n
         self._finished = [False] * n
         self._usage = [None] * n
 
-    @property
-    def _sep(self) -> bytes:
-        return b"\0" if self.family == "vllm" else b"\n\n"
-
     def feed(self, k: int, data: bytes) -> tuple[bytes, bool]:
         """Part ``k``'s next bytes -> (the merged stream's bytes for them, whether a part
         failed: its error event is in those bytes, and the merged stream ends there)."""
         buf = self._buffers[k] + data
-        *events, self._buffers[k] = buf.split(self._sep)
+        *events, self._buffers[k] = buf.split(self._desc.framing.separator)
         out: list[bytes] = []
         for ev in events:
             if not ev.strip():
@@ -167,48 +168,48 @@ class StreamMerge:
     def tail(self) -> bytes:
         """The end of the merged stream once every part has ended (OpenAI: the one
         ``include_usage`` chunk when asked, then ``data: [DONE]``)."""
-        if self.family == "vllm":
-            return b""
         out = b""
         if self._usage_head is not None:
             chunk = dict(self._usage_head)
             chunk["usage"] = merged_usage(self._usage, self.prompt_of)
-            out += sse(chunk)
-        return out + SSE_DONE
+            out += self._desc.framing.event(chunk)
+        return out + self._desc.stream_end
 
     # ------------------------------------------------------------------ one event
 
     def _event(self, k: int, ev: bytes) -> tuple[bytes, bool]:
-        if self.family == "vllm":
-            return self._vllm(k, ev)
-        return self._openai(k, ev)
+        if self._desc.several is Several.TEXTS:
+            return self._texts(k, ev)
+        return self._choices(k, ev)
 
-    def _vllm(self, k: int, ev: bytes) -> tuple[bytes, bool]:
+    def _texts(self, k: int, ev: bytes) -> tuple[bytes, bool]:
+        sep = self._desc.framing.separator
         try:
             obj = orjson.loads(ev)
         except orjson.JSONDecodeError:
-            return ev + b"\0", False
+            return ev + sep, False
         if not isinstance(obj, dict) or "error" in obj:
-            return ev + b"\0", True
+            return ev + sep, True
         texts = obj.get("text")
         if isinstance(texts, list):
             merged = [""] * self.count
             merged[self.index_of[k]] = "".join(t for t in texts if isinstance(t, str))
             obj["text"] = merged
-        return nul_chunk(obj), False
+        return self._desc.framing.event(obj), False
 
-    def _openai(self, k: int, ev: bytes) -> tuple[bytes, bool]:
+    def _choices(self, k: int, ev: bytes) -> tuple[bytes, bool]:
+        sep = self._desc.framing.separator
         if not ev.startswith(b"data:"):
-            return ev + b"\n\n", False
+            return ev + sep, False
         payload = ev[5:].lstrip(b" ")
         if payload.strip() == b"[DONE]":
             return b"", False  # one [DONE], at the end (tail)
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return ev + b"\n\n", False
+            return ev + sep, False
         if not isinstance(obj, dict) or "error" in obj:
-            return ev + b"\n\n", True
+            return ev + sep, True
         if self._id is None:
             self._id, self._created = obj.get("id"), obj.get("created")
         if "id" in obj:
@@ -234,4 +235,4 @@ class StreamMerge:
                 obj["usage"] = merged_usage(self._usage, self.prompt_of)
             else:
                 del obj["usage"]
-        return sse(obj), False
+        return self._desc.framing.event(obj), False

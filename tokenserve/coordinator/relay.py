@@ -534,8 +534,10 @@ class Flow:
         return None
 
     def _stream_body(self, body: str) -> bytes:
-        """A D stream body as the client's bytes (vLLM: newlines back to NULs)."""
-        return (vllm_body(body) if self._in.family == "vllm" else body).encode()
+        """A D stream body as the client's bytes (a NUL-delimited family's, vLLM's:
+        newlines back to NULs)."""
+        swap = self._in.description.framing.nul_delimited
+        return (vllm_body(body) if swap else body).encode()
 
     def _after_drop(self) -> bool:
         """The current D's stream ended: resubmit on another D (False), from the

@@ -10,7 +10,8 @@ do it for every family), so the prefill instance validates and renders exactly w
 client sent. The prompt field of each route is the route table's ``prompt`` column
 (:mod:`tokenserve.api.routes`); Triton ``/infer`` carries the history as
 ``inputs[0].data = [L, p.., o..]`` (UINT32) with ``origin_inputs`` the original ``inputs[0]``,
-and a native body that used ``input_id`` moves it to ``origin_inputs`` (``origin_field``).
+and a body that used one of its family's prompt aliases (:mod:`tokenserve.api.families`:
+a native body's ``input_id``) moves it to ``origin_inputs`` (``origin_field``).
 
 :class:`RecomputeBody` is the message (D's ``retry:`` body, the coordinator's body after a
 lost D, what P reads under ``is-recompute: true``); :func:`build_recompute_body` and
@@ -26,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from tokenserve.api.families import FAMILIES
 from tokenserve.api.routes import BY_NAME, Family, Route, inference_route
 from tokenserve.messages import TokenLogprob
 from tokenserve.pd.messages import (
@@ -69,6 +71,13 @@ def _prompt_field(route: Route, body: dict[str, Any]) -> str:
     return route.resolve(body).prompt
 
 
+def _aliases(route: Route) -> tuple[str, ...]:
+    """The fields that may hold ``route``'s prompt instead of its own: its family's
+    description's (MindIE ``input_id``); none for ``/generate``."""
+    desc = FAMILIES.get(route.family)
+    return desc.prompt_aliases if desc is not None else ()
+
+
 def _route(path: str) -> Route:
     route = inference_route("POST", path)
     if route is None:
@@ -100,10 +109,10 @@ def build_recompute_body(path: str, body: dict[str, Any], history: list[int],
         inputs[0]["data"] = data
         inputs[0]["shape"] = [1, len(data)]
         return out
-    if route.family is Family.MINDIE and "input_id" in out \
-            and out.get("inputs") is None:
-        out[ORIGIN] = out.pop("input_id")
-        out[ORIGIN_FIELD] = "input_id"
+    alias = next((a for a in _aliases(route) if a in out), None)
+    if alias is not None and out.get(field) is None:
+        out[ORIGIN] = out.pop(alias)
+        out[ORIGIN_FIELD] = alias
     else:
         out[ORIGIN] = out.get(field)
     out[field] = h.encode()
@@ -133,9 +142,10 @@ def parse_recompute_body(path: str, body: dict[str, Any]
         inputs[0] = origin
         return out, list(h.prompt), list(h.outputs)
     h = History.decode(out.get(field))
-    if out.pop(ORIGIN_FIELD, None) == "input_id":
+    alias = out.pop(ORIGIN_FIELD, None)
+    if alias in _aliases(route):
         del out[field]
-        out["input_id"] = origin
+        out[alias] = origin
     else:
         out[field] = origin
     return out, list(h.prompt), list(h.outputs)
