@@ -55,6 +55,7 @@ inline GemmIo gemm_io(const char* name, const torch::Tensor& x, int64_t N,
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
+void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x);
 // An int8 KV cache row: head_dim int8 values, then their fp32 scale in this many bytes
 // (cache_ops.cpp writes it, attention.cpp reads it; tokenserve.ops.layer_ref.KV_SCALE_BYTES).
 constexpr int kKvScaleBytes = 4;

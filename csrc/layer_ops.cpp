@@ -6,6 +6,11 @@
 //   fused_add: residual = dt(residual + x); then rms_norm of it into x
 //   silu_and_mul: out = dt(silu(g) * u), g, u in fp32, ONE rounding (torch's bf16
 //     `F.silu(g) * u` rounds twice: after the silu and after the product).
+//   gelu_tanh_and_mul: out = dt(gelu_tanh(g) * u), fp32, one rounding (Gemma's MLP).
+//     gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi) (torch's
+//     F.gelu(approximate="tanh")), computed as the equal g / (1 + exp(-2 c (g + 0.044715
+//     g^3))) (0.5 (1 + tanh(v)) = sigmoid(2 v)): the exp of silu_and_mul, and no
+//     cancellation in 1 + tanh for negative g.
 // dt() rounds to the dtype (a no-op for fp32). The sum of squares of a row runs in fp32 in
 // one fixed order (32 lanes, lane j takes elements j, j+32, ...; then a fixed tree), the
 // same on the AVX-512, AVX2 and portable paths, whatever the batch or thread partitioning:
@@ -20,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "cpu_features.h"
 #include "kernels.h"
@@ -357,14 +363,84 @@ void silu_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride,
   });
 }
 
-}  // namespace
+// ---------------------------------------------------------------------------------------
+// gelu_tanh_and_mul: out = g / (1 + exp(g * (kGeluA + kGeluB * g^2))) * u, the ops in this
+// order on every path (the AVX2 and AVX-512 ones share exp8 lane for lane; the portable one
+// takes std::exp).
+// ---------------------------------------------------------------------------------------
 
-namespace tokenserve {
+constexpr float kGeluA = -1.5957691216057308f;   // -2 sqrt(2 / pi)
+constexpr float kGeluB = -0.071354816272602f;    // -2 sqrt(2 / pi) * 0.044715
 
-// out: [T, I] (stride(1) == 1), x's dtype
-// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "silu_and_mul: CPU tensors only");
+template <typename T>
+void gelu_tanh_mul_scalar(T* out, const T* g, const T* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float a = load1(g + i);
+    float z = a * (kGeluA + kGeluB * (a * a));
+    store1(out + i, a / (1.0f + std::exp(z)) * load1(u + i));
+  }
+}
+
+#ifdef TS_X86
+TS_TARGET_AVX2 inline __m256 gelu_tanh_mul8(__m256 g, __m256 u) {
+  const __m256 z = _mm256_mul_ps(
+      g, _mm256_add_ps(_mm256_set1_ps(kGeluA), _mm256_mul_ps(_mm256_set1_ps(kGeluB), _mm256_mul_ps(g, g))));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(z))), u);
+}
+
+template <typename T>
+TS_TARGET_AVX2 void gelu_tanh_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, gelu_tanh_mul8(load8(g + i), load8(u + i)));
+  if (i < n) {  // tail through a zero-padded buffer: the same vector math as the body
+    alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
+    for (int64_t j = i; j < n; ++j) gb[j - i] = load1(g + j), ub[j - i] = load1(u + j);
+    _mm256_store_ps(ob, gelu_tanh_mul8(_mm256_load_ps(gb), _mm256_load_ps(ub)));
+    for (int64_t j = i; j < n; ++j) store1(out + j, ob[j - i]);
+  }
+}
+
+TS_TARGET_AVX512 inline __m512 gelu_tanh_mul16(__m512 g, __m512 u) {  // gelu_tanh_mul8 on 16 lanes
+  const __m512 z = _mm512_mul_ps(
+      g, _mm512_add_ps(_mm512_set1_ps(kGeluA), _mm512_mul_ps(_mm512_set1_ps(kGeluB), _mm512_mul_ps(g, g))));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(z))), u);
+}
+
+template <typename T>
+TS_TARGET_AVX512 void gelu_tanh_mul_avx512(T* out, const T* g, const T* u, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(out + i, gelu_tanh_mul16(load16(g + i), load16(u + i)));
+  if (i < n) gelu_tanh_mul_avx2(out + i, g + i, u + i, n - i);  // the same lane operations
+}
+#endif
+
+template <typename T>
+void gelu_tanh_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t rows,
+                            int64_t n) {
+  const bool avx2 = use_avx2(), avx512 = use_avx512();
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
+  parallel_for_stealing(rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = x + t * x_stride;
+#ifdef TS_X86
+      if (avx512) {
+        gelu_tanh_mul_avx512(out + t * out_stride, g, g + n, n);
+        continue;
+      }
+      if (avx2) {
+        gelu_tanh_mul_avx2(out + t * out_stride, g, g + n, n);
+        continue;
+      }
+#endif
+      gelu_tanh_mul_scalar(out + t * out_stride, g, g + n, n);
+    }
+  });
+}
+
+// The argument checks of silu_and_mul and gelu_tanh_and_mul: (T, I).
+std::pair<int64_t, int64_t> check_act_and_mul(const torch::Tensor& out, const torch::Tensor& x,
+                                              const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2*I], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "x must be bfloat16 or float32, got ", x.scalar_type());
@@ -375,6 +451,17 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
               out.scalar_type());
   TORCH_CHECK(x.numel() == 0 || x.stride(1) == 1, "x rows must be contiguous");
   TORCH_CHECK(out.numel() == 0 || out.stride(1) == 1, "out rows must be contiguous");
+  return {T_, n};
+}
+
+}  // namespace
+
+namespace tokenserve {
+
+// out: [T, I] (stride(1) == 1), x's dtype
+// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  const auto [T_, n] = check_act_and_mul(out, x, "silu_and_mul");
   if (T_ == 0 || n == 0) return;
   if (x.scalar_type() == at::kBFloat16)
     silu_and_mul_rows<BFloat16>(out.data_ptr<BFloat16>(), out.stride(0), x.data_ptr<BFloat16>(),
@@ -382,6 +469,19 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   else
     silu_and_mul_rows<float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
                              x.stride(0), T_, n);
+}
+
+// out: [T, I] (stride(1) == 1), x's dtype
+// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
+void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
+  const auto [T_, n] = check_act_and_mul(out, x, "gelu_tanh_and_mul");
+  if (T_ == 0 || n == 0) return;
+  if (x.scalar_type() == at::kBFloat16)
+    gelu_tanh_and_mul_rows<BFloat16>(out.data_ptr<BFloat16>(), out.stride(0), x.data_ptr<BFloat16>(),
+                                     x.stride(0), T_, n);
+  else
+    gelu_tanh_and_mul_rows<float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
+                                  x.stride(0), T_, n);
 }
 
 }  // namespace tokenserve
@@ -401,6 +501,10 @@ TOKENSERVE_REGISTER(layer_ops) {
   m.def("silu_and_mul", &tokenserve::silu_and_mul,
         "silu_and_mul(out [T,I], x [T,2I]) -> None. out = silu(x[:, :I]) * x[:, I:] in fp32, "
         "rounded once to the dtype (torch's bf16 F.silu(g) * u rounds twice).",
+        pybind11::arg("out"), pybind11::arg("x"));
+  m.def("gelu_tanh_and_mul", &tokenserve::gelu_tanh_and_mul,
+        "gelu_tanh_and_mul(out [T,I], x [T,2I]) -> None. out = gelu_tanh(x[:, :I]) * x[:, I:] "
+        "(torch's F.gelu(approximate='tanh')) in fp32, rounded once to the dtype.",
         pybind11::arg("out"), pybind11::arg("x"));
   m.def("_layer_ops_force_portable", [](bool on) { return g_force_portable.exchange(on); },
         "Test hook: True forces the portable (non-AVX2) paths of layer_ops; returns the old "

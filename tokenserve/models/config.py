@@ -148,7 +148,8 @@ class DecoderArch:
     def llama_layers(self) -> bool:
         """Every layer is a plain pre-norm Llama layer (RMSNorm, SiLU MLP, optional q/k/v/o
         biases, optional per-head q/k RMSNorm (Qwen3), optional sliding window, one RoPE
-        table): what ``csrc/decoder.cpp``'s fused stack computes."""
+        table): the Python loop's Llama path (``CausalLM.forward``); ``csrc/decoder.cpp``'s
+        fused stack computes more (:attr:`fused_layers`)."""
         return (not self.norm_offset and self.pre_attn_norm and self.pre_mlp_norm
                 and not self.post_attn_norm and not self.post_mlp_norm
                 and self.qk_norm in (None, "head") and self.act == "silu"
@@ -156,6 +157,16 @@ class DecoderArch:
                 and self.residual_scale == 1.0 and self.moe is None
                 and all(r.rotary_dim == self.ropes[0].rotary_dim for r in self.ropes)
                 and all(layer.rope == 0 for layer in self.layers))
+
+    @property
+    def fused_layers(self) -> bool:
+        """Every layer is one ``csrc/decoder.cpp``'s fused stack computes: a dense MLP with
+        SiLU or tanh-GELU, any of the four norms (Gemma 2/3's sandwich, OLMo 2's post norms
+        alone), q/k RMSNorm per head or over the whole projection, biases, sliding windows,
+        attention soft-capping, a RoPE table per layer, no residual scaling. (The decoder
+        also needs every table to rotate whole heads: ``CausalLM._build_decoder``.)"""
+        return (self.moe is None and self.act in ("silu", "gelu_tanh")
+                and self.residual_scale == 1.0)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,7 @@ in fp32, rotate-half RoPE, softmax in fp32), so fp32 logits match them tightly.
 
 A plain Llama layer (:attr:`DecoderArch.llama_layers`; Qwen3's per-head q/k norms and
 o biases included) is five kernels around four GEMMs
-(``tokenserve/ops/dispatch.py``: C++ when built, else torch references), and the whole stack
-runs as one C++ call a step (``csrc/decoder.cpp``) when every GEMM is a C++ one::
+(``tokenserve/ops/dispatch.py``: C++ when built, else torch references)::
 
     qkv = x @ Wqkv            rotary(q, k) + write k, v to the cache   (one kernel)
     a = paged_attention(q)    o = a @ Wo
@@ -19,8 +18,15 @@ runs as one C++ call a step (``csrc/decoder.cpp``) when every GEMM is a C++ one:
     residual += x; x = rms_norm(residual) (next layer's input norm)   (one kernel)
 
 Other layers (:meth:`CausalLM._layer`) run the same kernels plus the family's blocks (q/k
-norms, sandwich norms, windows, soft-capping, mixture of experts: :mod:`.moe`) in a Python
-loop. Every block computes a token's row with the same arithmetic whatever else is in the
+norms, sandwich norms, windows, soft-capping, tanh-GELU, mixture of experts: :mod:`.moe`).
+The whole stack runs as one C++ call a step (``csrc/decoder.cpp``, the kernels in the same
+order: the same bits) when every GEMM is a C++ one and the layers are ones it computes
+(:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, OLMo 2; each
+layer handed over as data: its norms, q/k norm, window, RoPE table, activation, soft-cap);
+MoE layers, Granite's residual multiplier, exact GELU and partial rotary run the Python
+loop, as does everything with ``TOKENSERVE_FUSED_DECODER=0``.
+
+Every block computes a token's row with the same arithmetic whatever else is in the
 step, so a request's logits do not depend on its batch neighbours (batch invariance; the
 GEMM backends' own invariance is discussed in ``tokenserve/ops/linear.py``).
 """
@@ -150,26 +156,34 @@ class CausalLM:
         return (table * factor if factor != 1.0 else table).contiguous()
 
     def _build_decoder(self):
-        """``_C.Decoder`` holding every layer's prepared weights, when the layers are plain
-        Llama ones (:attr:`DecoderArch.llama_layers`), every projection runs on a C++ GEMM
-        (``Linear.c_spec``) and the extension has it; None otherwise, and with
-        ``TOKENSERVE_FUSED_DECODER=0`` (the Python loop, for profiling per kernel)."""
-        decoder = self.kernels.op("Decoder")
-        if (decoder is None or self.device.type != "cpu" or not self.arch.llama_layers
-                or self.arch.embed_scale != 1.0 or self.scale != self.cfg.head_dim ** -0.5
-                or self.arch.ropes[0].rotary_dim != self.cfg.head_dim
+        """``_C.Decoder`` holding every layer's prepared weights and blocks, when its fused
+        stack computes these layers (:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3,
+        Mistral, Gemma 1/2/3, OLMo 2...), every RoPE table rotates whole heads, every
+        projection runs on a C++ GEMM (``Linear.c_spec``) and the extension has it; None
+        otherwise, and with ``TOKENSERVE_FUSED_DECODER=0`` (the Python loop, for profiling
+        per kernel). Each layer is described by data: which norms it has (those the arch
+        switches on), its q/k norm, window, RoPE table, activation and soft-cap."""
+        decoder, arch, cfg = self.kernels.op("Decoder"), self.arch, self.cfg
+        if (decoder is None or self.device.type != "cpu" or not arch.fused_layers
+                or any(r.rotary_dim != cfg.head_dim for r in arch.ropes)
                 or self.dtype not in (torch.bfloat16, torch.float32)
                 or not env.fused_decoder()):
             return None
         specs = [[lin[r].c_spec() for r in ("qkv", "o", "gate_up", "down")] for lin in self.layers]
         if any(s is None for layer in specs for s in layer):
             return None
-        cfg = self.cfg
         dec = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                      cfg.head_dim ** -0.5)
-        for layer, spec, la in zip(self.layers, specs, self.arch.layers):
-            dec.add_layer(*spec, layer["ln1"], layer["ln2"], window=la.window,
-                          q_norm=layer["q_norm"], k_norm=layer["k_norm"])
+                      self.scale)
+        qk = arch.qk_norm is not None
+        for layer, spec, la in zip(self.layers, specs, arch.layers):
+            dec.add_layer(*spec, layer["ln1"] if arch.pre_attn_norm else None,
+                          layer["ln2"] if arch.pre_mlp_norm else None, window=la.window,
+                          q_norm=layer["q_norm"] if qk else None,
+                          k_norm=layer["k_norm"] if qk else None,
+                          attn_post=layer["attn_post"] if arch.post_attn_norm else None,
+                          mlp_post=layer["mlp_post"] if arch.post_mlp_norm else None,
+                          qk_norm=arch.qk_norm or "head", act=arch.act,
+                          softcap=arch.attn_softcap, rope=la.rope)
         dec.set_final_norm(self.final_norm)
         return dec
 
@@ -317,17 +331,19 @@ class CausalLM:
             scale = (torch.tensor(arch.embed_scale, dtype=self.dtype)
                      if arch.embed_scale_rounded else arch.embed_scale)
             h = h * scale
+        region = self._kv_region(kv_caches) if self.decoder is not None else None
+        if region is not None:  # the same kernels in the same order, looped in C++
+            x = (ops.rms_norm(h, self.layers[0]["ln1"], cfg.rms_norm_eps)
+                 if arch.pre_attn_norm else h)  # without: the stack reads h (its residual)
+            return self.decoder.forward(x, h, meta.positions, meta.slot_mapping,
+                                        meta.block_tables, meta.query_start_loc,
+                                        meta.context_lens, self.cos_sin, region)
         if not arch.llama_layers:
             for i in range(self.num_layers):
                 h = self._layer(i, h, kv_caches[i], meta)
             return ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         residual = h
         x = ops.rms_norm(residual, self.layers[0]["ln1"], cfg.rms_norm_eps)
-        region = self._kv_region(kv_caches) if self.decoder is not None else None
-        if region is not None:  # the same kernels in the same order, looped in C++
-            return self.decoder.forward(x, residual, meta.positions, meta.slot_mapping,
-                                        meta.block_tables, meta.query_start_loc,
-                                        meta.context_lens, self.cos_sin[0], region)
         for i, lin in enumerate(self.layers):
             x = lin["o"](self._attention(i, x, kv_caches[i], meta))
             ops.fused_add_rms_norm(x, residual, lin["ln2"], cfg.rms_norm_eps)
@@ -360,9 +376,10 @@ class CausalLM:
         in fp32 with one rounding (as the SiLU kernel)."""
         if self.arch.act == "silu":
             return self.kernels.silu_and_mul(g)
-        gate, up = g.float().chunk(2, dim=-1)
-        approx = "tanh" if self.arch.act == "gelu_tanh" else "none"
-        return (F.gelu(gate, approximate=approx) * up).to(g.dtype)
+        if self.arch.act == "gelu_tanh":  # a kernel, which csrc/decoder.cpp's stack runs too
+            return self.kernels.gelu_tanh_and_mul(g)
+        gate, up = g.float().chunk(2, dim=-1)  # exact GELU (Gemma 1 may name it)
+        return (F.gelu(gate) * up).to(g.dtype)
 
     def _attention(self, i: int, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata) -> torch.Tensor:

@@ -156,6 +156,14 @@ class Kernels:
         (self.c.silu_and_mul if self.c is not None else layer_ref.silu_and_mul_ref)(out, x)
         return out
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]`` (torch's ``F.gelu(approximate="tanh")``, fp32,
+        one rounding) of the fused gate|up output [T, 2I]: new [T, I]."""
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+        kernel = self.op("gelu_tanh_and_mul") or layer_ref.gelu_tanh_and_mul_ref
+        kernel(out, x)
+        return out
+
     def rotary_embedding_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor,
                                   cos_sin: torch.Tensor, k_cache: torch.Tensor,
                                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
