@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenserve.bench import server
+from tokenserve.loadgen import server
 
 HERE = Path(__file__).resolve().parent
 #: the modules the kernel work is expected to provide (reported when absent)
@@ -215,7 +215,7 @@ def format_table(module: str, rows: Sequence[dict[str, Any]] | None, error: str 
 
 def parse_lscpu(text: str) -> dict[str, Any]:
     """Model name, CPU count and the :data:`FLAGS` present, from ``lscpu`` (or
-    ``/proc/cpuinfo``) text (:func:`tokenserve.bench.server.parse_lscpu`)."""
+    ``/proc/cpuinfo``) text (:func:`tokenserve.loadgen.server.parse_lscpu`)."""
     return server.parse_lscpu(text, FLAGS)
 
 

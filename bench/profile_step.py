@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from tokenserve.bench.server import lscpu_text, parse_lscpu
+from tokenserve.loadgen.server import lscpu_text, parse_lscpu
 
 
 def cpu_summary() -> str:
     """``lscpu`` model name, the thread count and the SIMD flags
-    (:data:`tokenserve.bench.server.SIMD_FLAGS`) present."""
+    (:data:`tokenserve.loadgen.server.SIMD_FLAGS`) present."""
     info = parse_lscpu(lscpu_text())
     return (f"{info['model'] or '?'}, {torch.get_num_threads()} threads, "
             f"flags: {' '.join(f for f, on in info['flags'].items() if on)}")

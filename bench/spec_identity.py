@@ -5,7 +5,7 @@
 
 Builds the default engine twice in this process (drafts off, then on: ``max_draft_rows``
 raised to the concurrency so drafts are really made under load), sends the same prompts
-to both (the repeat-heavy workload, ``tokenserve/bench/passages_repeat.json``, and the
+to both (the repeat-heavy workload, ``tokenserve/loadgen/passages_repeat.json``, and the
 chat questions of ``bench/prompts_accuracy.json``, cycled to ``--num-prompts``), and
 reports per concurrency how many outputs are identical, tokens/s of each, and accepted /
 drafted.
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenserve.bench.workload import PASSAGES
+from tokenserve.loadgen.workload import PASSAGES
 
 _ids = itertools.count()
 

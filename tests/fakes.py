@@ -1,10 +1,11 @@
 """Fakes shared by the API tests: a scripted engine and a one-char-per-token tokenizer.
 
-``FakeEngine`` implements the ``EngineClient`` protocol (tokenserve/api/engine_client.py)
-without a model, so each API family's parsing, formatting and disconnect handling can be
-tested over a real socket in milliseconds. Like the real engine it hands out a
-``RequestHandle`` per request and ends every request with one final output, an aborted
-one included (``ABORT``, or ``ERROR`` carrying the abort's error).
+``FakeEngine`` implements the ``EngineClient`` and ``PdEngine`` protocols
+(tokenserve/api/engine_client.py) without a model, so each API family's parsing,
+formatting and disconnect handling can be tested over a real socket in milliseconds.
+Like the real engine it hands out a ``RequestHandle`` per request and ends every request
+with one final output, an aborted one included (``ABORT``, or ``ERROR`` carrying the
+abort's error).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class FakeEngine:
     _producers: dict[str, tuple[RequestHandle, asyncio.Task[None]]] = field(
         default_factory=dict, repr=False)
     _produced: dict[str, int] = field(default_factory=dict, repr=False)
+
+    #: PD: the KV cache a transfer engine would register (none here)
+    kv_region: Any = None
 
     def set_kv_puller(self, puller: Any) -> None:
         """PD decode: the engine's K/V puller (kept, never called here)."""

@@ -15,7 +15,7 @@ from tokenserve.config.tree import PdConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    # `bench` parses its own flags (tokenserve.bench.serving); main() hands it argv untouched
+    # `bench` parses its own flags (tokenserve.loadgen.serving); main() hands it argv untouched
     sub.add_parser("bench", add_help=False, help="serving benchmark (see `tokenserve bench -h`)")
     s = sub.add_parser(
         "serve", help="serve a model over MindIE-compatible HTTP APIs",
@@ -45,10 +45,12 @@ def _check_pd_extra(pd: PdConfig) -> None:
 
 
 def _bench(argv: list[str]) -> int:
-    """``tokenserve bench``: the serving benchmark (:mod:`tokenserve.bench`); ``tokenserve
-    bench kernels``: the kernel micro-benchmarks, ``bench/kernels.py`` of a repository
-    checkout."""
+    """``tokenserve bench``: the serving benchmark (:mod:`tokenserve.loadgen`); ``tokenserve
+    bench kernels``: the kernel micro-benchmarks, ``python -m bench.kernels`` run in a
+    repository checkout (a child process with the checkout as its working directory, so
+    this process's import path stays as it is)."""
     if argv[:1] == ["kernels"]:
+        import subprocess
         from pathlib import Path
 
         root = Path(__file__).resolve().parents[1]
@@ -57,15 +59,13 @@ def _bench(argv: list[str]) -> int:
                   f"next to {root / 'tokenserve'} (install tokenserve editable from the "
                   f"repository)", file=sys.stderr)
             return 2
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
+        try:
+            return subprocess.call([sys.executable, "-m", "bench.kernels", *argv[1:]],
+                                   cwd=root)
+        except KeyboardInterrupt:  # the child got the same SIGINT and has stopped
+            return 130
     try:
-        if argv[:1] == ["kernels"]:
-            from bench.kernels import main as bench_main
-
-            argv = argv[1:]
-        else:
-            from tokenserve.bench.serving import main as bench_main
+        from tokenserve.loadgen.serving import main as bench_main
     except ImportError as exc:
         print(f"tokenserve bench: {exc}; install the extra: pip install 'tokenserve[bench]' "
               f"(from a checkout: pip install -e '.[bench]')", file=sys.stderr)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 _check_pd_extra(cfg.pd)
             from tokenserve.server.main import run_server
 
-            run_server(cfg)
+            return run_server(cfg)
         except (ValueError, FileNotFoundError) as exc:
             # start-up errors (bad flags or config, a port in use, a model that cannot
             # load): one line, exit status 2, no traceback

@@ -3,12 +3,14 @@
 Actors (see ARCHITECTURE.md, "Actors and queues")::
 
     HTTP handler --GenerateRequest/AbortRequest--> SchedulerActor inbox
+    AsyncEngine --AbortRequest(done)/WaitIdle--> SchedulerActor inbox --done.set_result
     SchedulerActor --StepPlan--> ExecutorActor (worker thread) --StepResult--> SchedulerActor
     SchedulerActor --RequestOutput--> per-request RequestHandle --> HTTP handler
 
 Every request ends with exactly one final RequestOutput (``finished``), aborted ones too.
 
-Messages are plain frozen dataclasses: no behaviour, no references to actor state.
+Messages are plain frozen dataclasses: no behaviour, no references to actor state (a
+reply future, ``done``, is the sender's channel, not the actor's state).
 """
 
 from __future__ import annotations
@@ -142,6 +144,19 @@ class AbortRequest:
     request_id: str
     reason: FinishReason = FinishReason.ABORT
     error: str | None = None
+    #: ``asyncio.Future[None]`` the actor resolves once the request has left the engine,
+    #: its KV blocks freed (those of a D request still pulling: when the pull returns),
+    #: or at once when it was not there (``AsyncEngine.evict``); None: nobody waits
+    done: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class WaitIdle:
+    """Reply on ``done`` (``asyncio.Future[None]``) when no request is queued, running,
+    parked or pulling and the inbox is empty: the moment the scheduler actor blocks for
+    its next message (``AsyncEngine.wait_idle``)."""
+
+    done: Any = field(compare=False, repr=False)
 
 
 #: how the error of a request whose KV pull failed begins (D recomputes it elsewhere).
@@ -156,7 +171,7 @@ class KvPulled:
     request_id: str
     error: str | None = None
     #: the pull timed out: the source may still write into the destination blocks, so
-    #: they are never reused (counted in ``Scheduler.num_quarantined_blocks``)
+    #: they are never reused (kept in ``Parking.quarantined``)
     quarantine: bool = False
 
 
@@ -385,3 +400,54 @@ class StepResult:
     #: structured output: wall ms this step spent on token masks (fill + apply), 0 when
     #: no row was constrained
     mask_ms: float = 0.0
+
+
+# ---------------------------------------------------------------- tensor parallelism
+# Rank 0's model thread -> every other rank's step loop (tokenserve/engine/tensor_parallel.py),
+# over the step channel (one TCP connection per rank, pickled frames). Each one announces a
+# collective call the ranks then make together; arrays are numpy (no torch at import).
+
+
+@dataclass(frozen=True, slots=True)
+class TpHello:
+    """A rank's first frame on the step channel: who it is."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class TpStart:
+    """Allocate the KV cache: ``num_blocks`` blocks of ``block_size`` tokens of
+    ``kv_dtype`` (a torch dtype name, ``"int8"`` / ``"bfloat16"`` ...), the same block ids
+    on every rank (rank 0's allocator owns them)."""
+
+    num_blocks: int
+    block_size: int
+    kv_dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class TpForward:
+    """Run the decoder over one step's tokens (``CausalLM.forward``): the input ids
+    (int64 [T]) and the step's attention metadata (``AttentionMetadata``'s fields, as
+    numpy arrays of their dtypes)."""
+
+    input_ids: Any
+    block_tables: Any
+    query_start_loc: Any
+    context_lens: Any
+    positions: Any
+    slot_mapping: Any
+
+
+@dataclass(frozen=True, slots=True)
+class TpLogits:
+    """The logits of ``rows`` of the last forward's hidden states (``CausalLM.logits_at``:
+    each rank its vocabulary rows, gathered)."""
+
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TpStop:
+    """The server stops: leave the step loop, exit 0."""

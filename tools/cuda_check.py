@@ -187,7 +187,7 @@ def http():
 
     import httpx
 
-    from tokenserve.bench.server import ServerProcess
+    from tokenserve.loadgen.server import ServerProcess
 
     server = ServerProcess(argparse.Namespace(dtype="float32", device=DEV, model=TINY,
                                               server_args=""))

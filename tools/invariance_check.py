@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from tokenserve.bench.server import ChildServer, cpu_summary
+from tokenserve.loadgen.server import ChildServer, cpu_summary
 
 LONG = ("You are a careful assistant. Read the following notes and then answer. The lighthouse "
         "on the northern cape was built in 1871 from granite quarried on the island itself. Its "

@@ -111,7 +111,7 @@ async def test_prefill_park_handoff_then_adopt_equals_mixed(engine, params):
 
 
 async def test_parked_request_times_out_and_frees_its_blocks(engine):
-    engine.scheduler.park_timeout_s = 0.2
+    engine.scheduler.parking.timeout_s = 0.2
     try:
         h = engine.generate(GenerateRequest(_rid(), _prompt(engine),
                                             SamplingParams(max_new_tokens=8, ignore_eos=True),
@@ -122,7 +122,7 @@ async def test_parked_request_times_out_and_frees_its_blocks(engine):
         assert final.finished and final.finish_reason is FinishReason.TIMEOUT
         assert "kv_trans_timeout" in final.error
     finally:
-        engine.scheduler.park_timeout_s = 5
+        engine.scheduler.parking.timeout_s = 5
     await _assert_idle(engine)
 
 

@@ -26,7 +26,7 @@ from tests.fakes import (
     wait_for,
 )
 from tests.sse import sse_events
-from tokenserve.api.common import json_depth_exceeds, parse_json
+from tokenserve.api.family_api import json_depth_exceeds, parse_json
 from tokenserve.messages import FinishReason
 from tokenserve.server.app import build_router
 from tokenserve.transport.runtime import run

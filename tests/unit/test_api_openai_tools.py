@@ -508,8 +508,8 @@ async def test_openai_sdk_reads_tool_calls(script_env) -> None:
 async def test_bench_tools_backend_reads_our_stream(script_env) -> None:
     """``tokenserve bench --backend openai-tools``: its body is accepted and its parser
     times the tool-call deltas and counts tokens from usage."""
-    from tokenserve.bench.clients import StreamReader, get_backend
-    from tokenserve.bench.workload import BenchRequest
+    from tokenserve.loadgen.clients import StreamReader, get_backend
+    from tokenserve.loadgen.workload import BenchRequest
 
     engine, client = script_env
     engine.script = TWO_CALLS

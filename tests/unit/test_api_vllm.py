@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from tests.fakes import MAX_MODEL_LEN, TIMEOUT_MSG, FakeEngine, serve_fake, token_text, wait_for
-from tokenserve.api.shared import GENERATE_ROUTING_ERROR
+from tokenserve.api.server_api import GENERATE_ROUTING_ERROR
 from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from tokenserve.transport.server import HttpServer
 

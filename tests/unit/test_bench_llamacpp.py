@@ -16,11 +16,11 @@ import httpx
 import orjson
 import pytest
 
-from tokenserve.bench import report
-from tokenserve.bench.clients import StreamReader, get_backend, send_http
-from tokenserve.bench.metrics import RequestRecord
-from tokenserve.bench.server import LlamaServer, llama_server_ctx
-from tokenserve.bench.serving import (
+from tokenserve.loadgen import report
+from tokenserve.loadgen.clients import StreamReader, get_backend, send_http
+from tokenserve.loadgen.metrics import RequestRecord
+from tokenserve.loadgen.server import LlamaServer, llama_server_ctx
+from tokenserve.loadgen.serving import (
     LevelResult,
     assemble,
     build_parser,
@@ -29,7 +29,7 @@ from tokenserve.bench.serving import (
     run_http,
     run_llamacpp,
 )
-from tokenserve.bench.workload import BenchRequest
+from tokenserve.loadgen.workload import BenchRequest
 
 REQ = BenchRequest(0, (5, 6, 7), " a b c", 4)
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from tokenserve.bench.clients import StreamReader, get_backend
-from tokenserve.bench.metrics import (
+from tokenserve.loadgen.clients import StreamReader, get_backend
+from tokenserve.loadgen.metrics import (
     RequestRecord,
     compare,
     distribution,
@@ -17,8 +17,8 @@ from tokenserve.bench.metrics import (
     summarize,
     tpot,
 )
-from tokenserve.bench.serving import run_level
-from tokenserve.bench.workload import (
+from tokenserve.loadgen.serving import run_level
+from tokenserve.loadgen.workload import (
     BenchRequest,
     WorkloadConfig,
     arrival_offsets,

@@ -1,4 +1,4 @@
-"""``tokenserve.bench`` is part of the installed package: its data files are package data,
+"""``tokenserve.loadgen`` is part of the installed package: its data files are package data,
 and it never imports ``tokenserve.cli`` (the CLI imports it, lazily, in ``tokenserve bench``)."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-import tokenserve.bench
+import tokenserve.loadgen
 
 ROOT = Path(__file__).resolve().parents[2]
-PKG = Path(tokenserve.bench.__file__).parent
+PKG = Path(tokenserve.loadgen.__file__).parent
 
 
 def test_data_files_are_package_data():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    from tokenserve.bench.workload import PASSAGES
+    from tokenserve.loadgen.workload import PASSAGES
 
     assert PASSAGES.parent == PKG and PASSAGES.is_file()
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    patterns = conf["tool"]["setuptools"]["package-data"]["tokenserve.bench"]
+    patterns = conf["tool"]["setuptools"]["package-data"]["tokenserve.loadgen"]
     data = [p for p in PKG.iterdir() if p.is_file() and p.suffix != ".py"]
     assert data
     for p in data:
@@ -45,7 +45,7 @@ def test_no_module_imports_the_cli():
 def test_engine_config_leaves_the_cli_unimported(monkeypatch):
     for name in [m for m in sys.modules if m == "tokenserve.cli"]:
         monkeypatch.delitem(sys.modules, name)
-    from tokenserve.bench.serving import build_parser, engine_config
+    from tokenserve.loadgen.serving import build_parser, engine_config
 
     args = build_parser().parse_args(["--engine-only", "--dtype", "float32",
                                       "--server-args", "--max-batch-size 3"])

@@ -37,6 +37,9 @@ class FakeRunner:
         #: request_id -> token history, owned here as the real model thread owns it
         self.states: dict[str, list[int]] = {}
 
+    def close(self) -> None:
+        pass
+
     def step(self, plan: StepPlan) -> StepResult:
         for rid in plan.drop:
             self.states.pop(rid, None)
@@ -256,6 +259,9 @@ async def test_event_loop_held_until_the_model_thread_takes_the_step(monkeypatch
         def step(self, plan: StepPlan) -> StepResult:
             order.append("step")
             return StepResult(plan.step_id, {}, 0.0)
+
+        def close(self) -> None:
+            pass
 
     ex = model_runner.ExecutorActor(Runner())
     try:

@@ -220,7 +220,7 @@ def test_cli_flag_and_config_key(tmp_path, monkeypatch):
 
 
 def test_bench_reads_the_counters_from_metrics():
-    from tokenserve.bench.serving import spec_counters_from_metrics
+    from tokenserve.loadgen.serving import spec_counters_from_metrics
 
     page = ('# TYPE spec_decode_num_draft_tokens counter\n'
             'spec_decode_num_draft_tokens_total{model_name="m"} 120.0\n'

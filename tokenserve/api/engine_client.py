@@ -9,21 +9,26 @@ Implemented by :class:`tokenserve.engine.engine.AsyncEngine` (and the tests' fak
     engine.compile_grammar(structured)  awaitable: the compiled constraint for
                          ``GenerateRequest.grammar`` (ValueError: the client's 400)
     engine.generate(req) RequestHandle: get(disconnected) / abort(error)
+
+What the PD instance side (``tokenserve.pd``) needs on top is :class:`PdEngine`: the KV
+region to register, the puller to install on D, and P's release / evict of a parked
+request.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tokenserve.engine.info import EngineInfo, EngineStats
 from tokenserve.engine.output_stream import RequestHandle
+from tokenserve.engine.scheduler_actor import KvPuller
 from tokenserve.messages import GenerateRequest
 from tokenserve.sampling_params import StructuredOutput
 
-__all__ = ["EngineClient", "EngineInfo", "EngineStats"]
+__all__ = ["EngineClient", "EngineInfo", "EngineStats", "KvPuller", "PdEngine"]
 
-
+@runtime_checkable
 class EngineClient(Protocol):
     """What every family, the metrics and the management routes use of the engine."""
 
@@ -40,6 +45,37 @@ class EngineClient(Protocol):
     async def compile_grammar(self, structured: StructuredOutput) -> Any: ...
 
     def generate(self, request: GenerateRequest) -> RequestHandle: ...
+
+
+@runtime_checkable
+class PdEngine(EngineClient, Protocol):
+    """What PD's instance side (pd/node.py, pd/prefill.py, pd/decode.py, and the server
+    wiring them) uses of the engine beyond :class:`EngineClient`
+    (spec/pd_disaggregation.md)."""
+
+    @property
+    def kv_region(self) -> Any:
+        """The KV cache as one contiguous tensor, for the KV transfer engine to register
+        (``pd/kv_transfer.py`` ``KvTransfer``)."""
+        ...
+
+    def set_kv_puller(self, puller: KvPuller) -> None:
+        """D: install the function that pulls an adopted request's K/V from P."""
+        ...
+
+    def release(self, request_id: str) -> bool:
+        """P: D has the request's K/V: free its parked blocks. False when it is not in
+        the engine."""
+        ...
+
+    async def evict(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        """P: end ``request_id`` if the engine holds it and wait until it has left, its
+        KV blocks freed. False when it does not hold it.
+
+        Raises:
+            TimeoutError: it is still there after ``timeout_s`` seconds.
+        """
+        ...
 
 
 def engine_healthy(engine: EngineClient) -> bool:

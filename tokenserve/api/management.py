@@ -30,7 +30,7 @@ from tokenserve.sampling_params import SamplingParams
 from tokenserve.transport.errors import HttpError
 
 if TYPE_CHECKING:
-    from tokenserve.api.common import EngineClient
+    from tokenserve.api.family_api import EngineClient
     from tokenserve.transport.cycle import HttpRequest, HttpResponse
 
 logger = logging.getLogger(__name__)
@@ -102,9 +102,11 @@ class ServedConfig:
 
     @classmethod
     def build(cls, model_name: str, max_seq_len: int, kv_cache_bytes: int,
-              accelerator: bool, max_iter_times: int, block_size: int) -> ServedConfig:
+              accelerator: bool, max_iter_times: int, block_size: int,
+              world_size: int = 1) -> ServedConfig:
+        """``world_size``: the tensor-parallel ranks (``worldSize``)."""
         npu, cpu = kv_mem_sizes(kv_cache_bytes, accelerator)
-        return cls(model_name, max_seq_len, npu, cpu, 1, max_iter_times, block_size)
+        return cls(model_name, max_seq_len, npu, cpu, world_size, max_iter_times, block_size)
 
 
 def kv_mem_sizes(kv_cache_bytes: int, accelerator: bool) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """The command lines onto the tree: the ``tokenserve serve`` flags and the
 :class:`ServeConfig` they make (read by the command line, ``tokenserve.cli``, and by the
-serving benchmark, ``tokenserve.bench``, which builds the engine a server with the same
+serving benchmark, ``tokenserve.loadgen``, which builds the engine a server with the same
 flags would have), and the ``tokenserve coordinator`` flags and their
 :class:`CoordinatorConfig`. Every default a help text shows is the tree's own.
 """
@@ -25,6 +25,7 @@ from tokenserve.config.tree import (
     CoordinatorConfig,
     EngineConfig,
     InstanceAddr,
+    ParallelConfig,
     PdConfig,
     ServeConfig,
     ServerConfig,
@@ -182,9 +183,37 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "of bf16); model: the --dtype; default "
                         f"{_ENG.kv_cache_dtype}: int8 on a CPU with the C++ kernels at bfloat16, "
                         "else model")
+    _add_parallel_flags(p)
     return p
 
 
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (issue 41; names as vLLM's and SGLang's)."""
+    _PAR = ParallelConfig
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
+                   metavar="N",
+                   help="split the model over N processes (attention heads, MLP columns, "
+                        "vocabulary; config.json worldSize; default "
+                        f"{_PAR.tensor_parallel_size})")
+    p.add_argument("--nnodes", type=_positive_int, default=None, metavar="M",
+                   help="tensor parallelism across M hosts, each running N / M ranks "
+                        f"(default {_PAR.nnodes})")
+    p.add_argument("--node-rank", type=int, default=None, metavar="R",
+                   help="this host's index among --nnodes; 0 serves HTTP, the others only "
+                        f"compute (default {_PAR.node_rank})")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="node 0's rendezvous address (TCP store on PORT, step channel on "
+                        "PORT + 1); required with --nnodes > 1 (default: 127.0.0.1, a free "
+                        "port)")
+    p.add_argument("--cpu-binding", default=None, metavar="auto|none|LIST",
+                   help="bind each local rank to CPUs: auto (split this process's CPUs, "
+                        "NUMA nodes first), none, or one CPU list per rank, '0-7;8-15' "
+                        f"(default {_PAR.cpu_binding})")
+
+
+#: serve flags that override ParallelConfig fields of the same name
+_PARALLEL_FLAGS = ("tensor_parallel_size", "nnodes", "node_rank", "dist_init_addr",
+                   "cpu_binding")
 #: serve flags that override EngineConfig fields of the same name
 _ENGINE_FLAGS = ("quantization", "kv_cache_dtype", "model", "served_model_name", "dtype", "device",
                  "max_batch_size",
@@ -235,6 +264,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         accelerator = select_device(args.device or "auto").type != "cpu"
         cfg = load_mindie_config(path, accelerator=accelerator)
     eng = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    par = {k: getattr(args, k) for k in _PARALLEL_FLAGS if getattr(args, k) is not None}
+    if par:
+        eng["parallel"] = replace(cfg.engine.parallel, **par)
     srv = {k: getattr(args, k) for k in _SERVER_FLAGS if getattr(args, k) is not None}
     if args.timeout_graceful_shutdown is not None:
         if args.timeout_graceful_shutdown < 0:

@@ -128,6 +128,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
     quantization = eng.quantization
     spec = eng.speculative_config
     mc_kv_timeout = None
+    parallel = eng.parallel
     if models:
         mc, w2 = models[0], f"{w}.ModelConfig[0]"
         if not isinstance(mc, dict):
@@ -159,6 +160,15 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
         gb = npu_gb if accelerator else cpu_gb
         if gb > 0:
             kv_bytes = gb * GB
+        # tensor parallelism (issue 41): worldSize ranks; npuDeviceIds, when it lists one
+        # instance's devices, must name as many (spec config.md §3, §4)
+        world = _get(mc, "worldSize", int, w2, 1, 1024, eng.parallel.tensor_parallel_size)
+        ids = bc.get("npuDeviceIds")
+        if (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list)
+                and len(ids[0]) != world):
+            raise ValueError(f"config {w2}.worldSize: {world} ranks, but "
+                             f"BackendConfig.npuDeviceIds lists {len(ids[0])} devices")
+        parallel = replace(eng.parallel, tensor_parallel_size=world)
 
     sch = _section(bc, "ScheduleConfig", "BackendConfig")
     w = "BackendConfig.ScheduleConfig"
@@ -167,7 +177,7 @@ def load_mindie_config(path: str | Path, base: ServeConfig | None = None,
                          eng.max_prefill_batch_size) or max_batch
     eng = replace(
         eng, model=model, served_model_name=name, kv_cache_bytes=kv_bytes,
-        quantization=quantization, speculative_config=spec,
+        quantization=quantization, speculative_config=spec, parallel=parallel,
         max_seq_len=max_seq_len, max_input_len=max_input,
         block_size=_get(sch, "cacheBlockSize", int, w, 1, 128, eng.block_size),
         max_batch_size=max_batch, max_prefill_batch_size=prefill_batch,

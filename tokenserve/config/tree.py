@@ -179,6 +179,53 @@ class PdConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: one model split across processes (issue 41).
+
+    Attributes:
+        tensor_parallel_size: ranks the model is split over (``--tensor-parallel-size``,
+            MindIE ``worldSize``); 1 = one process, no communication.
+        nnodes: hosts the ranks run on (``--nnodes``); each runs ``tensor_parallel_size //
+            nnodes`` of them.
+        node_rank: this host's index (``--node-rank``); node 0 owns HTTP, the scheduler and
+            the KV-block allocator (global rank 0), the others only compute.
+        dist_init_addr: ``HOST:PORT`` of node 0's rendezvous (``--dist-init-addr``; the
+            torch.distributed TCP store there, and node 0's step channel on PORT + 1);
+            None: 127.0.0.1 and a free port (one host only).
+        cpu_binding: ``auto`` (each local rank on its own share of this process's CPUs,
+            NUMA nodes first), ``none``, or a list of CPU sets, one per local rank,
+            ``"0-7;8-15"``.
+    """
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    cpu_binding: str = "auto"
+
+    def __post_init__(self) -> None:
+        n, m = self.tensor_parallel_size, self.nnodes
+        if n < 1 or m < 1:
+            raise ValueError(f"tensor_parallel_size and nnodes must be >= 1, got {n} and {m}")
+        if n % m:
+            raise ValueError(f"tensor_parallel_size {n} is not a multiple of nnodes {m}")
+        if not 0 <= self.node_rank < m:
+            raise ValueError(f"node_rank must be in [0, {m}), got {self.node_rank}")
+        if m > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+                raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this host runs."""
+        per = self.tensor_parallel_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an :class:`~tokenserve.engine.engine.AsyncEngine`.
 
@@ -234,6 +281,7 @@ class EngineConfig:
         grammar_cache_size: structured output: compiled constraints kept (LRU).
         grammar_max_bytes: structured output: the largest constraint text (schema,
             regex, grammar), UTF-8 bytes; larger is a 400.
+        parallel: tensor parallelism (:class:`ParallelConfig`); the default is one process.
     """
 
     model: str | None = None
@@ -262,6 +310,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
     grammar_max_bytes: int = 1 << 20
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -412,6 +461,9 @@ class ServeConfig:
     pd: PdConfig = field(default_factory=PdConfig)
 
     def __post_init__(self) -> None:
+        if self.pd.pd and self.engine.parallel.tensor_parallel_size > 1:
+            raise ValueError("PD (inferMode dmi) with tensor parallelism is not supported yet: "
+                             "serve P and D with --tensor-parallel-size 1")
         if self.engine.kv_trans_timeout_s != self.pd.kv_trans_timeout_s:
             object.__setattr__(self, "engine", replace(
                 self.engine, kv_trans_timeout_s=self.pd.kv_trans_timeout_s))

@@ -1,7 +1,7 @@
 """A PD cluster's slots, the one number behind Triton's ``getSlotCount`` ``total_slots``
 and TGI's ``/info`` ``max_concurrent_requests`` on the coordinator (issue 40; spec
 interfaces.md §3.5, §6.2; config.md ``maxBatchSize``). Pure: the coordinator
-(:mod:`tokenserve.coordinator.app`) asks the instances, these functions say which and
+(:mod:`tokenserve.coordinator.forward`) asks the instances, these functions say which and
 how their answers combine.
 
 Which instances: the decode instances (the ``decode`` list: D, or a flex instance acting

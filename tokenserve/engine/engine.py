@@ -12,24 +12,28 @@ Public surface used by the HTTP layer (``EngineClient`` in ``api/engine_client.p
     await engine.stop()
 
 Every request ends with one final output, whatever ended it (aborts included).
+
+PD adds ``kv_region``, ``set_kv_puller``, ``release`` and ``evict`` (``PdEngine`` in
+``api/engine_client.py``). ``evict`` and ``wait_idle`` wait on the scheduler actor's
+reply (a future carried by their message), not on a polling loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
-from tokenserve.config.resolve import select_device
 from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.block_pool import BlockPool
 from tokenserve.engine.finish import aborted
 from tokenserve.engine.info import EngineInfo, EngineStats
+from tokenserve.engine.loading import load_model, resolve
 from tokenserve.engine.model_runner import ExecutorActor, ModelRunner
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
-from tokenserve.engine.scheduler_actor import SchedulerActor
+from tokenserve.engine.scheduler_actor import KvPuller, SchedulerActor
+from tokenserve.engine.tensor_parallel import start_rank0
 from tokenserve.grammar.compiler import (
     CompiledGrammar,
     GrammarCompiler,
@@ -43,12 +47,11 @@ from tokenserve.messages import (
     FinishReason,
     GenerateRequest,
     RequestOutput,
+    WaitIdle,
 )
 from tokenserve.models.config import ModelConfig, kv_window, max_exact_positions
-from tokenserve.models.decoder import CausalLM
-from tokenserve.models.loader import load_config, load_weights, resolve_dtype, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
-from tokenserve.ops.host_memory import process_rss, returned_to_os_after_load
+from tokenserve.ops.host_memory import process_rss
 from tokenserve.ops.linear import describe_gemms
 from tokenserve.sampling_params import StructuredOutput
 
@@ -82,7 +85,7 @@ class AsyncEngine:
                             cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills,
                             eos_token_ids=eos, spec=cfg.speculative_config,
                             kv_window=kv_window(model_cfg)), self.pool)
-        self.scheduler.park_timeout_s = cfg.kv_trans_timeout_s
+        self.scheduler.parking.timeout_s = cfg.kv_trans_timeout_s
         #: longest prompt the KV cache can hold, leaving room for one token
         kv_tokens = runner.num_blocks * cfg.block_size - 1
         self.info = EngineInfo(
@@ -128,24 +131,23 @@ class AsyncEngine:
             ValueError: bad model path, unsupported architecture, or a KV budget too
                 small for one block.
         """
-        model_dir = resolve_model(cfg.model)
-        asked = cfg.dtype
-        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, model_dir))
-        model_cfg = load_config(model_dir)
+        resolved = resolve(cfg)
+        cfg, model_cfg, model_dir, device = (resolved.cfg, resolved.model_cfg,
+                                             resolved.model_dir, resolved.device)
+        asked = resolved.asked_dtype
         tokenizer = Tokenizer(model_dir)
-        device = select_device(cfg.device)
         t0 = time.perf_counter()
 
         def load() -> ModelRunner:
-            with returned_to_os_after_load():
-                model = CausalLM.from_state_dict(
-                    model_cfg, load_weights(model_dir, cfg.torch_dtype, cfg.quantization,
-                                            cfg.model, cfg.max_batch_size),
-                    cfg.torch_dtype, device, consume=True)
+            if cfg.parallel.tensor_parallel_size > 1:  # rank 0 of several (issue 41)
+                model = start_rank0(resolved)
+            else:
+                model = load_model(resolved)
             kv_dtype = model.kv_cache_dtype(cfg.kv_cache_dtype)
             per_block = model.kv_bytes_per_token(kv_dtype) * cfg.block_size
             num_blocks = cfg.kv_cache_bytes // per_block
             if num_blocks < 1:
+                model.close()
                 raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} is less than one KV "
                                  f"block ({per_block} bytes)")
             return ModelRunner(model, num_blocks, cfg.block_size, kv_dtype)
@@ -304,7 +306,7 @@ class AsyncEngine:
         head_dim]`` (model dtype) for a KV transfer engine to register (PD)."""
         return self._runner.kv_region
 
-    def set_kv_puller(self, puller) -> None:
+    def set_kv_puller(self, puller: KvPuller) -> None:
         """PD decode: ``puller(source, dst_blocks, num_tokens)`` fills this instance's
         ``dst_blocks`` with the K/V of positions ``[0, num_tokens)`` from ``source`` (a
         ``KvAdoption.source``); blocking, run in a worker thread; raises on failure."""
@@ -324,21 +326,23 @@ class AsyncEngine:
         a decode instance that died before pulling it) and wait until it has left the
         engine, its KV blocks freed, so a recompute under the same id can take its place
         (spec pd_disaggregation.md §7.3-§7.4; [I] replace, not reuse). False when the
-        engine does not hold it.
+        engine does not hold it. The abort carries a future the actor resolves right
+        after ending the request: this wakes as soon as the actor has handled it.
 
         Raises:
             TimeoutError: it is still there after ``timeout_s`` seconds.
         """
-        handle = self._streams.get(request_id)
-        if handle is None:
+        if request_id not in self._streams:
             return False
-        self._abort(request_id, None)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._streams.get(request_id) is handle:
-            if loop.time() > deadline:
-                raise TimeoutError(f"request {request_id!r} did not leave the engine")
-            await asyncio.sleep(0.005)
+        if not self.is_healthy():
+            self._abort(request_id, None)  # no actor: ended here, at once
+            return True
+        fin = aborted(None)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # the actor replies once it has ended the request (its blocks freed)
+        self.actor.inbox.put_nowait(AbortRequest(request_id, fin.reason, fin.error, done))
+        if not await self._reply(done, timeout_s):
+            raise TimeoutError(f"request {request_id!r} did not leave the engine")
         return True
 
     async def abort(self, request_id: str) -> None:
@@ -360,13 +364,30 @@ class AsyncEngine:
                            mask_ms=self.actor.mask_ms, mask_steps=self.actor.mask_steps)
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
-        """Wait until no request is queued or running (tests: the leak invariant)."""
-        async def _idle() -> None:
-            while True:
-                await self.actor.idle.wait()
-                await asyncio.sleep(0)
-                if self.actor.idle.is_set() and self.actor.inbox.empty() \
-                        and not self.scheduler.has_work():
-                    return
-                await asyncio.sleep(0.01)
-        await asyncio.wait_for(_idle(), timeout)
+        """Wait until no request is queued, running, parked or pulling and the actor's
+        inbox is empty (tests: the leak invariant). The actor answers a
+        :class:`~tokenserve.messages.WaitIdle` when it next blocks for a message idle.
+
+        Raises:
+            TimeoutError: still busy after ``timeout`` seconds, or the actor is not
+                running while work is left (it never will be idle).
+        """
+        if not self.is_healthy():
+            if self.scheduler.has_work() or not self.actor.inbox.empty():
+                raise TimeoutError("the engine is not running and has work left")
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.actor.inbox.put_nowait(WaitIdle(done))
+        if not await self._reply(done, timeout) or not done.done():
+            raise TimeoutError(f"the engine is not idle after {timeout} s")
+
+    async def _reply(self, done: asyncio.Future[None], timeout_s: float) -> bool:
+        """Wait for the actor to resolve ``done``, or for the actor to end (it will not
+        answer then; its requests are failed by :meth:`_on_actor_exit` / :meth:`stop`).
+        False after ``timeout_s`` seconds with neither (``done`` is cancelled)."""
+        assert self._task is not None
+        finished, _ = await asyncio.wait({done, self._task}, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        if not finished:
+            done.cancel()
+        return bool(finished)

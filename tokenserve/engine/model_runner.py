@@ -89,6 +89,11 @@ class ModelRunner:
         #: structured output: ms the current step spent on masks (StepResult.mask_ms)
         self.mask_ms = 0.0
 
+    def close(self) -> None:
+        """Release the model (tensor parallelism: the other ranks stop); the executor
+        calls it once its thread has finished the last step."""
+        self.model.close()
+
     def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Input ids [T] int64 and the step's attention metadata, seqs in plan order."""
         ids = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
@@ -220,8 +225,7 @@ class ModelRunner:
                     gens.append(st.generator)
                     hists.append(st.history + list(s.draft[:j]) if j else st.history)
                     nprompt.append(st.num_prompt_tokens)
-            logits = self.model.compute_logits(
-                hidden.index_select(0, torch.tensor(rows, device=hidden.device))).cpu()
+            logits = self.model.logits_at(hidden, rows).cpu()
             if masks is not None:
                 self._apply_masks(logits, to_sample, masks)
             toks = sample(logits, params, gens, hists, num_prompt_tokens=nprompt).tolist()
@@ -308,7 +312,7 @@ def prompt_logprobs(model: CausalLM, hidden: torch.Tensor, row0: int,
     GEMM has the same reduction order whatever the slice holds (batch invariance).
 
     Args:
-        model: the decoder (its ``compute_logits``).
+        model: the decoder (its ``logits_at``).
         hidden: [T, hidden_size] the step's final hidden states, model dtype.
         row0: ``seq``'s first row in ``hidden``.
         seq: a scheduled seq with ``prompt_logprobs`` and ``params.prompt_logprobs = k``.
@@ -327,7 +331,7 @@ def prompt_logprobs(model: CausalLM, hidden: torch.Tensor, row0: int,
     entries: list[TokenLogprob] = []
     for lo in range(0, count, PROMPT_LOGPROB_ROWS):
         hi = min(count, lo + PROMPT_LOGPROB_ROWS)
-        logits = model.compute_logits(hidden[row0 + lo:row0 + hi]).float().cpu()
+        logits = model.logits_at(hidden, list(range(row0 + lo, row0 + hi))).float().cpu()
         lp = torch.log_softmax(logits, dim=-1)  # [R, V] fp32
         targets = torch.tensor(prompt[first + lo + 1:first + hi + 1], dtype=torch.int64)
         chosen = lp.gather(1, targets.unsqueeze(1))  # [R, 1]
@@ -432,6 +436,7 @@ class ExecutorActor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        self.runner.close()
         mask_thread = getattr(self.runner, "_mask_thread", None)
         if mask_thread is not None:
             mask_thread.shutdown(wait=True)

@@ -6,7 +6,7 @@ that occurs (Saxena, "Prompt Lookup Decoding", 2023; vLLM's ``ngram`` method and
 llama.cpp's ``--lookup`` do the same). Input-grounded work (summarise or edit a given
 text, code edits, extraction, answers that quote their sources) repeats long spans of the
 prompt, so such drafts are often right; a wrong draft costs only the extra positions of
-one forward pass (``tokenserve/engine/scheduler.py``, "Speculative decoding").
+one forward pass (``tokenserve/engine/drafting.py``).
 """
 
 from __future__ import annotations

@@ -30,15 +30,11 @@ request of strictly higher priority than a running one also preempts it when the
 or the KV cache is full, so urgent work never waits behind a long queue of bulk work
 (but not for a request the long-prefill slots hold back: it could not start anyway).
 
-PD disaggregation (spec/pd_disaggregation.md): on a prefill instance a ``prefill_only``
-request is *parked* after its first token, its blocks held for the decode instance to
-pull, until :meth:`Scheduler.finish` (release) or its park deadline. On a decode instance
-a request with ``pull_tokens`` is admitted by allocating blocks for those tokens and
-moving to PULLING (not computed; the actor pulls them) until :meth:`Scheduler.pulled`
-makes it RUNNING; evicting such a request (``recompute_elsewhere``) ends it with
-``RECOMPUTE`` instead of queueing it again. Blocks of a request that ends while its
-pull is in flight stay reserved until the pull returns (nothing may write into a block
-another request owns).
+PD disaggregation (spec/pd_disaggregation.md): a prefill instance parks a
+``prefill_only`` request after its first token, its blocks held for the decode instance;
+a decode instance pulls an adopted request's K/V before it runs. The requests outside the
+waiting queue and the running batch, and their blocks, are ``parking.py``'s
+(:class:`~tokenserve.engine.parking.Parking`); the moves between them are here.
 
 Admission looks the prompt up in the prefix cache first (see ``block_pool.py``): the
 cached blocks are shared, and only the rest is computed. The hit is capped so at least
@@ -48,20 +44,10 @@ are needed; its computed blocks still enter the cache for others), as vLLM v1 do
 A request with ``max_new_tokens == 0`` is prefilled and ends with ``LENGTH`` without
 sampling (prompt log-probabilities only).
 
-Speculative decoding (``SchedulerConfig.spec``, ``ngram.py``): once the step is planned, a
-greedy decode may carry up to k draft tokens from prompt lookup, in the budget left over
-and in blocks that are free (a draft never preempts). The model thread verifies them in
-the same forward pass; :meth:`Scheduler.update` commits the accepted tokens (their K/V
-are already in the cache), checks the finish rules token by token, and frees the blocks
-that only rejected drafts used (the K/V of a rejected position is overwritten when the
-position is computed again). Greedy tokens are the model's own argmax at every position
-and our logits do not depend on how a step is shaped, so the output is bit-identical to
-plain decoding. Drafts go only to requests that can use them losslessly and cheaply:
-greedy, no logprobs, no stop strings (text after a stop must not be generated), no
-structured-output constraint (its matcher would have to follow each draft position), not
-a PD prefill; only in steps with at most ``max_draft_rows`` decodes (a wider batch is already
-compute-bound on a CPU); and not for a request whose acceptance rate has fallen below
-``min_acceptance`` (it backs off for ``backoff_steps`` decode steps).
+Speculative decoding (``SchedulerConfig.spec``): once the step is planned, greedy decodes
+may carry draft tokens from prompt lookup, in the budget left over and in free blocks;
+:meth:`Scheduler.update` commits the accepted ones. Who gets drafts, and why the output
+stays bit-identical, is ``drafting.py``'s (:class:`~tokenserve.engine.drafting.Drafter`).
 """
 
 from __future__ import annotations
@@ -74,8 +60,9 @@ from dataclasses import dataclass
 from tokenserve.config.tree import SpecConfig
 from tokenserve.engine import finish as rules
 from tokenserve.engine.block_pool import BlockPool, block_key
+from tokenserve.engine.drafting import Drafter
 from tokenserve.engine.finish import Finish
-from tokenserve.engine.ngram import propose
+from tokenserve.engine.parking import Parking
 from tokenserve.engine.request import Request, RequestStatus
 from tokenserve.messages import FinishReason, ScheduledSeq, SeqStart
 
@@ -141,26 +128,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []  # in admission order
-        self.parked: dict[str, Request] = {}  # PD prefill: blocks held for a decode
-        self.pulling: dict[str, Request] = {}  # PD decode: K/V being pulled
-        #: blocks of requests that ended while their pull was in flight: freed by pulled()
-        self._pull_orphans: dict[str, list[int]] = {}
-        #: blocks a timed-out pull may still write into: never reused (logged, counted)
-        self.quarantined: list[int] = []
-        #: PD decode: requests that started pulling in the last schedule() (the actor
-        #: starts their pulls) and requests evicted for recompute elsewhere (the actor
-        #: ends them); both drained with take_pd_events()
-        self._new_pulls: list[Request] = []
-        self._evicted: list[Request] = []
+        #: PD: parked (prefill) and pulling (decode) requests, their blocks, the events
+        #: for the actor
+        self.parking = Parking(pool)
+        #: speculative decoding: drafts and their acceptance counts
+        self.drafter = Drafter(cfg.spec, pool, cfg.max_seq_len)
         #: ended requests whose sampling state the model thread still holds
         self._dropped: list[str] = []
-        #: seconds a parked request keeps its blocks (``kv_trans_timeout``)
-        self.park_timeout_s = 10.0
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found there
-        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified
-        self.num_accepted_tokens = 0  # of which accepted
         # a prefill with more tokens than this left is long; without chunking, none is
         self._long_threshold = sys.maxsize
         if cfg.enable_chunked_prefill:
@@ -192,12 +169,8 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.PARKED:
-            del self.parked[request_id]
-        elif req.status is RequestStatus.PULLING:
-            del self.pulling[request_id]
-            self._pull_orphans[request_id] = req.block_table  # the pull still writes them
-            req.block_table = []
+        elif req.status in (RequestStatus.PARKED, RequestStatus.PULLING):
+            self.parking.leave(req)  # a pull in flight keeps its blocks until it returns
         elif req in self.waiting:
             self.waiting.remove(req)
         self._end(req, reason)
@@ -220,8 +193,17 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Anything queued, running, parked for a decode instance or pulling K/V."""
-        return bool(self.running or self.waiting or self.parked or self.pulling
-                    or self._pull_orphans)
+        return bool(self.running or self.waiting or self.parking.has_work())
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative decoding: draft tokens verified."""
+        return self.drafter.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Speculative decoding: draft tokens accepted."""
+        return self.drafter.num_accepted_tokens
 
     def pulled(self, request_id: str, error: str | None = None,
                quarantine: bool = False) -> Request | None:
@@ -230,25 +212,12 @@ class Scheduler:
         (``error``; the caller ends it) or None (done, or it had ended meanwhile). With
         ``quarantine`` (a timed-out pull: late writes may still land) its blocks are
         never reused."""
-        orphan = self._pull_orphans.pop(request_id, None)
-        if orphan is not None:
-            if quarantine:
-                self.quarantined += orphan
-            else:
-                self.pool.free(orphan)
-            return None
-        req = self.pulling.pop(request_id, None)
+        req = self.parking.pulled(request_id, error, quarantine)
         if req is None:
             return None
-        if quarantine:
-            self.quarantined += req.block_table
-            req.block_table = []
         if error is not None:
-            req.status = RequestStatus.WAITING  # finish() frees its blocks
-            self.waiting.append(req)
+            self.waiting.append(req)  # WAITING: finish() frees its blocks
             return req
-        req.num_computed, req.pull_tokens = req.pull_tokens, 0
-        req.status = RequestStatus.RUNNING
         self.running.append(req)
         return None
 
@@ -261,9 +230,7 @@ class Scheduler:
     def take_pd_events(self) -> tuple[list[Request], list[Request]]:
         """(requests whose K/V pull must start now, requests evicted for recompute on a
         prefill instance) since the last call."""
-        pulls, evicted = self._new_pulls, self._evicted
-        self._new_pulls, self._evicted = [], []
-        return pulls, evicted
+        return self.parking.take_events()
 
     # ------------------------------------------------------------------ one step
 
@@ -316,7 +283,7 @@ class Scheduler:
                 plan, reqs, longs, budget, prefills, longs_only=True)
             if not admitted:
                 break
-        drafts = self._drafts(reqs, plan, budget)
+        drafts = self.drafter.drafts(reqs, plan, budget)
         return [self._seq(r, plan[r.request_id], drafts.get(r.request_id, ())) for r in reqs]
 
     def update(self, seqs: list[ScheduledSeq], sampled: dict[str, int], now: float,
@@ -357,7 +324,7 @@ class Scheduler:
             req.num_computed += len(seq.token_ids) - len(seq.draft) + len(new) - 1
             self._register_full_blocks(req, pending=new[:-1])
             if seq.draft:
-                self._note_draft(req, len(seq.draft), len(new) - 1)
+                self.drafter.verified(req, len(seq.draft), len(new) - 1)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
@@ -374,13 +341,11 @@ class Scheduler:
                     break
             if fin is not None:
                 self.finish(req.request_id, fin.reason, stop_reason=fin.stop_reason)
-            elif req.prefill_only:
-                self._park(req, now)
-            elif seq.draft:  # blocks only rejected drafts used go back to the pool
-                keep = self.pool.blocks_for(req.num_tokens)
-                if len(req.block_table) > keep:
-                    self.pool.free(req.block_table[keep:])
-                    del req.block_table[keep:]
+            elif req.prefill_only:  # PD prefill: the blocks wait for the decode instance
+                self.running.remove(req)
+                self.parking.park(req, now)
+            elif seq.draft:
+                self.drafter.free_rejected(req)
             if req.status is RequestStatus.RUNNING:
                 self._release_out_of_window(req)
             out.append((req, new))
@@ -427,11 +392,11 @@ class Scheduler:
         busy = self._busy_long_prefills(plan)
         admitted = j = 0
         while (j < len(self.waiting) and budget > 0
-               and len(self.running) + len(self.pulling) < cfg.max_batch_size
+               and len(self.running) + len(self.parking.pulling) < cfg.max_batch_size
                and prefills < cfg.max_prefill_batch_size):
             req = self.waiting[j]
             if req.pull_tokens:
-                if not self._start_pull(req):
+                if not self.parking.start_pull(req):
                     break  # wait for blocks, in queue order
                 self.waiting.pop(j)
                 continue
@@ -524,58 +489,6 @@ class Scheduler:
             req.block_table += self.pool.allocate(need)
         return total - planned
 
-    def _may_draft(self, req: Request) -> bool:
-        """Whether ``req``'s decode may carry a draft (see the module doc)."""
-        p = req.params
-        if (p.do_sample or p.logprobs is not None or p.stop or not p.speculative
-                or p.structured is not None or req.prefill_only or req.first_token_time is None):
-            return False
-        if req.spec_backoff > 0:
-            req.spec_backoff -= 1
-            return False
-        return True
-
-    def _drafts(self, reqs: list[Request], plan: dict[str, int],
-                budget: int) -> dict[str, tuple[int, ...]]:
-        """Draft tokens for this step's eligible decodes, in the ``budget`` left and in
-        free blocks (allocated here); request_id -> draft."""
-        spec = self.cfg.spec
-        if spec is None or budget <= 0:
-            return {}
-        decodes = [r for r in reqs if plan[r.request_id] == 1
-                   and r.num_tokens - r.num_computed == 1]
-        if not decodes or len(decodes) > spec.max_draft_rows:
-            return {}
-        bs, out = self.pool.block_size, {}
-        for req in decodes:
-            if budget <= 0 or not self._may_draft(req):
-                continue
-            room = ((len(req.block_table) + self.pool.num_free) * bs
-                    - req.num_computed - 1)  # positions after the decode's own token
-            k = min(spec.num_speculative_tokens, budget, room,
-                    req.params.max_new_tokens - req.num_output_tokens - 1,
-                    self.cfg.max_seq_len - req.num_tokens - 1)
-            draft = propose(req.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if not draft:
-                continue
-            need = self.pool.blocks_for(req.num_computed + 1 + len(draft)) - len(req.block_table)
-            if need > 0:
-                req.block_table += self.pool.allocate(need)
-            out[req.request_id] = draft
-            budget -= len(draft)
-        return out
-
-    def _note_draft(self, req: Request, drafted: int, accepted: int) -> None:
-        """Count a verified draft; a request whose running acceptance rate falls below
-        ``min_acceptance`` backs off."""
-        spec = self.cfg.spec
-        assert spec is not None
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * (accepted / drafted)
-        if req.spec_acceptance < spec.min_acceptance:
-            req.spec_backoff, req.spec_acceptance = spec.backoff_steps, 1.0
-
     def _seq(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
         start = req.num_computed
         first = None
@@ -598,19 +511,6 @@ class Scheduler:
             prompt_logprobs=(_wants_prompt_logprobs(req)
                              and start < req.num_prompt_tokens - 1),
         )
-
-    def _start_pull(self, req: Request) -> bool:
-        """Allocate blocks for an adopted request's pulled K/V (no prefix cache: the K/V
-        come from the other instance); False when they are not free."""
-        need = self.pool.blocks_for(req.pull_tokens)
-        if need > self.pool.num_free:
-            return False
-        req.block_table = self.pool.allocate(need)
-        req.status = RequestStatus.PULLING
-        req.first_scheduled = True
-        self.pulling[req.request_id] = req
-        self._new_pulls.append(req)
-        return True
 
     def _admit(self, req: Request, budget: int) -> bool:
         """Give a waiting request its cached prefix and blocks for its first chunk.
@@ -684,21 +584,13 @@ class Scheduler:
             req.block_table += self.pool.allocate(need)
         return True
 
-    def _park(self, req: Request, now: float) -> None:
-        """PD prefill: keep the blocks for the decode instance, stop scheduling."""
-        self.running.remove(req)
-        req.status = RequestStatus.PARKED
-        req.deadline, req.deadline_reason = now + self.park_timeout_s, "kv_trans_timeout"
-        req.token_timeout_s = float("inf")
-        self.parked[req.request_id] = req
-
     def _preempt(self, req: Request) -> None:
         if req.recompute_elsewhere:  # PD decode: a prefill instance recomputes it
             self.running.remove(req)
             del self.requests[req.request_id]
             self._end(req, FinishReason.RECOMPUTE)
             self.num_preemptions += 1
-            self._evicted.append(req)
+            self.parking.evicted(req)
             return
         # recompute here: the model thread keeps the request's sampling state, as a
         # recompute only recomputes K/V (the generator continues where it was)

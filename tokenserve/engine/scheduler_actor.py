@@ -5,7 +5,9 @@ The single writer of the Scheduler, its BlockPool and the request table. Its loo
     drain inbox (block only when idle) -> timeouts -> schedule() -> executor step
         -> update() -> detokenize -> push RequestOutputs to each request's stream
 
-Messages come in on ``inbox`` (GenerateRequest | AbortRequest, see messages.py); the
+Messages come in on ``inbox`` (GenerateRequest | AbortRequest | KvPulled | WaitIdle, see
+messages.py); an AbortRequest's ``done`` is resolved once the request has left, a
+WaitIdle's when the actor next blocks with no work and an empty inbox. The
 :class:`RequestHandle` of a request is registered in ``streams`` by the engine before the
 GenerateRequest is queued, and removed here when its final output is put.
 
@@ -44,12 +46,18 @@ from tokenserve.messages import (
     RequestOutput,
     StepPlan,
     TokenLogprob,
+    WaitIdle,
 )
 
 if TYPE_CHECKING:  # the shell itself needs no torch: the model thread has it all
     from tokenserve.engine.model_runner import ExecutorActor
 
 log = logging.getLogger("tokenserve.engine")
+
+#: PD decode: ``puller(source, dst_blocks, num_tokens)`` copies the K/V of positions
+#: ``[0, num_tokens)`` from ``source`` (a KvAdoption's) into this instance's
+#: ``dst_blocks``; blocking (run in a worker thread), raises on failure
+KvPuller = Callable[[Any, list[int], int], None]
 
 
 class _Tracked:
@@ -117,11 +125,9 @@ class SchedulerActor:
         self.executor = executor
         self.tokenizer = tokenizer
         self.streams = streams
-        self.inbox: asyncio.Queue[GenerateRequest | AbortRequest | KvPulled] = asyncio.Queue()
-        #: PD decode: ``kv_puller(source, dst_blocks, num_tokens)`` copies the K/V of
-        #: positions ``[0, num_tokens)`` from ``source`` (a KvAdoption's) into this
-        #: instance's ``dst_blocks``; blocking (run in a worker thread), raises on failure
-        self.kv_puller: Callable[[Any, list[int], int], None] | None = None
+        self.inbox: asyncio.Queue[GenerateRequest | AbortRequest | KvPulled | WaitIdle] = \
+            asyncio.Queue()
+        self.kv_puller: KvPuller | None = None  # PD decode
         self._pull_tasks: set[asyncio.Task] = set()
         self._sources: dict[str, Any] = {}  # request_id -> KvAdoption.source, until pulled
         self.max_iter_times = max_iter_times
@@ -130,8 +136,8 @@ class SchedulerActor:
         self._tracked: dict[str, _Tracked] = {}
         self._seq = itertools.count()
         self._step = itertools.count()
-        self.idle = asyncio.Event()
-        self.idle.set()
+        #: WaitIdle replies, resolved when the actor next blocks idle (:meth:`_check_idle`)
+        self._idle_waiters: list[asyncio.Future[None]] = []
         #: finished requests by reason (for metrics and tests)
         self.finished_by_reason: collections.Counter[FinishReason] = collections.Counter()
         #: structured output: ms spent on token masks, and the steps that had any
@@ -152,16 +158,19 @@ class SchedulerActor:
             self._expire(time.monotonic())
             if not self.scheduler.has_work():
                 continue
-            self.idle.clear()
             seqs = self.scheduler.schedule()
             self._pd_events()
             if not seqs:  # waiting work that cannot be admitted yet: wait for a message
                 delay = max(0.0, self.scheduler.next_deadline() - time.monotonic())
+                # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as the
+                # get completes is swallowed by wait_for, and the actor then blocks on an
+                # empty inbox while stop() waits for it (seen after a PD release)
                 try:
-                    msg = await asyncio.wait_for(self.inbox.get(), timeout=min(delay, 1.0))
-                    self._handle(msg)
-                except asyncio.TimeoutError:
-                    pass
+                    async with asyncio.timeout(min(delay, 1.0)):
+                        msg = await self.inbox.get()
+                except TimeoutError:
+                    continue
+                self._handle(msg)
                 continue
             plan = StepPlan(next(self._step), tuple(seqs), self.scheduler.take_dropped())
             self._note_scheduled(seqs)
@@ -199,16 +208,25 @@ class SchedulerActor:
             assert not result.sampled, "a drop-only plan sampled"
 
     def _check_idle(self) -> None:
+        """About to block with no work: the leak invariant, then answer the WaitIdle
+        messages unless another message is already waiting."""
         pool = self.scheduler.pool
-        held = pool.num_blocks - pool.num_free - len(self.scheduler.quarantined)
+        held = pool.num_blocks - pool.num_free - len(self.scheduler.parking.quarantined)
         assert held == 0, f"idle engine holds {held} KV blocks"
-        self.idle.set()
+        if self.inbox.empty():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for done in waiters:
+                _reply(done)
 
     # ------------------------------------------------------------------ messages
 
-    def _handle(self, msg: GenerateRequest | AbortRequest | KvPulled) -> None:
+    def _handle(self, msg: GenerateRequest | AbortRequest | KvPulled | WaitIdle) -> None:
         if isinstance(msg, AbortRequest):
             self._finish(msg.request_id, Finish(msg.reason, error=msg.error))
+            if msg.done is not None:  # it has left: blocks freed, final output put
+                _reply(msg.done)
+        elif isinstance(msg, WaitIdle):
+            self._idle_waiters.append(msg.done)
         elif isinstance(msg, GenerateRequest):
             self._admit(msg)
         elif isinstance(msg, KvPulled):
@@ -379,3 +397,9 @@ class SchedulerActor:
             out = replace(out, handoff=KvHandoff(tuple(req.block_table), req.num_computed,
                                                  gen_state))
         t.stream.put(out)
+
+
+def _reply(done: asyncio.Future[None]) -> None:
+    """Answer a message's reply future (its sender may have stopped waiting)."""
+    if not done.done():
+        done.set_result(None)

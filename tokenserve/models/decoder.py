@@ -52,6 +52,7 @@ from tokenserve.models.config import (
 from tokenserve.models.families import family_for
 from tokenserve.models.families.base import LayerWeights
 from tokenserve.models.moe import MoE
+from tokenserve.models.tensor_parallel import TpContext, shard_config, shard_state_dict
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.host_memory import zeros_on_huge_pages
 from tokenserve.ops.layer_ref import KV_SCALE_BYTES, write_kv_ref
@@ -91,8 +92,12 @@ class CausalLM:
     """
 
     def __init__(self, cfg: ModelConfig, globals_: dict, layers: list[LayerWeights],
-                 device: torch.device, kernels: Kernels | None = None) -> None:
+                 device: torch.device, kernels: Kernels | None = None,
+                 tp: TpContext | None = None) -> None:
         self.cfg = cfg
+        #: tensor parallelism: this rank's share and its collectives (``cfg`` is then the
+        #: rank's own: its heads, MLP columns and vocabulary rows), or None
+        self.tp = tp
         self.arch: DecoderArch = cfg.decoder_arch
         self.device = device
         self.dtype = globals_["norm"].dtype  # activations (and a KV cache of the model dtype)
@@ -120,7 +125,8 @@ class CausalLM:
         #: one RoPE table per DecoderArch.ropes entry, fp32 [max_pos, rotary_dim]: cos | sin
         self.cos_sin = [self._rope_table(spec) for spec in self.arch.ropes]
         #: csrc/decoder.cpp's layer stack (one call per step), or None: the Python loop
-        self.decoder = self._build_decoder()
+        #: (tensor parallelism all-reduces inside each layer: the loop)
+        self.decoder = self._build_decoder() if tp is None else None
 
     # ----------------------------------------------------------------- construction
 
@@ -135,15 +141,17 @@ class CausalLM:
         """One layer's fused GEMMs and norms (see :class:`LayerWeights` for the roles)."""
         dt = self.dtype
         qkv_b = torch.cat(lw.qkv_bias) if lw.qkv_bias else None
+        # tensor parallelism: the row-parallel GEMMs' partial sums stay fp32 until reduced
+        partial = torch.float32 if self.tp is not None else None
         layer = {"qkv": fused_linear(lw.qkv, qkv_b, dt),
-                 "o": Linear(lw.o, lw.o_bias, fallback_dtype=dt)}
+                 "o": Linear(lw.o, lw.o_bias, out_dtype=partial, fallback_dtype=dt)}
         for role in ("ln1", "attn_post", "ln2", "mlp_post", "q_norm", "k_norm"):
             layer[role] = self._norm(getattr(lw, role))
         if moe:
             layer["moe"] = MoE(self.arch.moe, lw, dt)
         else:
             layer["gate_up"] = fused_linear(lw.gate_up, None, dt)
-            layer["down"] = Linear(lw.down, fallback_dtype=dt)
+            layer["down"] = Linear(lw.down, out_dtype=partial, fallback_dtype=dt)
         return layer
 
     def _rope_table(self, spec: RopeSpec) -> torch.Tensor:
@@ -190,7 +198,8 @@ class CausalLM:
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor | QuantWeight],
                         dtype: torch.dtype, device: torch.device,
-                        kernels: Kernels | None = None, consume: bool = False) -> CausalLM:
+                        kernels: Kernels | None = None, consume: bool = False,
+                        tp: TpContext | None = None) -> CausalLM:
         """Build the decoder from HF-named weights through the family's tensor names.
 
         ``sd`` values may be :class:`~tokenserve.ops.quant_blocks.QuantWeight` (GGUF blocks, from
@@ -201,10 +210,16 @@ class CausalLM:
         ``consume``: take the tensors out of ``sd`` as they are used (the engine's load: peak
         memory one copy of the weights instead of two); ``sd`` is then left without them.
 
+        ``tp``: build rank ``tp.shard.rank``'s part only (:mod:`.tensor_parallel`: ``sd`` is
+        cut to the rank's heads, MLP columns and vocabulary rows; ``sd`` is emptied).
+
         Raises:
             KeyError: a required tensor is missing.
-            ValueError: the config's model type is not served.
+            ValueError: the config's model type is not served, or (``tp``) not split.
         """
+        if tp is not None:
+            sd = shard_state_dict(sd, cfg, tp.shard, dtype)
+            cfg = shard_config(cfg, tp.shard)
         ck = _Checkpoint(sd, dtype, device, consume)
         family = family_for({"model_type": cfg.model_type})
         arch = cfg.decoder_arch
@@ -213,7 +228,7 @@ class CausalLM:
                     "lm_head": (embed if cfg.tie_word_embeddings or not ck.has("lm_head.weight")
                                 else ck("lm_head.weight"))}
         layers = [family.layer(ck, i, arch) for i in range(cfg.num_layers)]
-        return cls(cfg, globals_, layers, device, kernels)
+        return cls(cfg, globals_, layers, device, kernels, tp)
 
     # ----------------------------------------------------------------- accounting
 
@@ -326,7 +341,7 @@ class CausalLM:
             [T, hidden_size] final hidden states (after the last RMSNorm), model dtype.
         """
         cfg, ops, arch = self.cfg, self.kernels, self.arch
-        h = ops.embedding(input_ids, self.embed, self.dtype)  # [T, hidden]
+        h = self._embed(input_ids)  # [T, hidden]
         if arch.embed_scale != 1.0:
             scale = (torch.tensor(arch.embed_scale, dtype=self.dtype)
                      if arch.embed_scale_rounded else arch.embed_scale)
@@ -345,9 +360,9 @@ class CausalLM:
         residual = h
         x = ops.rms_norm(residual, self.layers[0]["ln1"], cfg.rms_norm_eps)
         for i, lin in enumerate(self.layers):
-            x = lin["o"](self._attention(i, x, kv_caches[i], meta))
+            x = self._reduce(lin["o"](self._attention(i, x, kv_caches[i], meta)))
             ops.fused_add_rms_norm(x, residual, lin["ln2"], cfg.rms_norm_eps)
-            x = lin["down"](ops.silu_and_mul(lin["gate_up"](x)))
+            x = self._reduce(lin["down"](ops.silu_and_mul(lin["gate_up"](x))))
             nxt = self.layers[i + 1]["ln1"] if i + 1 < self.num_layers else self.final_norm
             ops.fused_add_rms_norm(x, residual, nxt, cfg.rms_norm_eps)
         return x
@@ -358,7 +373,7 @@ class CausalLM:
         [T, hidden] residual stream."""
         arch, lin, ops, eps = self.arch, self.layers[i], self.kernels, self.cfg.rms_norm_eps
         x = ops.rms_norm(h, lin["ln1"], eps) if arch.pre_attn_norm else h
-        a = lin["o"](self._attention(i, x, kv, meta))
+        a = self._reduce(lin["o"](self._attention(i, x, kv, meta)))
         if arch.post_attn_norm:
             a = ops.rms_norm(a, lin["attn_post"], eps)
         h = h + a * arch.residual_scale if arch.residual_scale != 1.0 else h + a
@@ -366,10 +381,29 @@ class CausalLM:
         if "moe" in lin:
             m = lin["moe"](x, ops)
         else:
-            m = lin["down"](self._act_and_mul(lin["gate_up"](x)))
+            m = self._reduce(lin["down"](self._act_and_mul(lin["gate_up"](x))))
         if arch.post_mlp_norm:
             m = ops.rms_norm(m, lin["mlp_post"], eps)
         return h + m * arch.residual_scale if arch.residual_scale != 1.0 else h + m
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 ids -> [T, hidden] model dtype rows of the embedding table; under
+        tensor parallelism each rank looks up the ids of its vocabulary rows, zeros for the
+        others, and the all-reduce assembles the rows (exact: one rank contributes each)."""
+        if self.tp is None:
+            return self.kernels.embedding(input_ids, self.embed, self.dtype)
+        v0, v1 = self.tp.shard.vocab
+        local = input_ids - v0
+        mine = (local >= 0) & (local < v1 - v0)
+        h = self.kernels.embedding(torch.where(mine, local, 0), self.embed, self.dtype)
+        h.masked_fill_(~mine.unsqueeze(1), 0)
+        return self.tp.comm.all_reduce(h, self.dtype)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's output: as it is without tensor parallelism, else every
+        rank's fp32 partial sums added (:meth:`Collectives.all_reduce`) and rounded once to
+        the model dtype."""
+        return x if self.tp is None else self.tp.comm.all_reduce(x, self.dtype)
 
     def _act_and_mul(self, g: torch.Tensor) -> torch.Tensor:
         """``act(g[:, :I]) * g[:, I:]`` of a fused gate|up output [T, 2I] -> [T, I], computed
@@ -425,14 +459,30 @@ class CausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden_size] model dtype -> [S, vocab_size] float32 logits (the GEMM
         accumulates in fp32 and never rounds to the model dtype); Granite's divisor and
-        Gemma 2's final soft-capping ``c * tanh(l / c)`` applied in fp32."""
+        Gemma 2's final soft-capping ``c * tanh(l / c)`` applied in fp32. Under tensor
+        parallelism a collective: every rank computes its vocabulary rows' logits and all
+        of them are gathered (each rank gets the whole [S, vocab_size])."""
         logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.comm.all_gather_cols(logits)
         if self.arch.logits_divisor != 1.0:
             logits = logits / self.arch.logits_divisor
         if self.arch.final_softcap:
             cap = self.arch.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+    def close(self) -> None:
+        """Nothing to release (a tensor-parallel rank 0's stand-in,
+        ``tokenserve.engine.tensor_parallel.TpModel``, stops its ranks here)."""
+
+    def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """:meth:`compute_logits` of ``hidden`` [T, hidden_size]'s ``rows`` -> [len(rows),
+        vocab_size] float32 (a step's sampled rows; under tensor parallelism every rank
+        names the same rows of its own, identical, hidden states)."""
+        return self.compute_logits(hidden.index_select(
+            0, torch.tensor(rows, dtype=torch.int64, device=hidden.device)))
 
 
 def _partial_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, H: int,

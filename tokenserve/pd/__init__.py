@@ -18,7 +18,8 @@ How the parts fit::
                  |              with kv_transfer.py (Mooncake, one batched read), releases
                  |              P, replays P's tokens (rendered, not sent) and decodes;
                  |              every rendered step goes out on GET /dresult (wire.py
-                 v              framing), evictions as retry: with recompute.py's body
+                 |              framing, dresult_hub.py the one stream), evictions as
+                 v              retry: with recompute.py's body
               coordinator relays D's bodies into the client's response
 
 Why the family handler runs on both sides instead of a per-family "PD encoder": the bytes
@@ -27,7 +28,8 @@ correctness bar), for all five families and their options, with no second copy o
 encoder. What makes it work is that the engine re-delivers the tokens generated elsewhere
 as one ``replay`` output: the handler's own state (texts, token counts, ``first``
 flags, the OpenAI role chunk) is rebuilt from it, and the sink drops what it writes.
-node.py holds the instance's role, status and links (§9). messages.py types every JSON
+node.py holds the instance's role, status and links (§9), and the engine as P and D use
+it (``PdEngine``, api/engine_client.py). messages.py types every JSON
 message and header set on this wire, the coordinator's side included (wire.py the /dresult
 framing, recompute.py the recompute body).
 """

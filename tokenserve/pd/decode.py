@@ -27,17 +27,15 @@ Every request message is preceded, in the same chunk, by an ``ids:`` message wit
 token ids it carries (and D's first message for a request is ``ids:L,p..,o..``), so the
 coordinator can recompute the request elsewhere if this D dies (plan, [I]).
 
-``GET /dresult`` (business plane) is served by :class:`DresultHub`: one consumer, a new
-one closes the old (§6.2), ``ka:heartbeat`` after 5 s idle, messages kept while no
-consumer is connected (bounded) instead of dropped [I]. With no consumer for
-``dresult_orphan_timeout_s`` (the coordinator died), every running request is ended as a
-client disconnect ends it: its KV blocks are freed [I].
+``GET /dresult`` (business plane) is served by ``dresult_hub.py``'s
+:class:`~tokenserve.pd.dresult_hub.DresultHub` (one consumer, heartbeats, the backlog).
+With no consumer for ``dresult_orphan_timeout_s`` (the coordinator died), every running
+request is ended as a client disconnect ends it: its KV blocks are freed [I].
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from dataclasses import replace
@@ -46,9 +44,9 @@ from typing import Any
 import httpx
 
 from tokenserve.aio import Signal
-from tokenserve.api.common import FAILED_FINISH, failure_text, parse_json_object
 from tokenserve.api.engine_stream import observed
 from tokenserve.api.errors import error_message
+from tokenserve.api.family_api import FAILED_FINISH, failure_text, parse_json_object
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
 from tokenserve.api.triton.handlers import BINARY_HEADER
@@ -59,6 +57,7 @@ from tokenserve.messages import (
     KvAdoption,
     RequestOutput,
 )
+from tokenserve.pd.dresult_hub import DresultHub
 from tokenserve.pd.messages import (
     DecodeParameters,
     DecodeVerdict,
@@ -69,79 +68,12 @@ from tokenserve.pd.messages import (
 from tokenserve.pd.node import PD_ONE_SEQUENCE, PdNode, inter_comm_url
 from tokenserve.pd.recompute import RecomputeBody
 from tokenserve.pd.sinks import CaptureResponse
-from tokenserve.pd.wire import HEARTBEAT, WholeAnswer, close_message, dresult_body, encode
-from tokenserve.transport.cycle import ClientDisconnected, HttpRequest, HttpResponse
+from tokenserve.pd.wire import WholeAnswer, dresult_body, encode
+from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError
 from tokenserve.transport.router import Handler, Router
 
 logger = logging.getLogger(__name__)
-
-#: §6.2: heartbeat after this many idle seconds.
-HEARTBEAT_S = 5.0
-#: [I] messages kept while no /dresult consumer is connected.
-BACKLOG = 100_000
-_CLOSE = object()
-
-
-class DresultHub:
-    """The one ``GET /dresult`` stream of a decode instance (§6.2)."""
-
-    def __init__(self, heartbeat_s: float = HEARTBEAT_S, backlog: int = BACKLOG) -> None:
-        self.heartbeat_s = heartbeat_s
-        self._queue: asyncio.Queue | None = None  # the connected consumer's
-        self._backlog: collections.deque[bytes] = collections.deque(maxlen=backlog)
-        #: time.monotonic() when the last consumer left; None while one is connected
-        self.orphaned_since: float | None = time.monotonic()
-
-    def publish(self, msg: bytes) -> None:
-        """Queue one chunk (whole messages) for the consumer; never blocks."""
-        if self._queue is not None:
-            self._queue.put_nowait(msg)
-        else:
-            self._backlog.append(msg)
-
-    @property
-    def connected(self) -> bool:
-        return self._queue is not None
-
-    async def serve(self, request: HttpRequest, response: HttpResponse) -> None:
-        """Stream messages to this consumer until it leaves or a newer one replaces it."""
-        if self._queue is not None:
-            self._queue.put_nowait(_CLOSE)
-        queue: asyncio.Queue = asyncio.Queue()
-        while self._backlog:
-            queue.put_nowait(self._backlog.popleft())
-        self._queue = queue
-        self.orphaned_since = None
-        gone = asyncio.Event()
-        request.disconnected.subscribe(gone.set)
-        request.disconnected.subscribe(lambda: queue.put_nowait(_CLOSE))
-        try:
-            await response.start_stream(200, "text/event-stream")
-            while not gone.is_set():
-                try:
-                    msg = await asyncio.wait_for(queue.get(), self.heartbeat_s)
-                except TimeoutError:
-                    msg = HEARTBEAT
-                if msg is _CLOSE:
-                    if not gone.is_set():
-                        await response.write(close_message())
-                        await response.end()
-                    return
-                try:
-                    await response.write(msg)
-                except ClientDisconnected:
-                    self._backlog.appendleft(msg)
-                    return
-        finally:
-            if self._queue is queue:
-                self._queue = None
-                self.orphaned_since = time.monotonic()
-                while not queue.empty():  # keep what this consumer did not get
-                    m = queue.get_nowait()
-                    if m is not _CLOSE:
-                        self._backlog.append(m)
-
 
 class DecodeObserver:
     """The engine side of one D request (module docstring)."""

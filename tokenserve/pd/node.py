@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from tokenserve.api.common import parse_json_object
-from tokenserve.api.engine_client import EngineClient
+from tokenserve.api.engine_client import PdEngine
+from tokenserve.api.family_api import parse_json_object
 from tokenserve.config.tree import ROLES, PdConfig
 from tokenserve.pd.messages import Release, WireError
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
@@ -58,7 +58,9 @@ class PdNode:
     """The live PD state of this instance (single event loop; no locks)."""
 
     cfg: PdConfig
-    engine: EngineClient
+    #: what P and D use of the engine: EngineClient plus the KV region, the puller,
+    #: release and evict (api/engine_client.py)
+    engine: PdEngine
     role: str | None = None
     role_status: RoleStatus = RoleStatus.UNKNOWN
     p_percentage: int = 50

@@ -27,8 +27,8 @@ from dataclasses import replace
 
 import orjson
 
-from tokenserve.api.common import parse_json_object
 from tokenserve.api.engine_stream import observed
+from tokenserve.api.family_api import parse_json_object
 from tokenserve.api.ids import derived_id
 from tokenserve.api.routes import path_of
 from tokenserve.api.triton.handlers import BINARY_HEADER

@@ -2,7 +2,7 @@
 served on its planes (spec/interfaces.md §0.1).
 
 :func:`build_router` binds each row of :data:`tokenserve.api.routes.SERVED` to the object
-that owns its handler (the five families, :class:`~tokenserve.api.shared.SharedApi` for
+that owns its handler (the five families, :class:`~tokenserve.api.server_api.ServerApi` for
 ``/health`` and the shared ``/generate``, management, metrics, the PD node and decode
 server); a PD prefill instance wraps the router so inference rows go through the prefill
 gate. :func:`serve` splits the routes over the listening planes (business, management,
@@ -21,13 +21,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tokenserve.api import routes
-from tokenserve.api.common import DEFAULT_MAX_JSON_DEPTH, EngineClient
 from tokenserve.api.context import ServeContext
+from tokenserve.api.family_api import DEFAULT_MAX_JSON_DEPTH, EngineClient
 from tokenserve.api.management import ManagementApi, ServedConfig
-from tokenserve.api.mindie.extra import MindIEExtraApi
 from tokenserve.api.mindie.handlers import MindIEApi
+from tokenserve.api.mindie.tokenizer_stop import MindIEExtraApi
 from tokenserve.api.openai.handlers import OpenAIApi
-from tokenserve.api.shared import SharedApi
+from tokenserve.api.server_api import ServerApi
 from tokenserve.api.tgi.handlers import TgiApi
 from tokenserve.api.triton.handlers import TritonApi
 from tokenserve.api.vllm.handlers import VllmApi
@@ -87,7 +87,7 @@ def build_router(
         "mindie": MindIEApi(engine, **kw), "mindie_extra": MindIEExtraApi(engine, **kw),
         "tgi": tgi, "vllm": vllm, "openai": OpenAIApi(engine, **kw),
         "triton": TritonApi(engine, **kw),
-        "server": SharedApi(engine, vllm, tgi, max_json_depth=max_json_depth),
+        "server": ServerApi(engine, vllm, tgi, max_json_depth=max_json_depth),
         "management": ManagementApi(engine, served_config), "metrics": context.metrics,
         "pd": node, "pd_decode": decode,
     }

@@ -68,7 +68,8 @@ async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None)
         e = cfg.engine
         served = ServedConfig.build(
             engine.info.model_name, engine.info.max_model_len, e.kv_cache_bytes,
-            select_device(e.device).type != "cpu", e.max_iter_times, e.block_size)
+            select_device(e.device).type != "cpu", e.max_iter_times, e.block_size,
+            e.parallel.tensor_parallel_size)
         from tokenserve.pd.node import PdNode
 
         node = PdNode(cfg.pd, engine)
@@ -97,7 +98,14 @@ async def serve_engine(cfg: ServeConfig, build: Callable[[], Any] | None = None)
         signals.close()
 
 
-def run_server(cfg: ServeConfig) -> None:
+def run_server(cfg: ServeConfig) -> int:
     """Blocking entry point for ``tokenserve serve`` (uvloop when installed); returns
-    after a graceful stop."""
+    the exit status after a graceful stop (0). A tensor-parallel node other than 0
+    (``--node-rank R > 0``) serves no HTTP: it runs its ranks until rank 0 stops them
+    (:func:`tokenserve.engine.tensor_parallel.run_node`, whose status it returns)."""
+    if cfg.engine.parallel.node_rank > 0:
+        from tokenserve.engine.tensor_parallel import run_node
+
+        return run_node(cfg.engine)
     run(serve_engine(cfg))
+    return 0

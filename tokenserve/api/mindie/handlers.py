@@ -17,8 +17,8 @@ import time
 import uuid
 from typing import Any
 
-from tokenserve.api.common import FamilyApi, collect, encode_text, run_stream, step_times
 from tokenserve.api.engine_stream import handed_plan
+from tokenserve.api.family_api import FamilyApi, collect, encode_text, run_stream, step_times
 from tokenserve.api.framing import sse
 from tokenserve.api.mindie.protocol import (
     MindieBody,

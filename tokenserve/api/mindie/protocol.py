@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenserve.api.common import Collected, mindie_finish_reason, reported_seed
+from tokenserve.api.family_api import Collected, mindie_finish_reason, reported_seed
 from tokenserve.api.fields import (
     MAX_TIMEOUT_S,
     MEDIA_TYPES,

@@ -38,7 +38,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tokenserve.api.common import (
+from tokenserve.api.context import ServeContext
+from tokenserve.api.engine_stream import FanOut, handed_plan, response_id
+from tokenserve.api.errors import fail_stream
+from tokenserve.api.family_api import (
     DEFAULT_MAX_JSON_DEPTH,
     FAILED_FINISH,
     SERVER_NAME,
@@ -49,9 +52,6 @@ from tokenserve.api.common import (
     guard_stream,
     tokenizer_call,
 )
-from tokenserve.api.context import ServeContext
-from tokenserve.api.engine_stream import FanOut, handed_plan, response_id
-from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import choice_seed
 from tokenserve.api.framing import EVENT_STREAM, SSE_DONE, sse
 from tokenserve.api.openai.protocol import (

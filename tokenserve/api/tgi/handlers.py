@@ -17,9 +17,9 @@ import logging
 import uuid
 from typing import Any
 
-from tokenserve.api.common import FamilyApi, collect, encode_text, run_stream
 from tokenserve.api.engine_client import engine_healthy
 from tokenserve.api.engine_stream import handed_plan
+from tokenserve.api.family_api import FamilyApi, collect, encode_text, run_stream
 from tokenserve.api.fields import get_bool
 from tokenserve.api.framing import sse
 from tokenserve.api.tgi.protocol import (

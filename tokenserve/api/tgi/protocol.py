@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import tokenserve
-from tokenserve.api.common import Collected, mindie_finish_reason, reported_seed
 from tokenserve.api.engine_client import EngineInfo
+from tokenserve.api.family_api import Collected, mindie_finish_reason, reported_seed
 from tokenserve.api.fields import (
     INT32_MAX,
     NATIVE_TOP_K,

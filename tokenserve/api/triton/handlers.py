@@ -36,7 +36,9 @@ import numpy as np
 import orjson
 
 import tokenserve
-from tokenserve.api.common import (
+from tokenserve.api.engine_client import EngineStats, engine_healthy
+from tokenserve.api.engine_stream import handed_plan, response_id
+from tokenserve.api.family_api import (
     SERVER_NAME,
     FamilyApi,
     check_json_content_type,
@@ -47,8 +49,6 @@ from tokenserve.api.common import (
     run_stream,
     step_times,
 )
-from tokenserve.api.engine_client import EngineStats, engine_healthy
-from tokenserve.api.engine_stream import handed_plan, response_id
 from tokenserve.api.fields import INT32_MAX, get_int, get_object, required
 from tokenserve.api.framing import sse
 from tokenserve.api.management import kv_mem_sizes

@@ -20,15 +20,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from tokenserve.api.common import (
+from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, FanOut, handed_plan
+from tokenserve.api.errors import fail_stream
+from tokenserve.api.family_api import (
     FAILED_FINISH,
     FamilyApi,
     encode_text,
     failure_text,
     guard_stream,
 )
-from tokenserve.api.engine_stream import NO_FINAL_OUTPUT, FanOut, handed_plan
-from tokenserve.api.errors import fail_stream
 from tokenserve.api.fields import MAX_N
 from tokenserve.api.framing import EVENT_STREAM, nul_chunk
 from tokenserve.api.vllm.protocol import (

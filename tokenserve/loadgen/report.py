@@ -1,4 +1,4 @@
-"""Report a results document (:func:`tokenserve.bench.serving.assemble`): a table on
+"""Report a results document (:func:`tokenserve.loadgen.serving.assemble`): a table on
 stdout, the JSON file, and PNG plots (latency CDFs; throughput and TTFT against
 concurrency)."""
 

@@ -37,9 +37,9 @@ from typing import Any
 import orjson
 
 from tokenserve.api.routes import path_of
-from tokenserve.bench.metrics import RequestRecord
-from tokenserve.bench.structured import add_response_format, structured_output
-from tokenserve.bench.workload import BenchRequest
+from tokenserve.loadgen.metrics import RequestRecord
+from tokenserve.loadgen.structured import add_response_format, structured_output
+from tokenserve.loadgen.workload import BenchRequest
 
 BACKENDS = ("mindie", "mindie-text", "tgi", "vllm", "openai", "openai-chat", "openai-tools",
             "triton", "llamacpp")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import orjson
 
-from tokenserve.api.common import (
+from tokenserve.api.engine_client import engine_healthy
+from tokenserve.api.family_api import (
     DEFAULT_MAX_JSON_DEPTH,
     EngineClient,
     check_json_content_type,
     parse_json_object,
 )
-from tokenserve.api.engine_client import engine_healthy
 from tokenserve.api.routes import Family, generate_family
 from tokenserve.api.tgi.handlers import TgiApi
 from tokenserve.api.vllm.handlers import VllmApi
@@ -30,7 +30,7 @@ GENERATE_ROUTING_ERROR = orjson.dumps(
 ).decode()
 
 
-class SharedApi:
+class ServerApi:
     """Handlers of the routes no single family owns."""
 
     def __init__(self, engine: EngineClient, vllm: VllmApi, tgi: TgiApi, *,

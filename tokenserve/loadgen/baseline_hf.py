@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenserve.bench.metrics import RequestRecord
-from tokenserve.bench.workload import BenchRequest
+from tokenserve.loadgen.metrics import RequestRecord
+from tokenserve.loadgen.workload import BenchRequest
 
 log = logging.getLogger("bench.hf")
 

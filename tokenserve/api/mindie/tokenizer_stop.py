@@ -9,7 +9,7 @@ handler answers its client normally with ``finish_reason`` ``stop_sequence`` (§
 
 from __future__ import annotations
 
-from tokenserve.api.common import FamilyApi, tokenizer_call
+from tokenserve.api.family_api import FamilyApi, tokenizer_call
 from tokenserve.api.fields import MAX_TOKENS_NUM, check_id
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.errors import HttpError

@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenserve.api.routes import path_of
-from tokenserve.bench.clients import BACKENDS, get_backend, send_engine, send_http
-from tokenserve.bench.metrics import RequestRecord, compare, summarize
-from tokenserve.bench.server import LlamaServer, ServerProcess, cpu_summary, llama_server_ctx
-from tokenserve.bench.structured import RESPONSE_FORMATS, mask_counters_from_metrics
-from tokenserve.bench.workload import (
+from tokenserve.loadgen.clients import BACKENDS, get_backend, send_engine, send_http
+from tokenserve.loadgen.metrics import RequestRecord, compare, summarize
+from tokenserve.loadgen.server import LlamaServer, ServerProcess, cpu_summary, llama_server_ctx
+from tokenserve.loadgen.structured import RESPONSE_FORMATS, mask_counters_from_metrics
+from tokenserve.loadgen.workload import (
     DATASETS,
     BenchRequest,
     WorkloadConfig,
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "by --concurrency")
     w.add_argument("--response-format", choices=RESPONSE_FORMATS, default="text",
                    help="json-schema: constrain every request to one JSON schema "
-                        "(tokenserve/bench/structured.py) in the backend's own field; the "
+                        "(tokenserve/loadgen/structured.py) in the backend's own field; the "
                         "report adds the engine's mask cost per step")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--warmup", type=int, default=2, help="warm-up requests per level")
@@ -227,7 +227,7 @@ async def run_level(send: Callable[[BenchRequest], Awaitable[RequestRecord]],
 
     The duration is first send -> last completion (or the cap, when it fired).
     """
-    from tokenserve.bench.workload import arrival_offsets
+    from tokenserve.loadgen.workload import arrival_offsets
 
     sem = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(reqs), request_rate, seed)
@@ -476,7 +476,7 @@ def run_llamacpp(args: argparse.Namespace, slices: Sequence[Sequence[BenchReques
 def run_baseline(args: argparse.Namespace, model_dir: Any,
                  slices: Sequence[Sequence[BenchRequest]],
                  warm: Sequence[BenchRequest]) -> list[LevelResult]:
-    from tokenserve.bench.baseline_hf import HfBaseline
+    from tokenserve.loadgen.baseline_hf import HfBaseline
 
     hf = HfBaseline(model_dir, args.dtype, args.device)
     out = []
@@ -606,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (RuntimeError, FileNotFoundError) as exc:
             print(f"tokenserve bench: {exc}", file=sys.stderr)
             return 2
-    from tokenserve.bench import report
+    from tokenserve.loadgen import report
     from tokenserve.models.loader import load_config, resolve_model
     from tokenserve.models.tokenizer import Tokenizer
     from tokenserve.transport.runtime import run as run_loop
