@@ -173,7 +173,8 @@ class AsyncEngine:
                  str(runner.kv_dtype).removeprefix("torch."))
         rss = process_rss()
         if rss is not None:  # where the resident bytes are (issue 42)
-            kv = num_blocks * per_block
+            # this process's own region (under tensor parallelism, its KV heads' share)
+            kv = runner.kv_region.numel() * runner.kv_region.element_size()
             log.info("memory: resident %.0f MiB (peak so far %.0f) = weights %.0f (%s) + KV cache "
                      "%.0f + the rest %.0f (Python, torch, tokenizer, buffers)",
                      rss[0] / 2**20, rss[1] / 2**20, model.weight_bytes / 2**20,
