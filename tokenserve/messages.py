@@ -409,13 +409,6 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
-class TpHello:
-    """A rank's first frame on the step channel: who it is."""
-
-    rank: int
-
-
-@dataclass(frozen=True, slots=True)
 class TpStart:
     """Allocate the KV cache: ``num_blocks`` blocks of ``block_size`` tokens of
     ``kv_dtype`` (a torch dtype name, ``"int8"`` / ``"bfloat16"`` ...), the same block ids

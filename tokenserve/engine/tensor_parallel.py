@@ -18,7 +18,11 @@ calls::
 
 Two channels: the **step channel** (one TCP connection from each rank to rank 0, pickled
 frames of :mod:`tokenserve.messages`' ``Tp*`` messages) says what to run next, and has no
-timeout (an idle server sends nothing); **gloo** (torch.distributed, rendezvous on rank
+timeout (an idle server sends nothing). Like torch.distributed's own rendezvous it is not
+authenticated: the ranks trust each other and their network (keep these ports on a
+private network); rank 0 unpickles nothing from the channel (a rank introduces itself
+with fixed bytes, ``HELLO_MAGIC`` and its rank), the other ranks unpickle what rank 0
+sends; **gloo** (torch.distributed, rendezvous on rank
 0's TCP store at ``--dist-init-addr``) carries the tensors inside a step, with a timeout.
 Every rank's hidden states after a step are the same bits (the all-reduce hands every rank
 the same sums), so ``TpLogits`` names rows, not tensors.
@@ -52,7 +56,7 @@ import torch.distributed as dist
 
 from tokenserve.config.tree import EngineConfig, ParallelConfig
 from tokenserve.engine.loading import ResolvedModel, load_model, resolve
-from tokenserve.messages import TpForward, TpHello, TpLogits, TpStart, TpStop
+from tokenserve.messages import TpForward, TpLogits, TpStart, TpStop
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.config import ModelConfig
 from tokenserve.models.decoder import CausalLM
@@ -76,6 +80,9 @@ SHM_KEY = "tokenserve/tp/shm"
 SHM_ROWS = 256
 SHM_LOGIT_ROWS = 16
 _HEADER = struct.Struct("<Q")
+#: a rank's first bytes on the step channel: the magic, then its rank
+_HELLO = struct.Struct("<4sq")
+HELLO_MAGIC = b"TSTP"
 
 
 # ------------------------------------------------------------------ the step channel
@@ -135,11 +142,18 @@ class StepChannel:
                 conn, _ = self.listener.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(None)
+            conn.settimeout(10.0)  # a rank says who it is at once; anything else is dropped
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = recv_message(conn)
-            assert isinstance(hello, TpHello), hello
-            self.conns[hello.rank] = conn
+            try:  # not a pickle: nothing from an unknown peer is unpickled
+                head = _recv_exact(conn, _HELLO.size)
+            except OSError:
+                head = None
+            magic, rank = _HELLO.unpack(head) if head else (b"", -1)
+            if magic != HELLO_MAGIC or not 0 < rank <= ranks or rank in self.conns:
+                conn.close()
+                continue
+            conn.settimeout(None)
+            self.conns[rank] = conn
         self.listener.close()
 
     def send(self, msg) -> None:
@@ -399,6 +413,9 @@ def start_rank0(r: ResolvedModel) -> TpModel:
     """
     par = r.cfg.parallel
     world = par.tensor_parallel_size
+    if r.device.type != "cpu":
+        raise ValueError(f"tensor parallelism runs on CPU ranks for now (gloo and shared "
+                         f"memory); {r.device.type} with NCCL / HCCL is not wired yet")
     shards = _shards(r.model_cfg, world)  # every rank's split, checked before any starts
     host, port = _store_address(par)
     store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
@@ -441,7 +458,7 @@ def run_rank(cfg: EngineConfig, rank: int, store_addr: tuple[str, int],
     host, _, port = store.get(CHANNEL_KEY).decode().rpartition(":")
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send_frame(sock, pickle.dumps(TpHello(rank)))
+    sock.sendall(_HELLO.pack(HELLO_MAGIC, rank))
     _init_group(store, rank, world)
     comm = _collectives(shards, rank, par, store, r.model_cfg)
     model = load_model(r, _context(shards, rank, comm))
