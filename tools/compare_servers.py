@@ -36,12 +36,12 @@ fanout.py): its texts are compared as sorted lists.
 
 The :data:`STATUS_ONLY` paths (``/metrics``) are compared on status and content type only:
 their numbers differ by design. Their request counters do not: ``/metrics`` is scraped on
-both servers before and after the request set, and the deltas of MindIE's per-request
-series (:data:`COUNTERS`: received, success, failed, disconnected, and the TTFT and e2e
-histograms' counts, each request counted once) must be equal; on the coordinator these
-are the cluster's un-prefixed series, not the instances' ``instance_*`` ones (both
-servers must serve nobody else meanwhile; ``--no-counters`` skips this). Exit status 1
-when any answer or delta differs.
+both servers before and after each of :func:`request_sets` (n = 1, then n = 2), and the
+deltas of MindIE's per-request series (:data:`COUNTERS`: received, success, failed,
+disconnected, and the TTFT and e2e histograms' counts, each request counted once) must
+be equal; on the coordinator these are the cluster's un-prefixed series, not the
+instances' ``instance_*`` ones (both servers must serve nobody else meanwhile;
+``--no-counters`` skips this). Exit status 1 when any answer or delta differs.
 """
 
 from __future__ import annotations
@@ -90,7 +90,18 @@ def _normalise(body: bytes) -> Any:
 
 
 def requests(model: str) -> list[tuple[str, str, Any]]:
-    """(method, path, json body or raw bytes or None)."""
+    """Every request, in order: (method, path, json body or raw bytes or None)."""
+    return [r for _, reqs in request_sets(model) for r in reqs]
+
+
+def request_sets(model: str) -> list[tuple[str, list[tuple[str, str, Any]]]]:
+    """The requests in the sets whose counter deltas are compared one by one: one
+    sequence each, then ``n`` = 2 (:func:`several`)."""
+    return [("n = 1", single(model)), ("n = 2", several(model))]
+
+
+def single(model: str) -> list[tuple[str, str, Any]]:
+    """One sequence a request (and the routes that are not inference)."""
     p = "Write one sentence about the sea."
     m = f"/v2/models/{model}"
     gen = {"max_new_tokens": 12}
@@ -154,7 +165,7 @@ def requests(model: str) -> list[tuple[str, str, Any]]:
                                           "max_tokens": 0}),
         ("GET", "/metrics", None),
     ]
-    return out + several(model)
+    return out
 
 
 def several(model: str) -> list[tuple[str, str, Any]]:
@@ -332,33 +343,38 @@ def settled_counters(client: httpx.Client, base: str, timeout_s: float = 30.0,
 
 def compare(client: httpx.Client, a: str, b: str, model: str, *,
             count: bool = True, out: Any = None) -> tuple[int, int]:
-    """Every request to ``a`` and ``b`` and, with ``count``, :data:`COUNTERS`' deltas;
-    each differing answer printed to ``out``. Returns (differing, compared)."""
+    """Every request to ``a`` and ``b`` and, with ``count``, :data:`COUNTERS`' deltas
+    over each of :func:`request_sets` (a difference then says which kind of request is
+    counted differently); each differing answer printed to ``out``. Returns (differing,
+    compared)."""
     out = out or sys.stdout
-    differ = 0
-    reqs = requests(model)
+    differ = total = 0
     if count:
         before = (settled_counters(client, a), settled_counters(client, b))
-    for method, path, body in reqs:
-        ra = fetch(client, a, method, path, body)
-        rb = fetch(client, b, method, path, body)
-        what = f"{method} {path} {str(body)[:60]}"
-        if ra == rb:
-            print(f"same    {ra[0]} {what}", file=out)
-        else:
-            differ += 1
-            print(f"DIFFERS {what}\n  A: {str(ra)[:600]}\n  B: {str(rb)[:600]}", file=out)
-    total = len(reqs)
-    if count:
+    for label, reqs in request_sets(model):
+        for method, path, body in reqs:
+            ra = fetch(client, a, method, path, body)
+            rb = fetch(client, b, method, path, body)
+            what = f"{method} {path} {str(body)[:60]}"
+            total += 1
+            if ra == rb:
+                print(f"same    {ra[0]} {what}", file=out)
+            else:
+                differ += 1
+                print(f"DIFFERS {what}\n  A: {str(ra)[:600]}\n  B: {str(rb)[:600]}",
+                      file=out)
+        if not count:
+            continue
         after = (settled_counters(client, a), settled_counters(client, b))
         for name in COUNTERS:
             da, db = (after[i][name] - before[i][name] for i in (0, 1))
             total += 1
             if da == db:
-                print(f"same    delta {name} {da:g}", file=out)
+                print(f"same    delta {name} ({label}) {da:g}", file=out)
             else:
                 differ += 1
-                print(f"DIFFERS delta {name}\n  A: {da:g}\n  B: {db:g}", file=out)
+                print(f"DIFFERS delta {name} ({label})\n  A: {da:g}\n  B: {db:g}", file=out)
+        before = after
     return differ, total
 
 

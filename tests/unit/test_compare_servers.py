@@ -154,15 +154,17 @@ def run(a: Fake, b: Fake) -> tuple[int, int, str]:
     return differ, total, out.getvalue()
 
 
-def test_compare_equal_servers_and_equal_deltas() -> None:
+def test_compare_equal_servers_and_equal_deltas_per_request_set() -> None:
     differ, total, out = run(Fake(), Fake())
-    assert differ == 0 and total == len(cs.requests("m")) + len(cs.COUNTERS)
-    posts = sum(m == "POST" for m, _, _ in cs.requests("m"))
-    assert f"same    delta request_received_total {posts}" in out
+    sets = cs.request_sets("m")
+    assert differ == 0 and total == len(cs.requests("m")) + len(sets) * len(cs.COUNTERS)
+    for label, reqs in sets:
+        posts = sum(m == "POST" for m, _, _ in reqs)
+        assert f"same    delta request_received_total ({label}) {posts}" in out
 
 
 def test_compare_reports_a_request_counted_twice() -> None:
     differ, _, out = run(Fake(), Fake(per_post=2))
-    assert differ == 3  # received, success, e2e count
-    assert "DIFFERS delta request_received_total" in out
-    assert "same    delta request_failed_total 0" in out
+    assert differ == 3 * len(cs.request_sets("m"))  # received, success, e2e count
+    assert "DIFFERS delta request_received_total (n = 2)" in out
+    assert "same    delta request_failed_total (n = 1) 0" in out
