@@ -181,3 +181,38 @@ async def test_requests_the_mixed_server_refuses_get_its_answer(live, pd_pair, s
         errors.append(exc.value.body)
     assert errors[0] == errors[1]
     await leak_free(live, pd_pair)
+
+
+async def _counters(url: str) -> dict[str, float]:
+    """MindIE's request counters of one /metrics, summed over their series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        r = await c.get("/metrics")
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name in ("request_received_total", "request_success_total",
+                          "request_failed_total", "time_to_first_token_seconds_count",
+                          "e2e_request_latency_seconds_count"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+async def test_an_n2_request_is_counted_once_on_both(live, pd_pair, sdks):
+    """The mixed server counts an n = 2 request (whole and streamed) once, as the
+    coordinator does (issue 40): a dashboard reads the same numbers from either."""
+    kw = {"model": live.engine.model_name, "prompt": PROMPT, "max_tokens": 4, "seed": 3,
+          **PINNED}
+    for client, url in zip(sdks, (live.url, pd_pair.coord.url), strict=True):
+        before = await _counters(url)
+        await client.completions.create(**kw)
+        async for _ in await client.completions.create(stream=True, **kw):
+            pass
+        await leak_free(live, pd_pair)
+        after = await _counters(url)
+        delta = {k: after[k] - before.get(k, 0.0) for k in after}
+        assert delta == {"request_received_total": 2, "request_success_total": 2,
+                         "request_failed_total": 0, "time_to_first_token_seconds_count": 2,
+                         "e2e_request_latency_seconds_count": 2}, (url, delta)

@@ -275,3 +275,51 @@ def test_a_client_that_went_away_is_a_failure_counted_once() -> None:
 
     text = generate_latest(m.registry).decode()
     assert "request_disconnected_total" in text
+
+
+def test_a_request_of_several_sequences_is_counted_once() -> None:
+    """OpenAI n = 2 (or a list of prompts) is one request on a mixed server, as the PD
+    coordinator counts it (issue 40): received once, one outcome after the last
+    sequence ends, TTFT of the first token, tokens of every sequence, each distinct
+    prompt once."""
+    from tokenserve.messages import GenerateRequest, RequestOutput
+    from tokenserve.sampling_params import SamplingParams
+
+    m = ServerMetrics(FakeEngine())
+
+    def req(prompt):
+        return GenerateRequest("r", prompt, SamplingParams(), arrival_time=1.0)
+
+    def out(ids, fin=False, reason=FinishReason.LENGTH, **kw):
+        return RequestOutput("r", ids, "x", fin, reason if fin else None, 2, 0, **kw)
+
+    a = m.request_started(req((1, 2)))
+    b = a.sibling(req((1, 2)))  # n = 2: the same prompt
+    c = a.sibling(req((3, 4, 5)))  # a second prompt
+    assert m.received == 1
+    b.output(out((7,), prefill_time_ms=20.0))
+    a.output(out((6,), prefill_time_ms=30.0))
+    a.output(out((8, 9), decode_time_ms=20.0))
+    c.output(out((1,), prefill_time_ms=40.0))
+    for t in (a, b):
+        t.finished(out((), fin=True))
+        assert m.success + m.failed == 0  # c still running
+    c.finished(out((), fin=True))
+    assert (m.received, m.success, m.failed) == (1, 1, 0)
+    assert m.ttft.count == 1 and m.ttft.sum == pytest.approx(0.02)
+    assert m.tpot.count == 1 and m.tpot.sum == pytest.approx(0.01)
+    assert m.generation_tokens.sum == 5 and m.prompt_tokens.sum == 5
+    assert m.live_prompt_tokens == 5
+
+    # one sequence failed: the request is one failure; a disconnect only when every
+    # failed sequence ended by its client going away
+    for reasons, disc, want in (((FinishReason.LENGTH, FinishReason.ERROR), False, (1, 0)),
+                                ((FinishReason.ABORT, FinishReason.ABORT), True, (1, 1)),
+                                ((FinishReason.TIMEOUT, FinishReason.ABORT), True, (1, 0))):
+        before = (m.failed, m.disconnected)
+        first = m.request_started(req((1,)))
+        second = first.sibling(req((1,)))
+        for t, reason in zip((first, second), reasons):
+            t.finished(out((), fin=True, reason=reason), disconnected=disc)
+        assert (m.failed - before[0], m.disconnected - before[1]) == want, reasons
+    assert m.received == m.success + m.failed

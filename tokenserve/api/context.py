@@ -23,8 +23,12 @@ from tokenserve.transport.drain import RequestRegistry
 
 
 class RequestMetrics(Protocol):
-    """What a request reports to the server's metrics
-    (``tokenserve.server.metrics.RequestTracker``)."""
+    """What one engine request reports to the server's metrics
+    (``tokenserve.server.metrics.SequenceTracker``)."""
+
+    def sibling(self, request: GenerateRequest) -> RequestMetrics:
+        """Another engine request of the same client request (counted with it, once)."""
+        ...
 
     def output(self, out: RequestOutput) -> None: ...
 

@@ -121,6 +121,9 @@ class EngineStream:
     ``id``) while the block runs, and its metrics record the request. :meth:`stop` (what
     ``stopInfer`` and the drain call) aborts the request; the engine then sends its final
     output, ``ABORT`` (``stopped`` is then True), or ``ERROR`` carrying the given error.
+    ``sibling_of``: the first stream of the same client request (one of several
+    sequences or prompts), whose metrics tracker this one joins, so the request is
+    counted once.
     """
 
     def __init__(
@@ -131,7 +134,9 @@ class EngineStream:
         *,
         context: ServeContext | None = None,
         aliases: Iterable[str] = (),
+        sibling_of: EngineStream | None = None,
     ) -> None:
+        self._sibling_of = sibling_of
         self._observer: StreamObserver | None = _OBSERVER.get()
         if self._observer is not None:
             request = self._observer.admit(request)
@@ -172,7 +177,11 @@ class EngineStream:
             ctx.registry.add(self, self._ids)
             if ctx.metrics is not None:
                 try:
-                    self._tracker = ctx.metrics.request_started(self._request)
+                    first = self._sibling_of
+                    self._tracker = (
+                        first._tracker.sibling(self._request)
+                        if first is not None and first._tracker is not None
+                        else ctx.metrics.request_started(self._request))
                 except Exception:
                     logger.exception("metrics: request_started failed")
         return self
@@ -281,8 +290,11 @@ class FanOut:
     ) -> None:
         self._disconnected = disconnected
         self._observer: StreamObserver | None = _OBSERVER.get()
-        self._streams = [EngineStream(engine, r, disconnected, context=context)
-                         for r in requests]
+        assert requests, "a fan-out of no request"
+        first = EngineStream(engine, requests[0], disconnected, context=context)
+        # one client request: the metrics count it once (issue 40)
+        self._streams = [first, *(EngineStream(engine, r, disconnected, context=context,
+                                               sibling_of=first) for r in requests[1:])]
         self._entered: list[EngineStream] = []
         self._wake = asyncio.Event()
 

@@ -9,7 +9,10 @@ is read at scrape time by one custom collector:
   :class:`RequestTracker`: ``request_received_total`` when the request enters the engine,
   then at its end ``request_success_total`` or ``request_failed_total`` and the TTFT,
   TPOT, e2e and token-count histograms (on a PD prefill instance a request handed off
-  to its decode instance is a success);
+  to its decode instance is a success). A request of several engine requests (OpenAI
+  ``n`` / ``best_of``, a list of prompts; vLLM ``n``) is ONE request: each engine request
+  reports through a :class:`SequenceTracker` of the one tracker (issue 40, as the PD
+  coordinator counts it);
 - engine state, read from ``engine.stats()`` at scrape time: running / waiting / swapped
   gauges, KV cache usage, ``num_preemptions_total``, and the prefix cache:
   ``npu_prefix_cache_hit_rate`` = ``prefix_cache_hit_rate``, ``all_radix_match_num`` /
@@ -29,7 +32,7 @@ Every series carries ``model_name="<engine.info.model_name>"`` (spec §7.7).
   requests ended because their client went away (a disconnect, or stopInfer: how a
   disconnect reaches a PD decode instance) before the engine ended them; a request that
   timed out and whose client then left is one failure, not a disconnect. A tracker ends
-  once (:meth:`RequestTracker.finished` is idempotent), so nothing is counted twice.
+  once (:meth:`SequenceTracker.finished` is idempotent), so nothing is counted twice.
   Requests rejected by validation (4xx) never reach the engine and are not counted.
 - TPOT is observed once per request: the summed ``decode_time_ms`` of its outputs after
   the first, divided by the tokens those outputs carried (tokens merged into the first
@@ -70,7 +73,8 @@ from tokenserve.messages import FinishReason, GenerateRequest, RequestOutput
 logger = logging.getLogger(__name__)
 
 __all__ = ["CONTENT_TYPE", "E2E_BUCKETS", "RECENT_WINDOW", "TOKEN_BUCKETS", "TPOT_BUCKETS",
-           "TTFT_BUCKETS", "Histogram", "RequestTracker", "ServerMetrics"]
+           "TTFT_BUCKETS", "Histogram", "RequestTracker", "SequenceTracker",
+           "ServerMetrics"]
 
 #: /metrics-json: TTFT/TBT are averages over this many recent requests (spec §7.6).
 RECENT_WINDOW = 100
@@ -78,49 +82,112 @@ _OK = (FinishReason.EOS, FinishReason.LENGTH)
 
 
 class RequestTracker:
-    """One request's numbers, from entering the engine to its end."""
+    """One client request, from entering the engine to its end: counted received once,
+    ended once, after the last of its sequences (issue 40: a request for ``n`` sequences,
+    or a completions list of prompts, is one request, as the PD coordinator counts it).
 
-    __slots__ = (
-        "_decode_ms",
-        "_decode_tokens",
-        "_done",
-        "_metrics",
-        "_prompt_tokens",
-        "_start",
-        "_tokens",
-        "_ttft_s",
-    )
+    Each engine request of it reports through its own :class:`SequenceTracker`
+    (:meth:`sequence`). The request is a success when every sequence succeeded; a failure
+    counts as a disconnect only when every failed sequence ended by its client going
+    away. TTFT is the first token of any sequence, e2e the end of the last; the token
+    histograms count every sequence's output and each distinct prompt once.
+    """
 
-    def __init__(self, metrics: ServerMetrics, request: GenerateRequest) -> None:
+    __slots__ = ("_decode_ms", "_decode_tokens", "_done", "_failed_other", "_gone",
+                 "_metrics", "_ok", "_open", "_prompt_tokens", "_prompts", "_start",
+                 "_tokens", "_ttft_s")
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
         self._metrics = metrics
-        self._start = request.arrival_time or time.monotonic()
-        self._prompt_tokens = len(request.prompt_token_ids)
+        self._start = arrival_s
+        self._prompts: set[tuple[int, ...]] = set()
+        self._prompt_tokens = 0
         self._ttft_s: float | None = None
         self._decode_ms = 0.0
         self._decode_tokens = 0
         self._tokens = 0
+        self._open = 0
+        self._ok = True
+        self._gone = False  # a sequence failed because its client went away
+        self._failed_other = False  # a sequence failed otherwise
         self._done = False
+
+    def sequence(self, request: GenerateRequest) -> SequenceTracker:
+        """A tracker for one more engine request of this client request (all of them
+        join before any of them ends)."""
+        assert not self._done, "a sequence joined an ended request"
+        prompt = tuple(request.prompt_token_ids)
+        if prompt not in self._prompts:
+            self._prompts.add(prompt)
+            self._prompt_tokens += len(prompt)
+        self._open += 1
+        return SequenceTracker(self)
+
+    def _first_token(self, prefill_time_ms: float | None) -> None:
+        if self._ttft_s is None:
+            self._ttft_s = ((time.monotonic() - self._start) if prefill_time_ms is None
+                            else prefill_time_ms / 1e3)
+            self._metrics.live_prompt_tokens += self._prompt_tokens
+
+    def _tokens_out(self, n: int, decode_time_ms: float | None) -> None:
+        if decode_time_ms is not None:
+            self._decode_ms += decode_time_ms
+            self._decode_tokens += n
+
+    def _sequence_end(self, ok: bool, disconnected: bool, tokens: int) -> None:
+        self._tokens += tokens
+        self._ok = self._ok and ok
+        if not ok:
+            if disconnected:
+                self._gone = True
+            else:
+                self._failed_other = True
+        self._open -= 1
+        if self._open > 0:
+            return
+        self._done = True
+        self._metrics.record_end(
+            ok=self._ok, disconnected=self._gone and not self._failed_other,
+            prompt_tokens=self._prompt_tokens, generation_tokens=self._tokens,
+            ttft_s=self._ttft_s,
+            tpot_s=self._decode_ms / self._decode_tokens / 1e3 if self._decode_tokens else None,
+            e2e_s=time.monotonic() - self._start)
+
+
+class SequenceTracker:
+    """One engine request's outputs and end, reported to its :class:`RequestTracker`."""
+
+    __slots__ = ("_done", "_request", "_started", "_tokens")
+
+    def __init__(self, request: RequestTracker) -> None:
+        self._request = request
+        self._started = False
+        self._tokens = 0
+        self._done = False
+
+    def sibling(self, request: GenerateRequest) -> SequenceTracker:
+        """A tracker for another engine request of the same client request (another of
+        its ``n`` sequences or prompts)."""
+        return self._request.sequence(request)
 
     def output(self, out: RequestOutput) -> None:
         """Account one engine output (called for every output, in order)."""
         n = len(out.new_token_ids)
         if n == 0:
             return
-        if self._ttft_s is None:
-            ms = out.prefill_time_ms
-            self._ttft_s = (time.monotonic() - self._start) if ms is None else ms / 1e3
-            self._metrics.live_prompt_tokens += self._prompt_tokens
-        elif out.decode_time_ms is not None:
-            self._decode_ms += out.decode_time_ms
-            self._decode_tokens += n
+        if not self._started:  # the first output: prefill, no decode time of its own
+            self._started = True
+            self._request._first_token(out.prefill_time_ms)
+        else:
+            self._request._tokens_out(n, out.decode_time_ms)
         self._tokens += n
-        self._metrics.live_generation_tokens += n
+        self._request._metrics.live_generation_tokens += n
 
     def finished(self, last: RequestOutput | None, handed_off: bool = False,
                  disconnected: bool = False) -> None:
-        """The request is over (``last`` is its final output, or None when it never
-        got one: disconnect, engine failure). ``handed_off``: it went on on a decode
-        instance (PD), a success here; ``disconnected``: its client went away (or
+        """The engine request is over (``last`` is its final output, or None when it
+        never got one: disconnect, engine failure). ``handed_off``: it went on on a
+        decode instance (PD), a success here; ``disconnected``: its client went away (or
         stopped it): a failure, also counted as a disconnect unless the engine had
         already ended the request otherwise (a timeout, an engine error). Idempotent:
         the first call counts, so a request is one success or one failure."""
@@ -131,12 +198,7 @@ class RequestTracker:
         ended_first = (last is not None and last.finished
                        and last.finish_reason is not FinishReason.ABORT)
         tokens = max(self._tokens, last.num_output_tokens if last is not None else 0)
-        self._metrics.record_end(
-            ok=ok, disconnected=disconnected and not ok and not ended_first,
-            prompt_tokens=self._prompt_tokens, generation_tokens=tokens,
-            ttft_s=self._ttft_s,
-            tpot_s=self._decode_ms / self._decode_tokens / 1e3 if self._decode_tokens else None,
-            e2e_s=time.monotonic() - self._start)
+        self._request._sequence_end(ok, disconnected and not ended_first, tokens)
 
 
 class ServerMetrics:
@@ -194,10 +256,11 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------ recording
 
-    def request_started(self, request: GenerateRequest) -> RequestTracker:
-        """``request_received_total`` += 1; the tracker records the rest."""
+    def request_started(self, request: GenerateRequest) -> SequenceTracker:
+        """``request_received_total`` += 1; the tracker records the rest (its
+        :meth:`SequenceTracker.sibling` adds another sequence of the same request)."""
         self.outcomes.received += 1
-        return RequestTracker(self, request)
+        return RequestTracker(self, request.arrival_time or time.monotonic()).sequence(request)
 
     def record_end(self, *, ok: bool, prompt_tokens: int, generation_tokens: int,
                    ttft_s: float | None, tpot_s: float | None, e2e_s: float,
