@@ -1,4 +1,5 @@
-"""MindIE's request counters (spec/interfaces.md §7.7) add up on a mixed server after an
+"""MindIE's request counters (spec/interfaces.md §7.7) add up on a mixed server and on
+the PD coordinator after an
 abort storm (issue 40): every received request ends in exactly one of success / failed, a
 disconnect being a failure (also counted in ``request_disconnected_total``), and a request
 that times out around the time its client leaves is one failure, counted once. Real
@@ -51,24 +52,25 @@ async def time_out_and_hang_up(url: str) -> None:
                 break  # leaving the block closes the connection
 
 
-async def test_abort_storm_keeps_received_equal_success_plus_failed(live):
-    before = await counters(live.url)
-    chat = {"model": live.engine.model_name, "stream": True, "max_tokens": 200,
-            "ignore_eos": True}
-    storm = [hang_up_mid_stream(live.url, "/v1/chat/completions",
+async def storm_then_count(url: str, model: str, idle) -> None:
+    """The abort storm and the timed-out request against ``url``; ``idle`` waits for
+    the leak invariant; then the counters' sums."""
+    before = await counters(url)
+    chat = {"model": model, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    storm = [hang_up_mid_stream(url, "/v1/chat/completions",
                                 {**chat, "messages": [{"role": "user",
                                                        "content": f"Count to {i + 50}."}]},
                                 b"\n\n", after=3)
              for i in range(STORM)]
-    await asyncio.gather(*storm, time_out_and_hang_up(live.url))
-    await live.assert_idle_and_leak_free()  # the leak invariant: every KV block free
+    await asyncio.gather(*storm, time_out_and_hang_up(url))
+    await idle()  # the leak invariant: every KV block free
 
     n = STORM + 1
     # a handler records its end just after the engine ends the request: wait for them
     deadline = time.monotonic() + 30
     while True:
-        after = await counters(live.url)
-        delta = {k: after[k] - before[k] for k in COUNTERS}
+        after = await counters(url)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
         if delta["request_received_total"] == n and \
                 delta["request_success_total"] + delta["request_failed_total"] == n:
             break
@@ -83,3 +85,14 @@ async def test_abort_storm_keeps_received_equal_success_plus_failed(live):
     assert (delta["request_success_total"], delta["request_failed_total"]) == (0, n), delta
     # the storm's disconnects are disconnects; the timed-out one may be either
     assert STORM <= delta["request_disconnected_total"] <= n, delta
+
+
+async def test_abort_storm_keeps_received_equal_success_plus_failed(live):
+    await storm_then_count(live.url, live.engine.model_name, live.assert_idle_and_leak_free)
+
+
+async def test_the_same_sums_on_the_coordinator(live, pd_pair):
+    """The coordinator's cluster series (its un-prefixed MindIE names) add up the same
+    way after the same storm through P and D (issue 40: "on both")."""
+    await storm_then_count(pd_pair.coord.url, live.engine.model_name,
+                           lambda: asyncio.to_thread(pd_pair.assert_leak_free))
