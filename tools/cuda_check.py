@@ -39,7 +39,7 @@ import transformers
 from tokenserve.config.tree import EngineConfig
 from tokenserve.engine.engine import AsyncEngine
 from tokenserve.engine.model_runner import ModelRunner
-from tokenserve.messages import GenerateRequest, ScheduledSeq, StepPlan
+from tokenserve.messages import GenerateRequest, ScheduledSeq, SeqStart, StepPlan
 from tokenserve.models.decoder import CausalLM
 from tokenserve.models.loader import load_config, load_weights
 from tokenserve.sampling_params import SamplingParams
@@ -88,8 +88,10 @@ def env():
 
 
 def seq(rid, ids, start, n, table, params=None, sample=True):
-    return ScheduledSeq(rid, ids[start:start + n], start, table, sample,
-                        params or SamplingParams(), None, ids)
+    # the sampling state's start goes with every step: the runner reads it only the first
+    # time it sees the request id
+    return ScheduledSeq(rid, tuple(ids[start:start + n]), start, tuple(table), sample,
+                        params or SamplingParams(), start=SeqStart(tuple(ids), len(ids)))
 
 
 @section("logits_vs_transformers")

@@ -48,16 +48,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     T, H, D = q.shape
     Hkv, bs = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros((T, H, D), dtype=torch.float32)
+    dev = q.device  # the cache's too; block_tables may live on either
+    out = torch.zeros((T, H, D), dtype=torch.float32, device=dev)
     qsl = [int(x) for x in query_start_loc]
     for s in range(block_tables.shape[0]):
         q0, q1, ctx = qsl[s], qsl[s + 1], int(context_lens[s])
         if q1 == q0:
             continue
-        qpos = torch.arange(ctx - (q1 - q0), ctx)
-        lo = max(0, int(qpos[0]) - window + 1) if window else 0  # the first key any row sees
-        pos = torch.arange(lo, ctx)
-        blk = block_tables[s].long()[pos // bs]
+        qpos = torch.arange(ctx - (q1 - q0), ctx, device=dev)
+        lo = max(0, ctx - (q1 - q0) - window + 1) if window else 0  # the first key any row sees
+        pos = torch.arange(lo, ctx, device=dev)
+        blk = block_tables[s].to(dev).long()[pos // bs]
         k, v = k_cache[blk, :, pos % bs], v_cache[blk, :, pos % bs]  # [ctx, Hkv, D(+4)]
         if k.dtype == torch.int8:
             k, v = dequantize_kv_rows(k), dequantize_kv_rows(v)
