@@ -1,9 +1,9 @@
 """MindIE's request counters (spec/interfaces.md §7.7) add up on a mixed server and on
-the PD coordinator after an
-abort storm (issue 40): every received request ends in exactly one of success / failed, a
-disconnect being a failure (also counted in ``request_disconnected_total``), and a request
-that times out around the time its client leaves is one failure, counted once. Real
-sockets, the real default model (the session's ``live`` server, tests/integration/conftest.py).
+the PD coordinator after an abort storm (issue 40): every received request ends in
+exactly one of success / failed, a disconnect being a failure (also counted in
+``request_disconnected_total``), and a request that times out around the time its client
+leaves is one failure, counted once. Real sockets, the real default model (the session's
+``live`` server and ``pd_pair``, tests/integration/conftest.py).
 """
 
 from __future__ import annotations
