@@ -21,9 +21,10 @@
 //     rotary_embedding_write_kv(qkv, ..., cos_sin[rope_i], k_cache_i, v_cache_i)
 //     a = paged_attention(qkv[:, :H D] as [T, H, D], scale, window_i, softcap_i)
 //     x = proj(a, o_i);  x = rms_norm(x) * attn_post_i     (sandwich / post norm)
+//     x *= residual_scale_i                                 (Granite; 1 = skipped)
 //     residual += x;  x = rms_norm(residual) * ln2_i        (no ln2: x = residual)
 //     x = proj(act_and_mul(proj(x, gate_up_i)), down_i)     act: SiLU, or GELU-tanh (Gemma)
-//     x = rms_norm(x) * mlp_post_i
+//     x = rms_norm(x) * mlp_post_i;  x *= residual_scale_i
 //     residual += x;  x = rms_norm(residual) * (ln1_{i+1} or the final norm)
 //                                                          (no ln1_{i+1}: x = residual)
 //
@@ -56,6 +57,7 @@ struct Layer {
   Act act;
   double softcap;  // attention logit soft-capping c * tanh(s / c), 0 = none
   int64_t rope;    // index of the layer's RoPE table in forward's cos_sin
+  double residual_scale;  // each sublayer's output times this before the residual add (Granite), 1 = none
 };
 
 // In place: RMSNorm of each D-wide head of cols [lo, lo + n) of qkv [T, W], as the Python
@@ -92,7 +94,8 @@ class Decoder {
                  std::optional<torch::Tensor> ln1, std::optional<torch::Tensor> ln2, int64_t window,
                  std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
                  std::optional<torch::Tensor> attn_post, std::optional<torch::Tensor> mlp_post,
-                 const std::string& qk_norm, const std::string& act, double softcap, int64_t rope) {
+                 const std::string& qk_norm, const std::string& act, double softcap, int64_t rope,
+                 double residual_scale) {
     TORCH_CHECK(window >= 0, "Decoder: window must be >= 0");
     TORCH_CHECK(softcap >= 0.0, "Decoder: softcap must be >= 0");
     TORCH_CHECK(rope >= 0, "Decoder: rope must be >= 0");
@@ -107,7 +110,7 @@ class Decoder {
     layers_.push_back({make_proj(qkv), make_proj(o), make_proj(gate_up), make_proj(down), opt(ln1), opt(ln2),
                        opt(attn_post), opt(mlp_post), window,
                        !q_norm ? QkNorm::kNone : full ? QkNorm::kFull : QkNorm::kHead, opt(q_norm), opt(k_norm),
-                       act == "silu" ? Act::kSilu : Act::kGeluTanh, softcap, rope});
+                       act == "silu" ? Act::kSilu : Act::kGeluTanh, softcap, rope, residual_scale});
   }
 
   void set_final_norm(torch::Tensor norm) { final_norm_ = norm; }
@@ -153,6 +156,7 @@ class Decoder {
                          l.softcap);
       x = l.o(a.view({T, H_ * D_}));
       if (l.attn_post.defined()) rms_norm(x, x, l.attn_post, eps_);
+      if (l.residual_scale != 1.0) x.mul_(l.residual_scale);  // as the loop's h + a * s
       add_then_norm(x, residual, l.ln2);
       const torch::Tensor g = l.gate_up(l.ln2.defined() ? x : residual);
       torch::Tensor act = torch::empty({T, g.size(1) / 2}, g.options());
@@ -162,6 +166,7 @@ class Decoder {
         gelu_tanh_and_mul(act, g);
       x = l.down(act);
       if (l.mlp_post.defined()) rms_norm(x, x, l.mlp_post, eps_);
+      if (l.residual_scale != 1.0) x.mul_(l.residual_scale);
       add_then_norm(x, residual, i + 1 < L ? layers_[i + 1].ln1 : final_norm_);
     }
     return x;
@@ -195,7 +200,7 @@ TOKENSERVE_REGISTER(decoder) {
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &Decoder::add_layer,
            "add_layer(qkv, o, gate_up, down, ln1, ln2, window=0, q_norm=None, k_norm=None, attn_post=None, "
-           "mlp_post=None, qk_norm='head', act='silu', softcap=0.0, rope=0): projections as (kind 0 gemm | "
+           "mlp_post=None, qk_norm='head', act='silu', softcap=0.0, rope=0, residual_scale=1.0): projections as (kind 0 gemm | "
            "1 quant_gemm | 2 int8_gemm | 3 quant_k_gemm | 4 quant_amx_gemm | 5 split (w = list of part specs), "
            "weight, int8 scale or None, qtype, N, fp32 bias or None) (csrc/proj_spec.h); "
            "ln1, ln2 (pre-attention / pre-MLP), attn_post, mlp_post (on the sublayer output before the "
@@ -203,11 +208,13 @@ TOKENSERVE_REGISTER(decoder) {
            "window (tokens), 0 = none; q_norm, k_norm: q/k RMSNorm weights or None, per head ([head_dim], "
            "qk_norm='head') or over the whole projection ([H * head_dim] / [Hkv * head_dim], 'full'); "
            "act: the gated MLP's 'silu' or 'gelu_tanh'; softcap: attention logit soft-capping, 0 = none; "
-           "rope: index of the layer's table in forward's cos_sin.",
+           "rope: index of the layer's table in forward's cos_sin; residual_scale: each sublayer's output "
+           "times this before its residual add (Granite's residual_multiplier), 1 = none.",
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("ln1"), py::arg("ln2"),
            py::arg("window") = 0, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("attn_post") = py::none(), py::arg("mlp_post") = py::none(), py::arg("qk_norm") = "head",
-           py::arg("act") = "silu", py::arg("softcap") = 0.0, py::arg("rope") = 0)
+           py::arg("act") = "silu", py::arg("softcap") = 0.0, py::arg("rope") = 0,
+           py::arg("residual_scale") = 1.0)
       .def("set_final_norm", &Decoder::set_final_norm)
       .def_property_readonly("num_layers", &Decoder::num_layers)
       // one table (every layer's) or a list of them (layer i's: cos_sin[rope_i])

@@ -1,7 +1,7 @@
-"""csrc/decoder.cpp's fused layer stack runs Gemma 1/2/3 and OLMo 2 layers with the same bits
-as CausalLM's Python layer loop (``_layer``) over the same kernels: sandwich and post-only
-norms, tanh-GELU, attention soft-capping, per-layer sliding windows and RoPE tables, query
-scale, q/k norms per head and over the whole projection.
+"""csrc/decoder.cpp's fused layer stack runs Gemma 1/2/3, OLMo 2 and Granite layers with the
+same bits as CausalLM's Python layer loop (``_layer``) over the same kernels: sandwich and
+post-only norms, tanh-GELU, attention soft-capping, per-layer sliding windows and RoPE
+tables, query scale, q/k norms per head and over the whole projection, residual scaling.
 
 On tiny random models (tests/families.py; the logits and greedy tests of test_families.py
 hold the Python loop to transformers): a prefill past the sliding window for one sequence
@@ -34,7 +34,7 @@ PREFILL = (WINDOW + 9, 6)  # seq 0 past the window, seq 1 inside it
 DECODES = 4
 
 
-@pytest.fixture(scope="module", params=["gemma", "gemma2", "gemma3_text", "olmo2"])
+@pytest.fixture(scope="module", params=["gemma", "gemma2", "gemma3_text", "olmo2", "granite"])
 def family(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     build(request.param, d)
@@ -83,7 +83,8 @@ def test_fused_stack_equals_python_loop(family, dtype, kv_dtype):
     assert {"gemma": arch.act == "gelu_tanh" and arch.embed_scale != 1.0,
             "gemma2": arch.post_mlp_norm and arch.attn_softcap > 0 and arch.attn_scale,
             "gemma3_text": arch.qk_norm == "head" and len({la.rope for la in arch.layers}) == 2,
-            "olmo2": arch.qk_norm == "full" and not arch.pre_attn_norm}[name]
+            "olmo2": arch.qk_norm == "full" and not arch.pre_attn_norm,
+            "granite": arch.residual_scale != 1.0 and arch.embed_scale != 1.0}[name]
     if name.startswith("gemma") and name != "gemma":
         assert {la.window for la in arch.layers} == {0, WINDOW} and PREFILL[0] > WINDOW
     h_c, l_c, kv_c = _run(model, True, kv_dtype)
@@ -117,6 +118,7 @@ CONTROLS = {
     "olmo2": {"whole-projection q/k norm": lambda a: _off(a, qk_norm=None),
               "post-attention norm": lambda a: _off(a, post_attn_norm=False),
               "post-MLP norm": lambda a: _off(a, post_mlp_norm=False)},
+    "granite": {"residual scale": lambda a: _off(a, residual_scale=1.0)},
 }
 
 
@@ -139,9 +141,9 @@ def test_negative_controls(family):
 
 
 def test_stack_refuses_what_it_does_not_compute(family):
-    """Exact GELU or residual scaling (Granite): the Python loop (``decoder`` None)."""
+    """Exact GELU: the Python loop (``decoder`` None)."""
     _, cfg, sd = family
-    for edit in (lambda a: _off(a, act="gelu"), lambda a: _off(a, residual_scale=0.5)):
+    for edit in (lambda a: _off(a, act="gelu"),):
         arch = edit(cfg.arch)
         assert not arch.fused_layers
         assert _model(dataclasses.replace(cfg, arch=arch), sd, torch.float32).decoder is None

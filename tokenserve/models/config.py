@@ -163,10 +163,9 @@ class DecoderArch:
         """Every layer is one ``csrc/decoder.cpp``'s fused stack computes: a dense MLP with
         SiLU or tanh-GELU, any of the four norms (Gemma 2/3's sandwich, OLMo 2's post norms
         alone), q/k RMSNorm per head or over the whole projection, biases, sliding windows,
-        attention soft-capping, a RoPE table per layer, no residual scaling. (The decoder
-        also needs every table to rotate whole heads: ``CausalLM._build_decoder``.)"""
-        return (self.moe is None and self.act in ("silu", "gelu_tanh")
-                and self.residual_scale == 1.0)
+        attention soft-capping, a RoPE table per layer, residual scaling (Granite). (The
+        decoder also needs every table to rotate whole heads: ``CausalLM._build_decoder``.)"""
+        return self.moe is None and self.act in ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)

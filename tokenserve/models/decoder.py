@@ -21,10 +21,10 @@ Other layers (:meth:`CausalLM._layer`) run the same kernels plus the family's bl
 norms, sandwich norms, windows, soft-capping, tanh-GELU, mixture of experts: :mod:`.moe`).
 The whole stack runs as one C++ call a step (``csrc/decoder.cpp``, the kernels in the same
 order: the same bits) when every GEMM is a C++ one and the layers are ones it computes
-(:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, OLMo 2; each
-layer handed over as data: its norms, q/k norm, window, RoPE table, activation, soft-cap);
-MoE layers, Granite's residual multiplier, exact GELU and partial rotary run the Python
-loop, as does everything with ``TOKENSERVE_FUSED_DECODER=0``.
+(:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, OLMo 2,
+Granite; each layer handed over as data: its norms, q/k norm, window, RoPE table,
+activation, soft-cap, residual scale); MoE layers, exact GELU and partial rotary run the
+Python loop, as does everything with ``TOKENSERVE_FUSED_DECODER=0``.
 
 Every block computes a token's row with the same arithmetic whatever else is in the
 step, so a request's logits do not depend on its batch neighbours (batch invariance; the
@@ -166,11 +166,12 @@ class CausalLM:
     def _build_decoder(self):
         """``_C.Decoder`` holding every layer's prepared weights and blocks, when its fused
         stack computes these layers (:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3,
-        Mistral, Gemma 1/2/3, OLMo 2...), every RoPE table rotates whole heads, every
+        Mistral, Gemma 1/2/3, OLMo 2, Granite...), every RoPE table rotates whole heads, every
         projection runs on a C++ GEMM (``Linear.c_spec``) and the extension has it; None
         otherwise, and with ``TOKENSERVE_FUSED_DECODER=0`` (the Python loop, for profiling
         per kernel). Each layer is described by data: which norms it has (those the arch
-        switches on), its q/k norm, window, RoPE table, activation and soft-cap."""
+        switches on), its q/k norm, window, RoPE table, activation, soft-cap and residual
+        scale."""
         decoder, arch, cfg = self.kernels.op("Decoder"), self.arch, self.cfg
         if (decoder is None or self.device.type != "cpu" or not arch.fused_layers
                 or any(r.rotary_dim != cfg.head_dim for r in arch.ropes)
@@ -191,7 +192,8 @@ class CausalLM:
                           attn_post=layer["attn_post"] if arch.post_attn_norm else None,
                           mlp_post=layer["mlp_post"] if arch.post_mlp_norm else None,
                           qk_norm=arch.qk_norm or "head", act=arch.act,
-                          softcap=arch.attn_softcap, rope=la.rope)
+                          softcap=arch.attn_softcap, rope=la.rope,
+                          residual_scale=arch.residual_scale)
         dec.set_final_norm(self.final_norm)
         return dec
 
