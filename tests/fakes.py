@@ -67,6 +67,8 @@ class FakeEngine:
 
     #: PD: the KV cache a transfer engine would register (none here)
     kv_region: Any = None
+    #: PD over tensor parallelism: the other ranks' share of the hand-off (one process here)
+    rank_kv: Any = None
 
     def set_kv_puller(self, puller: Any) -> None:
         """PD decode: the engine's K/V puller (kept, never called here)."""

@@ -406,6 +406,8 @@ class StepResult:
 # Rank 0's model thread -> every other rank's step loop (tokenserve/engine/tensor_parallel.py),
 # over the step channel (one TCP connection per rank, pickled frames). Each one announces a
 # collective call the ranks then make together; arrays are numpy (no torch at import).
+# PD's TpKvStart / TpPull (sent by rank 0's PD layer, engine/tp_kv.py) are answered on the
+# TCP store as JSON, never on the channel.
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,3 +446,29 @@ class TpLogits:
 @dataclass(frozen=True, slots=True)
 class TpStop:
     """The server stops: leave the step loop, exit 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class TpKvStart:
+    """PD (issue 41): open this rank's KV transfer engine on its own KV shard.
+
+    ``open_transfer(kv)`` (a picklable callable the PD layer gives, e.g. a partial of
+    ``tokenserve.pd.kv_transfer.KvTransfer``) takes the rank's whole KV tensor and returns
+    its endpoint (``descriptor()``, ``pull(source, src_blocks, dst_blocks)``, ``close()``);
+    the rank answers on the TCP store (``tokenserve/engine/tp_kv.py``: JSON, never a
+    pickle)."""
+
+    open_transfer: Any
+
+
+@dataclass(frozen=True, slots=True)
+class TpPull:
+    """PD decode (issue 41): every rank ``r > 0`` pulls ``src_blocks`` of P's rank-``r``
+    region (``sources[r]``, the endpoint's descriptor type; ``sources[0]`` is rank 0's
+    own) into its own ``dst_blocks``, on a thread, and answers under ``pull_id`` on the
+    TCP store (``tokenserve/engine/tp_kv.py``)."""
+
+    pull_id: int
+    sources: tuple[Any, ...]
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]

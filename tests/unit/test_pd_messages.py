@@ -45,6 +45,10 @@ PARAMS = SamplingParams(
     prompt_logprobs=1, keep_special_token_ids=(9,))
 
 
+REGION = {"session_id": "h:1", "base_addr": 1, "num_layers": 2, "num_blocks": 3,
+          "block_bytes": 4}
+
+
 def full_parameters(**kw) -> DecodeParameters:
     full = DecodeParameters(
         req_id="123", tokens=(1, 2, 3), first_token=(4, 5), path="/v1/completions",
@@ -52,8 +56,7 @@ def full_parameters(**kw) -> DecodeParameters:
         body=b'{"prompt":"hi"}', method="POST", query="a=1",
         headers={"content-type": "application/json"}, generator_state=b"\x00\xffstate",
         seed=42, prefix_cached_tokens=2,
-        kv={"session_id": "h:1", "base_addr": 1, "num_layers": 2, "num_blocks": 3,
-            "block_bytes": 4},
+        kv=(REGION,),
         post_single_text="text", prefill_token_num=1, pre_output_token_num=1,
         e2e_start_time_us=1_700_000_000_000_000, prompt_logprobs=(None, LP),
         first_token_logprobs=(LP, LP2), plan=RequestPlan(PARAMS, 2, 1.5))
@@ -77,6 +80,21 @@ def test_decode_parameters_wire_keys_are_today_s() -> None:
         "pNodeAddr", "kv", "postsingletext", "prefillTokenNum", "preOutputTokenNum",
         "e2eStartTime", "promptLogprobs", "firstTokenLogprobs", "plan"]
     assert obj["promptLogprobs"] == [None, [7, -0.125, 1, [[7, -0.125], [9, -2.5]]]]
+
+
+def test_one_kv_region_is_the_object_several_a_list_in_rank_order() -> None:
+    """Issue 41: P's KV regions, one per tensor-parallel rank. One (worldSize 1) keeps
+    the format from before tensor parallelism, the object itself, so a P and a D of
+    different releases still agree; several are a list in rank order (their count is
+    P's worldSize)."""
+    one = orjson.loads(full_parameters().encode())
+    assert one["kv"] == REGION
+    rank1 = {**REGION, "session_id": "h:2", "block_bytes": 8}
+    two = full_parameters(kv=(REGION, rank1))
+    assert orjson.loads(two.encode())["kv"] == [REGION, rank1]
+    assert DecodeParameters.decode(two.encode()).kv == (REGION, rank1)
+    # an old P's single object decodes to a one-region tuple
+    assert DecodeParameters.decode(orjson.dumps(one)).kv == (REGION,)
 
 
 def test_plan_carries_every_sampling_field_but_the_seed() -> None:
@@ -284,7 +302,9 @@ def test_malformed_recompute_bodies_are_refused(change, text) -> None:
     ({"body": None}, "body is missing"),
     ({"bodyB64": "@@"}, "bad bodyB64"),
     ({"generatorState": "@@"}, "bad generatorState"),
-    ({"kv": [1]}, "kv must be an object"),
+    ({"kv": [1]}, "kv must be an object or a non-empty list of objects"),
+    ({"kv": []}, "kv must be an object or a non-empty list of objects"),
+    ({"kv": "h:1"}, "kv must be an object or a non-empty list"),
     ({"promptLogprobs": [[1, "x", 1, []]]}, "bad promptLogprobs"),
     ({"promptLogprobs": 3}, "bad promptLogprobs"),
     ({"firstTokenLogprobs": [None, None]}, "bad firstTokenLogprobs: a null entry"),

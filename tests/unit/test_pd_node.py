@@ -57,6 +57,7 @@ async def test_status_of_a_mixed_instance():
         assert res["availBlockNum"] == res["freeNpuBlockNums"] == 93
         assert res["totalNpuBlockNums"] == 100
         assert res["runningRequestNum"] == 2 and res["waitingRequestNum"] == 1
+        assert res["worldSize"] == 1  # [I] the coordinator pairs equal world sizes
         assert body["linkStatus"] == {"peers": []}
         v2 = (await c.get("/v2/status")).json()["resource"]
         assert v2["totalAvailNpuBlockNum"] == res["availBlockNum"]

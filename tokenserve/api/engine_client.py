@@ -11,8 +11,8 @@ Implemented by :class:`tokenserve.engine.engine.AsyncEngine` (and the tests' fak
     engine.generate(req) RequestHandle: get(disconnected) / abort(error)
 
 What the PD instance side (``tokenserve.pd``) needs on top is :class:`PdEngine`: the KV
-region to register, the puller to install on D, and P's release / evict of a parked
-request.
+region to register (and, under tensor parallelism, the other ranks' share), the puller to
+install on D, and P's release / evict of a parked request.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ class PdEngine(EngineClient, Protocol):
     def kv_region(self) -> Any:
         """The KV cache as one contiguous tensor, for the KV transfer engine to register
         (``pd/kv_transfer.py`` ``KvTransfer``)."""
+        ...
+
+    @property
+    def rank_kv(self) -> Any:
+        """Tensor parallelism: the other ranks' share of the KV hand-off
+        (``engine/tp_kv.py`` ``RankKv``: each rank's own transfer engine on its own KV
+        shard, pulls rank to rank); None on one process."""
         ...
 
     def set_kv_puller(self, puller: KvPuller) -> None:

@@ -454,6 +454,11 @@ class ServeConfig:
 
     ``engine.kv_trans_timeout_s`` is set from ``pd.kv_trans_timeout_s`` (the one
     definition of MindIE's ``kv_trans_timeout``): the sources set only the PD one.
+
+    Raises:
+        ValueError: PD over tensor-parallel ranks on several hosts (a rank's Mooncake
+            engine registers at ``pd.ip_address``, node 0's), or a ``kv_port_range`` with
+            fewer than two ports per rank (each rank opens its own Mooncake engine).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -461,9 +466,17 @@ class ServeConfig:
     pd: PdConfig = field(default_factory=PdConfig)
 
     def __post_init__(self) -> None:
-        if self.pd.pd and self.engine.parallel.tensor_parallel_size > 1:
-            raise ValueError("PD (inferMode dmi) with tensor parallelism is not supported yet: "
-                             "serve P and D with --tensor-parallel-size 1")
+        par = self.engine.parallel
+        if self.pd.pd and par.nnodes > 1:  # PD over TP on one host works (issue 41)
+            raise ValueError("PD (inferMode dmi) with tensor parallelism runs every rank on "
+                             "one host (--nnodes 1): each rank's Mooncake engine registers "
+                             "at --advertise-ip, which names node 0 only")
+        ports = self.pd.kv_port_range
+        if (self.pd.pd and ports is not None
+                and ports[1] - ports[0] + 1 < 2 * par.tensor_parallel_size):
+            raise ValueError(f"kv port range {ports[0]}-{ports[1]} is too small for "
+                             f"{par.tensor_parallel_size} ranks: each rank's Mooncake engine "
+                             "binds two ports")
         if self.engine.kv_trans_timeout_s != self.pd.kv_trans_timeout_s:
             object.__setattr__(self, "engine", replace(
                 self.engine, kv_trans_timeout_s=self.pd.kv_trans_timeout_s))

@@ -8,7 +8,10 @@ and its ``roleStatus`` is ``RoleReady`` (or absent); a D also needs its ``/dresu
 stream open (:mod:`tokenserve.coordinator.dlink`), or its messages would be lost.
 
 Selection: :mod:`tokenserve.coordinator.policy` (pure): MindIE-MS's DIGS load balance
-(§3.4) by default, prefix-cache affinity for P with ``p_policy="affinity"``.
+(§3.4) by default, prefix-cache affinity for P with ``p_policy="affinity"``. A D is paired
+only with a P of its own ``worldSize`` ([I] ``resource.worldSize`` of /v1/status, 1 when
+absent; issue 41): the KV hand-off is rank to rank. A P and a D that cannot be linked are
+logged once, one line, when a poll first shows the pair.
 
 A P whose connection fails is unusable until its next successful poll (§10: repeated
 failures take an instance out of scheduling); the poll is the health probe that brings a
@@ -117,6 +120,14 @@ class Instance:
                 "free_blocks": resource.get("availBlockNum"),
                 "total_blocks": resource.get("totalNpuBlockNums")}
 
+    def world_size(self) -> int | None:
+        """Its tensor-parallel ranks (``resource.worldSize`` of the last poll; 1 from an
+        instance that does not say); None while it has not answered."""
+        if self.status is None:
+            return None
+        world = (self.status.get("resource") or {}).get("worldSize", 1)
+        return world if type(world) is int and world > 0 else 1
+
     def total_blocks(self) -> int:
         """(D) ``totalNpuBlockNums`` of the last poll (0 when unknown)."""
         total = ((self.status or {}).get("resource") or {}).get("totalNpuBlockNums")
@@ -147,6 +158,8 @@ class InstancePool:
         self.prefill = [Instance(a, P_ROLES) for a in cfg.prefill]
         self.decode = [Instance(a, D_ROLES) for a in cfg.decode]
         self._model: str | None = None
+        #: (P name, D name) pairs of different world sizes already logged
+        self._unlinkable: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ membership
 
@@ -206,7 +219,28 @@ class InstancePool:
         else:
             inst.status = doc
             inst.assigned_blocks = 0
+            self.check_pairs(inst)
         self.note(inst)
+
+    def check_pairs(self, inst: Instance) -> list[tuple[Instance, Instance]]:
+        """Log, once per pair, every P / D pair with ``inst`` whose world sizes differ
+        (they are never paired: :meth:`choose_d`); returns the pairs newly logged."""
+        others = self.prefill if inst.is_decode else self.decode
+        new = []
+        for other in others:
+            p, d = (other, inst) if inst.is_decode else (inst, other)
+            pw, dw = p.world_size(), d.world_size()
+            if pw is None or dw is None or p.name == d.name:
+                continue
+            key = (p.name, d.name)
+            if pw == dw:
+                self._unlinkable.discard(key)
+            elif key not in self._unlinkable:
+                self._unlinkable.add(key)
+                logger.warning("P %s (worldSize %d) and D %s (worldSize %d) cannot be linked: "
+                               "the KV hand-off is rank to rank", p.name, pw, d.name, dw)
+                new.append((p, d))
+        return new
 
     async def poll_forever(self, inst: Instance) -> None:
         """Poll ``inst`` every ``status_interval_s`` until cancelled."""
@@ -215,8 +249,9 @@ class InstancePool:
             await asyncio.sleep(self._cfg.status_interval_s)
 
     def ready(self) -> bool:
-        """A P and a D can be chosen (§9.4 readiness)."""
-        return self.choose_p() is not None and self.choose_d(assign=0) is not None
+        """A P and a D of its world size can be chosen (§9.4 readiness)."""
+        return any(self.choose_d(assign=0, world=p.world_size()) is not None
+                   for p in self.prefill if p.usable())
 
     # ------------------------------------------------------------------ selection
 
@@ -235,12 +270,13 @@ class InstancePool:
         return None if i is None else cands[i]
 
     def choose_d(self, exclude: frozenset[str] = frozenset(), *, assign: int = 1,
-                 avoid: str | None = None) -> Instance | None:
+                 avoid: str | None = None, world: int | None = None) -> Instance | None:
         """The usable D (not in ``exclude``; not the P named ``avoid``: [I] a flex
-        instance is never paired with itself) of least DIGS load, charged ``assign``
-        blocks."""
+        instance is never paired with itself; of ``world`` ranks when given: the P's, the
+        KV hand-off is rank to rank) of least DIGS load, charged ``assign`` blocks."""
         cands = [d for d in self.decode
-                 if d.usable() and d.name not in exclude and d.name != avoid]
+                 if d.usable() and d.name not in exclude and d.name != avoid
+                 and (world is None or d.world_size() == world)]
         i = digs_d([DView(d.outstanding, d.free_blocks() + d.assigned_blocks,
                           d.assigned_blocks, d.total_blocks()) for d in cands], assign)
         if i is None:

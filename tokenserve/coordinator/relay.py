@@ -297,8 +297,10 @@ class Flow:
             if p is None or not p.usable():
                 p = pool.choose_p(prompt=self._in.prompt, cost=self._in.cost)
             if p is not None:
-                d = (pool.choose_d(frozenset(self._lost), assign=blocks, avoid=p.name)
-                     or pool.choose_d(assign=blocks, avoid=p.name))
+                world = p.world_size()  # a D of P's worldSize: rank to rank KV
+                d = (pool.choose_d(frozenset(self._lost), assign=blocks, avoid=p.name,
+                                   world=world)
+                     or pool.choose_d(assign=blocks, avoid=p.name, world=world))
                 if d is not None:
                     return p, d
             if not wait:

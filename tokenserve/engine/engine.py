@@ -13,9 +13,9 @@ Public surface used by the HTTP layer (``EngineClient`` in ``api/engine_client.p
 
 Every request ends with one final output, whatever ended it (aborts included).
 
-PD adds ``kv_region``, ``set_kv_puller``, ``release`` and ``evict`` (``PdEngine`` in
-``api/engine_client.py``). ``evict`` and ``wait_idle`` wait on the scheduler actor's
-reply (a future carried by their message), not on a polling loop.
+PD adds ``kv_region``, ``rank_kv`` (tensor parallelism), ``set_kv_puller``, ``release``
+and ``evict`` (``PdEngine`` in ``api/engine_client.py``). ``evict`` and ``wait_idle`` wait
+on the scheduler actor's reply (a future carried by their message), not on a polling loop.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tokenserve.engine.model_runner import ExecutorActor, ModelRunner
 from tokenserve.engine.output_stream import RequestHandle
 from tokenserve.engine.scheduler import Scheduler, SchedulerConfig
 from tokenserve.engine.scheduler_actor import KvPuller, SchedulerActor
-from tokenserve.engine.tensor_parallel import start_rank0
+from tokenserve.engine.tensor_parallel import TpModel, start_rank0
 from tokenserve.grammar.compiler import (
     CompiledGrammar,
     GrammarCompiler,
@@ -99,7 +99,7 @@ class AsyncEngine:
             num_blocks=runner.num_blocks, kv_cache_bytes=cfg.kv_cache_bytes,
             model_path=str(cfg.model or ""),
             device=device or (cfg.device if cfg.device != "auto" else "cpu"),
-            dtype=cfg.dtype,
+            dtype=cfg.dtype, world_size=cfg.parallel.tensor_parallel_size,
             weights_bytes=getattr(getattr(runner, "model", None), "weight_bytes", 0),
             gemm=(describe_gemms(runner.model.linears())
                   if hasattr(getattr(runner, "model", None), "linears") else ""))
@@ -306,6 +306,14 @@ class AsyncEngine:
         """The KV cache: one contiguous tensor ``[layers, 2, num_blocks, Hkv, block_size,
         head_dim]`` (model dtype) for a KV transfer engine to register (PD)."""
         return self._runner.kv_region
+
+    @property
+    def rank_kv(self):
+        """Tensor parallelism: the other ranks' share of the PD KV hand-off
+        (:class:`tokenserve.engine.tp_kv.RankKv`: open their transfer engines, pull rank
+        to rank); None on one process."""
+        model = self._runner.model
+        return model.rank_kv if isinstance(model, TpModel) else None
 
     def set_kv_puller(self, puller: KvPuller) -> None:
         """PD decode: ``puller(source, dst_blocks, num_tokens)`` fills this instance's

@@ -34,6 +34,8 @@ class EngineInfo:
         gemm: what each kind of layer computes on, e.g. ``bf16 → tokenserve.gemm
             avx512bf16 (invariant)`` (``tokenserve.ops.linear.describe_gemms``); "" when
             unknown.
+        world_size: tensor-parallel ranks the model is split over (``worldSize``); a PD
+            prefill and decode instance must agree (the KV hand-off is rank to rank).
     """
 
     model_name: str
@@ -52,6 +54,7 @@ class EngineInfo:
     dtype: str = "bfloat16"
     weights_bytes: int = 0
     gemm: str = ""
+    world_size: int = 1
 
 
 @dataclass(frozen=True)

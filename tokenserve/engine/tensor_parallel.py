@@ -27,6 +27,10 @@ sends; **gloo** (torch.distributed, rendezvous on rank
 Every rank's hidden states after a step are the same bits (the all-reduce hands every rank
 the same sums), so ``TpLogits`` names rows, not tensors.
 
+PD (issue 41): each rank also runs its own KV transfer engine on its own KV shard
+(``TpKvStart``) and pulls its share of a hand-off (``TpPull``, on a thread of its own);
+the answers come back on the TCP store as JSON (:mod:`tokenserve.engine.tp_kv`).
+
 Faults: a rank that dies closes its step connection; rank 0 sees it at once, logs one line
 and exits 1 (:func:`os._exit`: a half-served model must not keep answering). Rank 0 gone,
 the others see their connection close and exit. A step that raises on rank 0 after it has
@@ -56,7 +60,8 @@ import torch.distributed as dist
 
 from tokenserve.config.tree import EngineConfig, ParallelConfig
 from tokenserve.engine.loading import ResolvedModel, load_model, resolve
-from tokenserve.messages import TpForward, TpLogits, TpStart, TpStop
+from tokenserve.engine.tp_kv import RankKv, RankKvServer
+from tokenserve.messages import TpForward, TpKvStart, TpLogits, TpPull, TpStart, TpStop
 from tokenserve.models.attention import AttentionMetadata
 from tokenserve.models.config import ModelConfig
 from tokenserve.models.decoder import CausalLM
@@ -120,6 +125,7 @@ class StepChannel:
         self.address = f"{host}:{self.listener.getsockname()[1]}"
         self.conns: dict[int, socket.socket] = {}
         self.stopping = False
+        self._send_lock = threading.Lock()  # the model thread and PD's pulls both send
 
     def accept(self, ranks: int, failed: Callable[[], str | None], timeout_s: float) -> None:
         """Wait until ``ranks`` ranks have connected and said who they are.
@@ -158,8 +164,9 @@ class StepChannel:
 
     def send(self, msg) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for conn in self.conns.values():
-            send_frame(conn, data)
+        with self._send_lock:
+            for conn in self.conns.values():
+                send_frame(conn, data)
 
     def watch(self, on_lost: Callable[[int], None]) -> None:
         """A daemon thread per rank: its connection closing (the rank exited or its host
@@ -201,13 +208,16 @@ class TpModel:
     (``forward``, ``logits_at``, ``allocate_kv_cache``...), each collective one announced
     to the other ranks first. ``cfg`` is the whole model's config (the runner sizes masks
     and logits by it); everything else is rank 0's own part (:attr:`local`).
+    :attr:`rank_kv` is the other ranks' share of a PD KV hand-off (``engine/tp_kv.py``).
     """
 
     def __init__(self, local: CausalLM, cfg: ModelConfig, shards: list[TpShard],
-                 channel: StepChannel, procs: list[subprocess.Popen]) -> None:
+                 channel: StepChannel, procs: list[subprocess.Popen],
+                 store: dist.TCPStore) -> None:
         self.local, self.cfg, self.shards = local, cfg, shards
         self.channel, self.procs = channel, procs
         self.world = len(shards)
+        self.rank_kv = RankKv(channel.send, store, self.world)
         channel.watch(lambda rank: _fatal(f"rank {rank} is gone"))
 
     def __getattr__(self, name: str):
@@ -438,7 +448,7 @@ def start_rank0(r: ResolvedModel) -> TpModel:
         for p in procs:
             p.kill()
         raise
-    return TpModel(model, r.model_cfg, shards, channel, procs)
+    return TpModel(model, r.model_cfg, shards, channel, procs, store)
 
 
 # ------------------------------------------------------------------ the other ranks
@@ -464,6 +474,7 @@ def run_rank(cfg: EngineConfig, rank: int, store_addr: tuple[str, int],
     model = load_model(r, _context(shards, rank, comm))
     log.info("rank %d: %s", rank, shards[rank])
     kv = hidden = None
+    pd = RankKvServer(rank, store)  # PD: this rank's share of the KV hand-off
     while True:
         msg = recv_message(sock)
         if msg is None:
@@ -485,7 +496,12 @@ def run_rank(cfg: EngineConfig, rank: int, store_addr: tuple[str, int],
                      "%.0f + the rest", rank, *(v / 2**20 for v in (
                          rss or (0, 0))), model.weight_bytes / 2**20,
                      kv[0][0]._base.numel() * kv[0][0].element_size() / 2**20)
+        elif isinstance(msg, TpPull):
+            pd.pull(msg)
+        elif isinstance(msg, TpKvStart):
+            pd.start(msg, None if kv is None else kv[0][0]._base)
         elif isinstance(msg, TpStop):
+            pd.close()
             dist.destroy_process_group()
             return 0
         else:

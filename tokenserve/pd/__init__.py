@@ -15,11 +15,12 @@ How the parts fit::
                  v
               D: decode.py   -- the SAME family handler runs on the client's body; the
                  |              engine adopts the request (KvAdoption), pulls P's blocks
-                 |              with kv_transfer.py (Mooncake, one batched read), releases
-                 |              P, replays P's tokens (rendered, not sent) and decodes;
-                 |              every rendered step goes out on GET /dresult (wire.py
-                 |              framing, dresult_hub.py the one stream), evictions as
-                 v              retry: with recompute.py's body
+                 |              with kv_transfer.py (Mooncake, one batched read; under
+                 |              tensor parallelism every rank its own shard, rank to rank:
+                 |              rank_kv.py), releases P, replays P's tokens (rendered,
+                 |              not sent) and decodes; every rendered step goes out on
+                 |              GET /dresult (wire.py framing, dresult_hub.py the one
+                 v              stream), evictions as retry: with recompute.py's body
               coordinator relays D's bodies into the client's response
 
 Why the family handler runs on both sides instead of a per-family "PD encoder": the bytes

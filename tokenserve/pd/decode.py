@@ -13,7 +13,9 @@ plan stage takes P's plan instead of templating and tokenizing the prompt again:
     handler admits its engine request   -> observer: id = reqId, prompt = P's ids,
                                            adopt (tokens so far, generator, KV source)
     engine: allocate blocks, pull K/V   -> puller (worker thread): Mooncake read of P's
-                                           blocks, then POST /v1/pd/release to P
+                                           blocks (tensor parallelism: rank to rank, every
+                                           rank's shard, pd/rank_kv.py), then POST
+                                           /v1/pd/release to P
     engine: replay output (P's tokens)  -> handler renders it; muted (P sent it already)
     engine: each decode step            -> handler renders -> ``data:`` on /dresult
     final output                        -> everything rendered after it -> one ``lastData:``
@@ -276,8 +278,10 @@ class DecodeServer:
                 raise RuntimeError("no KV transfer engine")
             from tokenserve.pd.kv_transfer import KvRegion
 
-            src = KvRegion.from_dict(dict(source.kv) if source.kv is not None else None)
-            self.node.kv.pull(src, list(source.block_table[0][:len(dst_blocks)]), dst_blocks)
+            # one region per P rank, pulled rank to rank (pd/rank_kv.py)
+            srcs = [KvRegion.from_dict(None if r is None else dict(r))
+                    for r in source.kv or (None,)]
+            self.node.kv.pull(srcs, list(source.block_table[0][:len(dst_blocks)]), dst_blocks)
             self.node.links[p_addr] = "ok"
         except Exception:
             self.node.links[p_addr] = "failed : pull kv failed."

@@ -437,8 +437,11 @@ class DecodeParameters:
         seed: [I] the seed P drew (or the client gave); None: none.
         prefix_cached_tokens: ``metrics.prefixCachedTokenNums``, prompt tokens P found in
             its prefix cache.
-        kv: [I] P's KV region (:meth:`tokenserve.pd.kv_transfer.KvRegion.to_dict`); None:
-            P has no transfer engine. Checked when D pulls.
+        kv: [I] P's KV regions, one per tensor-parallel rank in rank order (each
+            :meth:`tokenserve.pd.kv_transfer.KvRegion.to_dict`), so their count is P's
+            ``worldSize``; on the wire one region (``worldSize`` 1) is the object itself,
+            as before, several a list of objects. None: P has no transfer engine. Checked
+            when D pulls (D refuses a count other than its own world size).
         post_single_text: ``postsingletext``, the text P rendered.
         prefill_token_num: ``prefillTokenNum``, tokens P generated.
         pre_output_token_num: ``preOutputTokenNum``, tokens the client had before P.
@@ -464,7 +467,7 @@ class DecodeParameters:
     generator_state: bytes | None = None
     seed: int | None = None
     prefix_cached_tokens: int = 0
-    kv: Mapping[str, Any] | None = None
+    kv: tuple[Mapping[str, Any], ...] | None = None
     post_single_text: str = ""
     prefill_token_num: int = 0
     pre_output_token_num: int = 0
@@ -495,7 +498,7 @@ class DecodeParameters:
             "prefixCachedTokenNums": self.prefix_cached_tokens,
             "blockTable": [list(b) for b in self.block_table],
             "pNodeAddr": self.p_node_addr,
-            "kv": dict(self.kv) if self.kv is not None else None,
+            "kv": _encode_regions(self.kv),
             "postsingletext": self.post_single_text,
             "prefillTokenNum": self.prefill_token_num,
             "preOutputTokenNum": self.pre_output_token_num,
@@ -545,7 +548,7 @@ class DecodeParameters:
             generator_state=b64_bytes(state, "generatorState") if state is not None else None,
             seed=seed,
             prefix_cached_tokens=_get(p, "prefixCachedTokenNums", int, "an integer", 0),
-            kv=_get(p, "kv", dict, "an object", None),
+            kv=_decode_regions(p.get("kv")),
             post_single_text=_get(p, "postsingletext", str, "a string", ""),
             prefill_token_num=_get(p, "prefillTokenNum", int, "an integer", 0),
             pre_output_token_num=_get(p, "preOutputTokenNum", int, "an integer", 0),
@@ -554,6 +557,28 @@ class DecodeParameters:
             first_token_logprobs=first_lp,  # type: ignore[arg-type]  # no nulls
             plan=RequestPlan.decode(plan, seed) if plan is not None else None,
         )
+
+
+def _encode_regions(kv: tuple[Mapping[str, Any], ...] | None) -> Any:
+    """``DecodeParameters.kv`` on the wire: one region as the object (world size 1, the
+    format before tensor parallelism), several as a list."""
+    if kv is None:
+        return None
+    regions = [dict(r) for r in kv]
+    return regions[0] if len(regions) == 1 else regions
+
+
+def _decode_regions(v: Any) -> tuple[Mapping[str, Any], ...] | None:
+    """The inverse of :func:`_encode_regions` (the regions' own keys are checked where D
+    pulls: ``KvRegion.from_dict``)."""
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        return (v,)
+    if isinstance(v, list) and v and all(isinstance(r, dict) for r in v):
+        return tuple(v)
+    raise WireError("kv must be an object or a non-empty list of objects (one per rank), "
+                    f"got {type(v).__name__}")
 
 
 @dataclass(frozen=True)

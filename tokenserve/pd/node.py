@@ -68,7 +68,7 @@ class PdNode:
     inter_comm_port: int = 0
     #: peer address ("ip;port") -> "ok" | "failed : pull kv failed." (spec §9.1)
     links: dict[str, str] = field(default_factory=dict)
-    kv: Any = None  # tokenserve.pd.kv_transfer.KvTransfer, when PD is on
+    kv: Any = None  # tokenserve.pd.rank_kv.RankedKv (one engine per rank), when PD is on
     client: httpx.AsyncClient | None = None
 
     def __post_init__(self) -> None:
@@ -81,15 +81,17 @@ class PdNode:
 
     def start_kv(self) -> None:
         """Register the engine's KV cache with a Mooncake transfer engine (blocking,
-        once; PD only). Raises whatever the transfer engine raises."""
+        once; PD only); under tensor parallelism every rank registers its own shard with
+        its own engine (:class:`~tokenserve.pd.rank_kv.RankedKv`). Raises whatever the
+        transfer engine raises (``KvTransferError``)."""
         if not self.cfg.pd or self.kv is not None:
             return
-        from tokenserve.pd.kv_transfer import KvTransfer
+        from tokenserve.pd.rank_kv import RankedKv
 
-        self.kv = KvTransfer(self.cfg.ip_address, self.engine.kv_region,
-                             protocol=self.cfg.kv_protocol, device_name=self.cfg.kv_device,
-                             timeout_s=self.cfg.kv_trans_timeout_s,
-                             port_range=self.cfg.kv_port_range)
+        self.kv = RankedKv.open(self.engine, self.cfg.ip_address,
+                                protocol=self.cfg.kv_protocol, device_name=self.cfg.kv_device,
+                                timeout_s=self.cfg.kv_trans_timeout_s,
+                                port_range=self.cfg.kv_port_range)
 
     async def aclose(self) -> None:
         if self.client is not None:
@@ -154,6 +156,8 @@ class PdNode:
             "freeCpuBlockNums": 0,
             "totalNpuBlockNums": st.num_blocks,
             "totalCpuBlockNums": 0,
+            # [I] tensor-parallel ranks: the coordinator pairs P and D of equal worldSize
+            "worldSize": info.world_size,
         }
         peers = [{"target": t, "link": link} for t, link in sorted(self.links.items())]
         return {"service": service, "resource": resource, "linkStatus": {"peers": peers}}

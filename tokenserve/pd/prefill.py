@@ -183,7 +183,8 @@ class PrefillObserver:
             generator_state=h.generator_state,
             seed=g.params.seed,
             prefix_cached_tokens=self.num_cached_tokens,
-            kv=node.kv.descriptor().to_dict() if node.kv is not None else None,
+            kv=(tuple(r.to_dict() for r in node.kv.descriptor())
+                if node.kv is not None else None),
             post_single_text=self.text,
             prefill_token_num=len(self.output_ids) - self.delivered,
             pre_output_token_num=self.delivered,
