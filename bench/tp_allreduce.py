@@ -47,32 +47,17 @@ def _group(rank: int, world: int, port: int):
     return store
 
 
-def _shm(rank: int, world: int, store, slot: int, widths: list[int]):
-    import torch.distributed as dist
-
-    from tokenserve.ops.collectives import ShmCollectives
-
-    path = f"/dev/shm/tokenserve-bench-{store.port}"
-    if rank == 0:
-        comm = ShmCollectives(rank, world, widths, path, slot, create=True)
-    dist.barrier()  # created before anyone opens it
-    if rank:
-        comm = ShmCollectives(rank, world, widths, path, slot, create=False)
-    dist.barrier()
-    if rank == 0:
-        os.unlink(path)
-    return comm
-
-
 def _allreduce_rank(rank: int, world: int, port: int, iters: int, out) -> None:
     import torch
 
-    from tokenserve.ops.collectives import Collectives
+    from tokenserve.ops.collectives import Collectives, ShmCollectives
 
     _bind(rank)
     store = _group(rank, world, port)
     gloo = Collectives(rank, world, [1] * world)
-    shm = _shm(rank, world, store, 2048 * 256 * 4, [1] * world)
+    shm = ShmCollectives.open_group(rank, world, [1] * world,
+                                    f"/dev/shm/tokenserve-bench-{store.port}", 2048 * 256 * 4)
+    assert shm is not None, "no shared-memory segment (rank 0 logged why)"
     rows = {}
     for hidden, n in SIZES:
         x = torch.randn(n, hidden)

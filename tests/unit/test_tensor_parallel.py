@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.tp_harness import run_ranks
 from tests.unit.test_decoder import BLOCK, _cfg, _state_dict
@@ -170,15 +169,24 @@ def _steps(model: CausalLM, alone: bool) -> list[torch.Tensor]:
 
 
 def _shm(rank: int, world: int, shards, path: str) -> ShmCollectives:
-    """The shared-memory collectives over ``path`` (rank 0 creates it first)."""
-    widths = [s.vocab[1] - s.vocab[0] for s in shards]
-    if rank == 0:
-        comm = ShmCollectives(rank, world, widths, path, 1 << 16, create=True)
-    dist.barrier()
-    if rank:
-        comm = ShmCollectives(rank, world, widths, path, 1 << 16, create=False)
-    dist.barrier()
+    """The shared-memory collectives over ``path`` (rank 0 creates it; unlinked once
+    every rank has it mapped)."""
+    comm = ShmCollectives.open_group(rank, world, [s.vocab[1] - s.vocab[0] for s in shards],
+                                     path, 1 << 16)
+    assert comm is not None
+    assert rank or not os.path.exists(path)  # rank 0 unlinked it after the barrier
     return comm
+
+
+def _open_unmakeable(rank: int, world: int, path: str) -> bool:
+    return ShmCollectives.open_group(rank, world, [1] * world, path, 1024) is None
+
+
+def test_shm_group_falls_back_to_gloo_on_every_rank(tmp_path):
+    """Rank 0 cannot create the segment: every rank gets None (the caller takes gloo),
+    no rank waits for a path that never comes."""
+    assert run_ranks(_open_unmakeable, 2, str(tmp_path / "no-such-dir" / "seg")) == [True,
+                                                                                    True]
 
 
 def _rank(rank: int, world: int, quant: str, dtype: torch.dtype, shm: str | None) -> dict:

@@ -78,8 +78,6 @@ COLLECTIVE_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 300.0
 #: the TCP store key under which rank 0 publishes its step channel's ``host:port``
 CHANNEL_KEY = "tokenserve/tp/step-channel"
-#: ... and its shared-memory segment's path (ranks of one host)
-SHM_KEY = "tokenserve/tp/shm"
 #: the shared-memory path carries all-reduces of up to this many rows (fp32 x hidden) and
 #: logits of up to SHM_LOGIT_ROWS rows; larger messages (long prefill chunks) go by gloo
 SHM_ROWS = 256
@@ -226,9 +224,8 @@ class TpModel:
     def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
         """Bytes of KV cache a token takes on the rank that holds the most KV heads (the
         KV budget is per rank; every rank has the same number of blocks)."""
-        local = self.local.kv_bytes_per_token(kv_dtype)
-        most = max(s.num_kv_heads for s in self.shards)
-        return local * most // self.shards[0].num_kv_heads
+        return self.local.kv_bytes_per_token(
+            kv_dtype, num_kv_heads=max(s.num_kv_heads for s in self.shards))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           kv_dtype: torch.dtype | None = None):
@@ -353,33 +350,16 @@ def _context(shards: list[TpShard], rank: int, comm: Collectives | None = None) 
 def _collectives(shards: list[TpShard], rank: int, par: ParallelConfig, store,
                  model_cfg: ModelConfig) -> Collectives:
     """Shared-memory collectives when every rank is on this host (one node, an x86 CPU:
-    measured faster than gloo, ``bench/tp_allreduce.py``), else gloo. Rank 0 creates the
-    segment and publishes its path on the store; it is unlinked once every rank has it
-    mapped (nothing is left in /dev/shm, whatever happens later)."""
+    measured faster than gloo, ``bench/tp_allreduce.py``), else gloo (also when rank 0
+    cannot create the segment: :meth:`ShmCollectives.open_group`)."""
     widths = [s.vocab[1] - s.vocab[0] for s in shards]
     world = len(shards)
     if par.nnodes > 1 or platform.machine() not in SHM_MACHINES:
         return Collectives(rank, world, widths)
     slot = max(model_cfg.hidden_size * 4 * SHM_ROWS, max(widths) * 4 * SHM_LOGIT_ROWS)
-    comm: Collectives
-    if rank == 0:
-        path = f"/dev/shm/tokenserve-tp-{os.getpid()}-{store.port}"
-        try:
-            comm = ShmCollectives(rank, world, widths, path, slot, create=True)
-        except OSError as exc:  # every rank then takes gloo: rank 0 publishes no path
-            log.warning("tensor parallelism: no shared-memory segment (%s); gloo instead", exc)
-            path = ""
-        store.set(SHM_KEY, path)
-    else:
-        path = store.get(SHM_KEY).decode()
-        if path:
-            comm = ShmCollectives(rank, world, widths, path, slot, create=False)
-    if not path:
-        return Collectives(rank, world, widths)
-    dist.barrier()
-    if rank == 0:
-        os.unlink(path)
-    return comm
+    path = f"/dev/shm/tokenserve-tp-{os.getpid()}-{store.port}"  # rank 0's is used
+    comm = ShmCollectives.open_group(rank, world, widths, path, slot)
+    return comm if comm is not None else Collectives(rank, world, widths)
 
 
 def _init_group(store, rank: int, world: int) -> None:

@@ -289,12 +289,14 @@ class CausalLM:
         D = self.cfg.head_dim
         return D + KV_SCALE_BYTES if kv_dtype == torch.int8 else D
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None,
+                           num_kv_heads: int | None = None) -> int:
         """Bytes of KV cache one token takes across all layers (K and V); ``kv_dtype``
-        None: the model dtype."""
+        None: the model dtype; ``num_kv_heads`` None: this model's (tensor parallelism
+        asks for the rank holding the most)."""
         dt = kv_dtype or self.dtype
-        return (2 * self.num_layers * self.cfg.num_kv_heads * self.kv_row_elements(dt)
-                * dt.itemsize)
+        heads = self.cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * heads * self.kv_row_elements(dt) * dt.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           kv_dtype: torch.dtype | None = None,

@@ -15,8 +15,12 @@ other rows of the message (batch invariance under tensor parallelism):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("tokenserve.ops")
 
 
 class Collectives:
@@ -103,6 +107,42 @@ class ShmCollectives(Collectives):
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=head,
                                       count=2 * world * slot_bytes).view(2, world, slot_bytes)
         self._calls = 0
+
+    @classmethod
+    def open_group(cls, rank: int, world: int, widths: list[int], path: str,
+                   slot_bytes: int, group=None) -> ShmCollectives | None:
+        """Open the segment on every rank of ``group`` (a collective: each rank calls it,
+        after ``init_process_group``). Rank 0 creates it at ``path`` and broadcasts the
+        path (the others' ``path`` is ignored); the others map it; once every rank has it
+        mapped rank 0 unlinks it, so nothing is left in /dev/shm whatever happens later.
+
+        Returns:
+            this rank's collectives, or None on every rank when rank 0 could not create
+            the segment (logged once there: the caller takes gloo's :class:`Collectives`).
+
+        Raises:
+            OSError: a rank > 0 cannot map the segment rank 0 created.
+        """
+        import os
+
+        comm = None
+        if rank == 0:
+            try:
+                comm = cls(rank, world, widths, path, slot_bytes, create=True, group=group)
+            except OSError as exc:
+                log.warning("tensor parallelism: no shared-memory segment (%s); gloo "
+                            "instead", exc)
+                path = ""
+        box = [path]
+        dist.broadcast_object_list(box, src=0, group=group)  # rank 0's path, or ""
+        if not box[0]:
+            return None
+        if rank:
+            comm = cls(rank, world, widths, box[0], slot_bytes, create=False, group=group)
+        dist.barrier(group=group)  # every rank has it mapped
+        if rank == 0:
+            os.unlink(path)
+        return comm
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Publish ``x`` (contiguous) and wait for every rank's; returns the buffer
