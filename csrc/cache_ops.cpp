@@ -132,7 +132,8 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
   const int64_t T_ = qkv.size(0);
   const int64_t row_stride = qkv.stride(0);
   const int64_t block_size = k_cache.size(2);
-  const int64_t half = D / 2;
+  const int64_t R = cos_sin.size(1);  // rotated dims of a head: D, or fewer (partial rotary)
+  const int64_t half = R / 2;
   T* qkv_p = qkv.data_ptr<T>();
   const bool kv_i8 = k_cache.scalar_type() == at::kChar;
   const int64_t ld = k_cache.size(3);  // cache row, elements: D, or D + 4 for int8
@@ -149,7 +150,7 @@ void rope_write_kv_impl(const torch::Tensor& qkv, const torch::Tensor& positions
   parallel_for_stealing(T_, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv_p + t * row_stride;
-      const float* cos = cs + pos[t] * D;
+      const float* cos = cs + pos[t] * R;
       const float* sin = cos + half;
       for (int64_t h = 0; h < H + Hkv; ++h) {  // q heads, then k heads
 #ifdef TS_X86
@@ -194,7 +195,9 @@ namespace tokenserve {
 
 // qkv:          [T, (H + 2*Hkv) * D]  bf16/fp32, rows contiguous (stride(1) == 1); rotated in place
 // positions:    [T] int64, 0 <= p < max_pos
-// cos_sin:      [max_pos, D] fp32 contiguous; [:, :D/2] = cos(p*inv_freq), [:, D/2:] = sin
+// cos_sin:      [max_pos, R] fp32 contiguous; [:, :R/2] = cos(p*inv_freq), [:, R/2:] = sin;
+//               R = D, or R < D (partial rotary: the first R dims of a head rotate, the rest
+//               pass through)
 // k/v_cache:    [num_blocks, Hkv, block_size, D] contiguous, qkv's dtype, or
 //               [num_blocks, Hkv, block_size, D + 4] int8 (quantised rows, see the header)
 // slot_mapping: [T] int64, slot < num_blocks*block_size, < 0 = skip (padding); the
@@ -216,9 +219,10 @@ void rotary_embedding_write_kv(torch::Tensor qkv, torch::Tensor positions, torch
   const int64_t D = qkv.size(1) / heads;
   TORCH_CHECK(D % 2 == 0 && D > 0, "head_dim must be even, got ", D);
   TORCH_CHECK(qkv.size(0) <= 1 || qkv.stride(0) >= qkv.size(1), "qkv rows overlap");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D && cos_sin.is_contiguous() &&
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) > 0 && cos_sin.size(1) <= D &&
+                  cos_sin.size(1) % 2 == 0 && cos_sin.is_contiguous() &&
                   cos_sin.scalar_type() == at::kFloat,
-              "cos_sin must be a contiguous float32 [max_pos, ", D, "]");
+              "cos_sin must be a contiguous float32 [max_pos, R], R even and <= ", D);
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T_ &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "positions must be a contiguous int64 [T]");
@@ -383,7 +387,7 @@ std::tuple<torch::Tensor, torch::Tensor> positions_and_slots(torch::Tensor block
 TOKENSERVE_REGISTER(cache_ops) {
   m.def("rotary_embedding_write_kv", &tokenserve::rotary_embedding_write_kv,
         "rotary_embedding_write_kv(qkv [T,(H+2Hkv)*D], positions int64 [T], cos_sin f32 "
-        "[max_pos,D], k_cache, v_cache [blocks,Hkv,block_size,D], slot_mapping int64 [T], "
+        "[max_pos,R] (R <= D: the first R dims of a head rotate), k_cache, v_cache [blocks,Hkv,block_size,D], slot_mapping int64 [T], "
         "num_heads, num_kv_heads) -> None. In place: rotate-half RoPE on q and k in fp32 "
         "(rounded once), then K and V of each token written to its cache slot (slot < 0: "
         "skipped). RuntimeError on bad shapes/dtypes or out-of-range positions/slots.",

@@ -1,7 +1,8 @@
-"""csrc/decoder.cpp's fused layer stack runs Gemma 1/2/3, OLMo 2 and Granite layers with the
-same bits as CausalLM's Python layer loop (``_layer``) over the same kernels: sandwich and
-post-only norms, tanh-GELU, attention soft-capping, per-layer sliding windows and RoPE
-tables, query scale, q/k norms per head and over the whole projection, residual scaling.
+"""csrc/decoder.cpp's fused layer stack runs Gemma 1/2/3, OLMo 2, Granite and Phi-3 layers
+with the same bits as CausalLM's Python layer loop (``_layer``) over the same kernels:
+sandwich and post-only norms, tanh-GELU, attention soft-capping, per-layer sliding windows
+and RoPE tables, query scale, q/k norms per head and over the whole projection, residual
+scaling, partial rotary (Phi-3's tiny model: 12 of 16 dims).
 
 On tiny random models (tests/families.py; the logits and greedy tests of test_families.py
 hold the Python loop to transformers): a prefill past the sliding window for one sequence
@@ -34,7 +35,8 @@ PREFILL = (WINDOW + 9, 6)  # seq 0 past the window, seq 1 inside it
 DECODES = 4
 
 
-@pytest.fixture(scope="module", params=["gemma", "gemma2", "gemma3_text", "olmo2", "granite"])
+@pytest.fixture(scope="module",
+                params=["gemma", "gemma2", "gemma3_text", "olmo2", "granite", "phi3"])
 def family(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     build(request.param, d)
@@ -84,7 +86,8 @@ def test_fused_stack_equals_python_loop(family, dtype, kv_dtype):
             "gemma2": arch.post_mlp_norm and arch.attn_softcap > 0 and arch.attn_scale,
             "gemma3_text": arch.qk_norm == "head" and len({la.rope for la in arch.layers}) == 2,
             "olmo2": arch.qk_norm == "full" and not arch.pre_attn_norm,
-            "granite": arch.residual_scale != 1.0 and arch.embed_scale != 1.0}[name]
+            "granite": arch.residual_scale != 1.0 and arch.embed_scale != 1.0,
+            "phi3": 0 < arch.ropes[0].rotary_dim < cfg.head_dim}[name]
     if name.startswith("gemma") and name != "gemma":
         assert {la.window for la in arch.layers} == {0, WINDOW} and PREFILL[0] > WINDOW
     h_c, l_c, kv_c = _run(model, True, kv_dtype)
@@ -119,6 +122,8 @@ CONTROLS = {
               "post-attention norm": lambda a: _off(a, post_attn_norm=False),
               "post-MLP norm": lambda a: _off(a, post_mlp_norm=False)},
     "granite": {"residual scale": lambda a: _off(a, residual_scale=1.0)},
+    "phi3": {"partial rotary width": lambda a: _off(a, ropes=tuple(
+        dataclasses.replace(r, rotary_dim=r.rotary_dim // 2) for r in a.ropes))},
 }
 
 

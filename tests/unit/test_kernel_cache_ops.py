@@ -78,6 +78,31 @@ def test_rotary_embedding_write_kv_matches_reference(path, dtype, T, H, Hkv, D, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,R", [(16, 12), (64, 48), (96, 32), (128, 96)])
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_partial_rotary_matches_reference(path, dtype, D, R, kv):
+    """A table narrower than the head (Phi-4-mini's ``partial_rotary_factor``): the first
+    R dims of each q and k head rotate, the rest pass through; bits = the reference's."""
+    H, Hkv, T = 4, 2, 19
+    qkv, positions, _, k_cache, v_cache, slots = _rope_case(T, H, Hkv, D, 16, dtype, kv=kv)
+    cs = rope_cos_sin(_inv_freq(R), 4096)  # [max_pos, R]
+    args = (qkv, positions, cs, k_cache, v_cache, slots)
+    mine = [a.clone() for a in args]
+    ref = [a.clone() for a in args]
+    C.rotary_embedding_write_kv(*mine, H, Hkv)
+    rotary_embedding_write_kv_ref(*ref, H, Hkv)
+    for got, want in zip(mine, ref):
+        assert torch.equal(got, want)
+    heads = mine[0][:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    before = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    assert torch.equal(heads[..., R:], before[..., R:])  # the rest passes through
+    assert not torch.equal(heads[..., :R], before[..., :R])
+    with pytest.raises(RuntimeError, match="R even"):  # odd or wider than the head
+        C.rotary_embedding_write_kv(qkv.clone(), positions, rope_cos_sin(_inv_freq(D + 2), 4096),
+                                    k_cache.clone(), v_cache.clone(), slots, H, Hkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_cache_rows(path, dtype):
     """The int8 write keeps each row within half a step (scale / 2) of the model-dtype
     values, its largest magnitude exactly (as +-127), a zero row as zeros with scale 0,

@@ -23,8 +23,9 @@ The whole stack runs as one C++ call a step (``csrc/decoder.cpp``, the kernels i
 order: the same bits) when every GEMM is a C++ one and the layers are ones it computes
 (:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, OLMo 2,
 Granite; each layer handed over as data: its norms, q/k norm, window, RoPE table,
-activation, soft-cap, residual scale); MoE layers, exact GELU and partial rotary run the
-Python loop, as does everything with ``TOKENSERVE_FUSED_DECODER=0``.
+activation, soft-cap, residual scale; a RoPE table narrower than the head is partial
+rotary, Phi-4-mini); MoE layers and exact GELU run the Python loop, as does everything
+with ``TOKENSERVE_FUSED_DECODER=0``.
 
 Every block computes a token's row with the same arithmetic whatever else is in the
 step, so a request's logits do not depend on its batch neighbours (batch invariance; the
@@ -55,7 +56,7 @@ from tokenserve.models.moe import MoE
 from tokenserve.models.tensor_parallel import TpContext, shard_config, shard_state_dict
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.host_memory import zeros_on_huge_pages
-from tokenserve.ops.layer_ref import KV_SCALE_BYTES, write_kv_ref
+from tokenserve.ops.layer_ref import KV_SCALE_BYTES
 from tokenserve.ops.linear import Linear, fused_linear, leaf_linears
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import QuantWeight
@@ -166,7 +167,7 @@ class CausalLM:
     def _build_decoder(self):
         """``_C.Decoder`` holding every layer's prepared weights and blocks, when its fused
         stack computes these layers (:attr:`DecoderArch.fused_layers`: Llama, Qwen2/3,
-        Mistral, Gemma 1/2/3, OLMo 2, Granite...), every RoPE table rotates whole heads, every
+        Mistral, Gemma 1/2/3, OLMo 2, Granite, Phi-3 / Phi-4-mini...), every
         projection runs on a C++ GEMM (``Linear.c_spec``) and the extension has it; None
         otherwise, and with ``TOKENSERVE_FUSED_DECODER=0`` (the Python loop, for profiling
         per kernel). Each layer is described by data: which norms it has (those the arch
@@ -174,7 +175,6 @@ class CausalLM:
         scale."""
         decoder, arch, cfg = self.kernels.op("Decoder"), self.arch, self.cfg
         if (decoder is None or self.device.type != "cpu" or not arch.fused_layers
-                or any(r.rotary_dim != cfg.head_dim for r in arch.ropes)
                 or self.dtype not in (torch.bfloat16, torch.float32)
                 or not env.fused_decoder()):
             return None
@@ -429,15 +429,11 @@ class CausalLM:
         if arch.qk_norm is not None:
             self._qk_norm(qkv, lin["q_norm"], lin["k_norm"])
         layer = arch.layers[i]
-        rope = arch.ropes[layer.rope]
         k_cache, v_cache = kv
-        if rope.rotary_dim == D:
-            ops.rotary_embedding_write_kv(qkv, meta.positions, self.cos_sin[layer.rope],
-                                          k_cache, v_cache, meta.slot_mapping, H, Hkv)
-        else:  # partial rotary (Phi-4-mini): rotate the first rotary_dim dims in torch
-            _partial_rope(qkv, meta.positions, self.cos_sin[layer.rope], H, Hkv, D,
-                          rope.rotary_dim)
-            write_kv_ref(qkv, k_cache, v_cache, meta.slot_mapping, H, Hkv)
+        # partial rotary (Phi-4-mini): the layer's table is [max_pos, rotary_dim] and the
+        # kernel rotates that many dims of each head
+        ops.rotary_embedding_write_kv(qkv, meta.positions, self.cos_sin[layer.rope],
+                                      k_cache, v_cache, meta.slot_mapping, H, Hkv)
         q = qkv[:, :self.q_size].view(T, H, D)
         extra = {}
         if layer.window:
@@ -488,16 +484,3 @@ class CausalLM:
         return self.compute_logits(hidden.index_select(
             0, torch.tensor(rows, dtype=torch.int64, device=hidden.device)))
 
-
-def _partial_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, H: int,
-                  Hkv: int, D: int, rd: int) -> None:
-    """In place: rotate-half RoPE on the first ``rd`` dims of every q and k head of ``qkv``
-    [T, (H + 2 Hkv) D] (fp32 math, one rounding), as transformers' partial rotary."""
-    T, half = qkv.shape[0], rd // 2
-    cs = cos_sin[positions]  # [T, rd]
-    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1).unsqueeze(1)  # [T, 1, rd]
-    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1).unsqueeze(1)
-    qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
-    x = qk[..., :rd].float()
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    qk[..., :rd] = (x * cos + rot * sin).to(qkv.dtype)

@@ -86,7 +86,9 @@ def rotary_embedding_write_kv_ref(qkv: torch.Tensor, positions: torch.Tensor,
     Args:
         qkv: [T, (H + 2*Hkv) * D] bf16/fp32, q | k | v heads; q and k rotated in place.
         positions: [T] int64 absolute positions, < max_pos.
-        cos_sin: [max_pos, D] float32 from :func:`rope_cos_sin`.
+        cos_sin: [max_pos, R] float32 from :func:`rope_cos_sin`: R = D, or R < D (partial
+            rotary, Phi-4-mini: the first R dims of each q and k head rotate, the rest pass
+            through, as transformers' ``partial_rotary_factor``).
         k_cache, v_cache: [num_blocks, Hkv, block_size, D] qkv's dtype, or int8
             ``[num_blocks, Hkv, block_size, D + 4]`` (rows of :func:`quantize_kv_rows`);
             written at each token's slot.
@@ -97,11 +99,12 @@ def rotary_embedding_write_kv_ref(qkv: torch.Tensor, positions: torch.Tensor,
     T = qkv.shape[0]
     H, Hkv = num_heads, num_kv_heads
     D = qkv.shape[1] // (H + 2 * Hkv)
-    half = D // 2
-    cs = cos_sin[positions]  # [T, D]
-    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1).unsqueeze(1)  # [T, 1, D]
+    rd = cos_sin.shape[1]
+    half = rd // 2
+    cs = cos_sin[positions]  # [T, rd]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1).unsqueeze(1)  # [T, 1, rd]
     sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1).unsqueeze(1)
-    qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)[..., :rd]
     x = qk.float()
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     qk.copy_((x * cos + rot * sin).to(qkv.dtype))
