@@ -298,125 +298,81 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// silu_and_mul
+// act_and_mul: out = dt(act(g) * u), g = x[:, :I], u = x[:, I:], fp32, one rounding. One
+// set of row kernels for both activations; an activation is a struct whose members give
+// act(g) * u on one float (the portable path, std::exp), on 8 lanes (AVX2) and on 16
+// (AVX-512, the 8-lane operations lane for lane: exp16 = exp8).
 // ---------------------------------------------------------------------------------------
 
-template <typename T>
-void silu_mul_scalar(T* out, const T* g, const T* u, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float a = load1(g + i);
-    store1(out + i, a / (1.0f + std::exp(-a)) * load1(u + i));
-  }
-}
-
+// silu_and_mul: silu(g) * u = g / (1 + exp(-g)) * u.
+struct SiluMul {
+  static float one(float a, float u) { return a / (1.0f + std::exp(-a)) * u; }
 #ifdef TS_X86
-TS_TARGET_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
-  __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
-}
-
-template <typename T>
-TS_TARGET_AVX2 void silu_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(out + i, silu_mul8(load8(g + i), load8(u + i)));
-  if (i < n) {  // tail through a zero-padded buffer: the same vector math as the body
-    alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
-    for (int64_t j = i; j < n; ++j) gb[j - i] = load1(g + j), ub[j - i] = load1(u + j);
-    _mm256_store_ps(ob, silu_mul8(_mm256_load_ps(gb), _mm256_load_ps(ub)));
-    for (int64_t j = i; j < n; ++j) store1(out + j, ob[j - i]);
+  TS_TARGET_AVX2 static __m256 lanes8(__m256 g, __m256 u) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
   }
-}
-
-TS_TARGET_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u) {  // silu_mul8 on 16 lanes
-  __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
-}
-
-template <typename T>
-TS_TARGET_AVX512 void silu_mul_avx512(T* out, const T* g, const T* u, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(out + i, silu_mul16(load16(g + i), load16(u + i)));
-  if (i < n) silu_mul_avx2(out + i, g + i, u + i, n - i);  // the same lane operations
-}
+  TS_TARGET_AVX512 static __m512 lanes16(__m512 g, __m512 u) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+  }
 #endif
+};
 
-template <typename T>
-void silu_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t rows,
-                       int64_t n) {
-  const bool avx2 = use_avx2(), avx512 = use_avx512();
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
-  parallel_for_stealing(rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* g = x + t * x_stride;
-#ifdef TS_X86
-      if (avx512) {
-        silu_mul_avx512(out + t * out_stride, g, g + n, n);
-        continue;
-      }
-      if (avx2) {
-        silu_mul_avx2(out + t * out_stride, g, g + n, n);
-        continue;
-      }
-#endif
-      silu_mul_scalar(out + t * out_stride, g, g + n, n);
-    }
-  });
-}
-
-// ---------------------------------------------------------------------------------------
 // gelu_tanh_and_mul: out = g / (1 + exp(g * (kGeluA + kGeluB * g^2))) * u, the ops in this
 // order on every path (the AVX2 and AVX-512 ones share exp8 lane for lane; the portable one
 // takes std::exp).
-// ---------------------------------------------------------------------------------------
-
 constexpr float kGeluA = -1.5957691216057308f;   // -2 sqrt(2 / pi)
 constexpr float kGeluB = -0.071354816272602f;    // -2 sqrt(2 / pi) * 0.044715
 
-template <typename T>
-void gelu_tanh_mul_scalar(T* out, const T* g, const T* u, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float a = load1(g + i);
+struct GeluTanhMul {
+  static float one(float a, float u) {
     float z = a * (kGeluA + kGeluB * (a * a));
-    store1(out + i, a / (1.0f + std::exp(z)) * load1(u + i));
+    return a / (1.0f + std::exp(z)) * u;
   }
+#ifdef TS_X86
+  TS_TARGET_AVX2 static __m256 lanes8(__m256 g, __m256 u) {
+    const __m256 z = _mm256_mul_ps(
+        g, _mm256_add_ps(_mm256_set1_ps(kGeluA), _mm256_mul_ps(_mm256_set1_ps(kGeluB), _mm256_mul_ps(g, g))));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(z))), u);
+  }
+  TS_TARGET_AVX512 static __m512 lanes16(__m512 g, __m512 u) {
+    const __m512 z = _mm512_mul_ps(
+        g, _mm512_add_ps(_mm512_set1_ps(kGeluA), _mm512_mul_ps(_mm512_set1_ps(kGeluB), _mm512_mul_ps(g, g))));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(z))), u);
+  }
+#endif
+};
+
+template <typename Act, typename T>
+void act_mul_scalar(T* out, const T* g, const T* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store1(out + i, Act::one(load1(g + i), load1(u + i)));
 }
 
 #ifdef TS_X86
-TS_TARGET_AVX2 inline __m256 gelu_tanh_mul8(__m256 g, __m256 u) {
-  const __m256 z = _mm256_mul_ps(
-      g, _mm256_add_ps(_mm256_set1_ps(kGeluA), _mm256_mul_ps(_mm256_set1_ps(kGeluB), _mm256_mul_ps(g, g))));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(z))), u);
-}
-
-template <typename T>
-TS_TARGET_AVX2 void gelu_tanh_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
+template <typename Act, typename T>
+TS_TARGET_AVX2 void act_mul_avx2(T* out, const T* g, const T* u, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(out + i, gelu_tanh_mul8(load8(g + i), load8(u + i)));
+  for (; i + 8 <= n; i += 8) store8(out + i, Act::lanes8(load8(g + i), load8(u + i)));
   if (i < n) {  // tail through a zero-padded buffer: the same vector math as the body
     alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
     for (int64_t j = i; j < n; ++j) gb[j - i] = load1(g + j), ub[j - i] = load1(u + j);
-    _mm256_store_ps(ob, gelu_tanh_mul8(_mm256_load_ps(gb), _mm256_load_ps(ub)));
+    _mm256_store_ps(ob, Act::lanes8(_mm256_load_ps(gb), _mm256_load_ps(ub)));
     for (int64_t j = i; j < n; ++j) store1(out + j, ob[j - i]);
   }
 }
 
-TS_TARGET_AVX512 inline __m512 gelu_tanh_mul16(__m512 g, __m512 u) {  // gelu_tanh_mul8 on 16 lanes
-  const __m512 z = _mm512_mul_ps(
-      g, _mm512_add_ps(_mm512_set1_ps(kGeluA), _mm512_mul_ps(_mm512_set1_ps(kGeluB), _mm512_mul_ps(g, g))));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(z))), u);
-}
-
-template <typename T>
-TS_TARGET_AVX512 void gelu_tanh_mul_avx512(T* out, const T* g, const T* u, int64_t n) {
+template <typename Act, typename T>
+TS_TARGET_AVX512 void act_mul_avx512(T* out, const T* g, const T* u, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(out + i, gelu_tanh_mul16(load16(g + i), load16(u + i)));
-  if (i < n) gelu_tanh_mul_avx2(out + i, g + i, u + i, n - i);  // the same lane operations
+  for (; i + 16 <= n; i += 16) store16(out + i, Act::lanes16(load16(g + i), load16(u + i)));
+  if (i < n) act_mul_avx2<Act>(out + i, g + i, u + i, n - i);  // the same lane operations
 }
 #endif
 
-template <typename T>
-void gelu_tanh_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t rows,
-                            int64_t n) {
+template <typename Act, typename T>
+void act_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t rows,
+                      int64_t n) {
   const bool avx2 = use_avx2(), avx512 = use_avx512();
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
   parallel_for_stealing(rows, grain, [&](int64_t begin, int64_t end) {
@@ -424,22 +380,24 @@ void gelu_tanh_and_mul_rows(T* out, int64_t out_stride, const T* x, int64_t x_st
       const T* g = x + t * x_stride;
 #ifdef TS_X86
       if (avx512) {
-        gelu_tanh_mul_avx512(out + t * out_stride, g, g + n, n);
+        act_mul_avx512<Act>(out + t * out_stride, g, g + n, n);
         continue;
       }
       if (avx2) {
-        gelu_tanh_mul_avx2(out + t * out_stride, g, g + n, n);
+        act_mul_avx2<Act>(out + t * out_stride, g, g + n, n);
         continue;
       }
 #endif
-      gelu_tanh_mul_scalar(out + t * out_stride, g, g + n, n);
+      act_mul_scalar<Act>(out + t * out_stride, g, g + n, n);
     }
   });
 }
 
-// The argument checks of silu_and_mul and gelu_tanh_and_mul: (T, I).
-std::pair<int64_t, int64_t> check_act_and_mul(const torch::Tensor& out, const torch::Tensor& x,
-                                              const char* name) {
+// silu_and_mul and gelu_tanh_and_mul: the argument checks, then the rows of the dtype.
+// out: [T, I] (stride(1) == 1), x's dtype
+// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
+template <typename Act>
+void act_and_mul(torch::Tensor& out, const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2*I], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
@@ -451,37 +409,25 @@ std::pair<int64_t, int64_t> check_act_and_mul(const torch::Tensor& out, const to
               out.scalar_type());
   TORCH_CHECK(x.numel() == 0 || x.stride(1) == 1, "x rows must be contiguous");
   TORCH_CHECK(out.numel() == 0 || out.stride(1) == 1, "out rows must be contiguous");
-  return {T_, n};
+  if (T_ == 0 || n == 0) return;
+  if (x.scalar_type() == at::kBFloat16)
+    act_and_mul_rows<Act, BFloat16>(out.data_ptr<BFloat16>(), out.stride(0),
+                                    x.data_ptr<BFloat16>(), x.stride(0), T_, n);
+  else
+    act_and_mul_rows<Act, float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
+                                 x.stride(0), T_, n);
 }
 
 }  // namespace
 
 namespace tokenserve {
 
-// out: [T, I] (stride(1) == 1), x's dtype
-// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
-  const auto [T_, n] = check_act_and_mul(out, x, "silu_and_mul");
-  if (T_ == 0 || n == 0) return;
-  if (x.scalar_type() == at::kBFloat16)
-    silu_and_mul_rows<BFloat16>(out.data_ptr<BFloat16>(), out.stride(0), x.data_ptr<BFloat16>(),
-                                x.stride(0), T_, n);
-  else
-    silu_and_mul_rows<float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
-                             x.stride(0), T_, n);
+  act_and_mul<SiluMul>(out, x, "silu_and_mul");
 }
 
-// out: [T, I] (stride(1) == 1), x's dtype
-// x:   [T, 2*I] bf16/fp32 (stride(1) == 1): gate = x[:, :I], up = x[:, I:]
 void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
-  const auto [T_, n] = check_act_and_mul(out, x, "gelu_tanh_and_mul");
-  if (T_ == 0 || n == 0) return;
-  if (x.scalar_type() == at::kBFloat16)
-    gelu_tanh_and_mul_rows<BFloat16>(out.data_ptr<BFloat16>(), out.stride(0), x.data_ptr<BFloat16>(),
-                                     x.stride(0), T_, n);
-  else
-    gelu_tanh_and_mul_rows<float>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(),
-                                  x.stride(0), T_, n);
+  act_and_mul<GeluTanhMul>(out, x, "gelu_tanh_and_mul");
 }
 
 }  // namespace tokenserve

@@ -102,3 +102,95 @@ def inner_loop_params(c) -> list:
             pytest.param("avx2", id="avx2", marks=[] if f.get("avx2_fma") else
                          [pytest.mark.skip(reason="this CPU has no AVX2+FMA")]),
             pytest.param("portable", id="portable")]
+
+
+# --------------------------------------------------------------------- csrc/layer_ops.cpp
+# The forced paths and the act-and-mul checks (silu_and_mul, gelu_tanh_and_mul) shared by
+# test_kernel_layer_ops.py and test_kernel_gelu_tanh.py.
+
+LAYER_OPS_PATHS = ("vector", "avx2", "portable")
+
+
+class ForcedLayerOps:
+    """The layer_ops path of the extension ``C`` forced for a block: "vector" (the machine's
+    best: AVX-512 where it has it), "avx2" (AVX2 even on an AVX-512 machine) or "portable"."""
+
+    def __init__(self, C, name: str):
+        assert name in LAYER_OPS_PATHS, name
+        self.C, self.name = C, name
+
+    def __enter__(self):
+        self.old = (self.C._layer_ops_force_portable(self.name == "portable"),
+                    self.C._layer_ops_force_avx2(self.name == "avx2"))
+
+    def __exit__(self, *exc):
+        self.C._layer_ops_force_portable(self.old[0])
+        self.C._layer_ops_force_avx2(self.old[1])
+
+
+def layer_ops_path_fixture(C):
+    """A ``path`` fixture for a test module (``path = layer_ops_path_fixture(C)``): each test
+    that takes it runs on the machine's best layer_ops path, then with the AVX2 and the
+    portable one forced."""
+
+    @pytest.fixture(params=list(LAYER_OPS_PATHS))
+    def path(request):
+        with ForcedLayerOps(C, request.param):
+            yield request.param
+
+    return path
+
+
+def layer_rows(T: int, n: int, dtype: torch.dtype, seed: int, scale: float = 1.0,
+               strided: bool = False) -> torch.Tensor:
+    """[T, n] random rows (``scale`` times standard normal) in ``dtype``, reproducible per
+    seed; ``strided``: a view of the first n columns of [T, n + 7] (row stride n + 7)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, n + (7 if strided else 0), generator=g) * scale
+    x = x.to(dtype)
+    return x[:, :n] if strided else x
+
+
+def act_and_mul(C, op: str, x: torch.Tensor) -> torch.Tensor:
+    """``C.<op>(out, x)`` (op: silu_and_mul, gelu_tanh_and_mul) into a new [T, I] ``out``."""
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    getattr(C, op)(out, x)
+    return out
+
+
+def act_and_ref(C, op: str, ref_fn: Callable[[torch.Tensor, torch.Tensor], None], T: int,
+                I: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An act-and-mul reference case: x (T rows of 2 * I, 4 times standard normal, seeded by
+    T and I), ``C.<op>``'s output (into NaNs: each element must be written) and
+    ``ref_fn``'s."""
+    x = layer_rows(T, 2 * I, dtype, seed=T * 23 + I, scale=4.0)
+    out = torch.full((T, I), float("nan"), dtype=dtype)
+    getattr(C, op)(out, x)
+    ref = torch.empty_like(out)
+    ref_fn(ref, x)
+    return x, out, ref
+
+
+def assert_act_avx512_is_avx2(C, op: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AVX-512 path of ``C.<op>`` is the AVX2 one on 16 lanes: the same bits, body and
+    tail (I = 1536 + 13), NaN, inf and large |g| included. Returns x and the output; x[0, :4]
+    (g) is NaN, inf, -inf, 100."""
+    x = layer_rows(9, 2 * (1536 + 13), dtype, seed=11, scale=6.0)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0])
+    x[1, 1536 + 13: 1536 + 17] = torch.tensor([-100.0, 90.0, -90.0, 0.0])
+    outs = []
+    for name in ("vector", "avx2"):
+        with ForcedLayerOps(C, name):
+            outs.append(act_and_mul(C, op, x))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # NaN == NaN as bits
+    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+    return x, outs[0]
+
+
+def assert_act_row_invariant(C, op: str, x: torch.Tensor) -> None:
+    """Bit for bit: rows 0, T // 2 and T - 1 of ``C.<op>(x)`` equal each row computed
+    alone (whatever else is in the batch, however the threads split it)."""
+    out = act_and_mul(C, op, x)
+    T = x.shape[0]
+    for t in sorted({0, T // 2, T - 1}):
+        assert torch.equal(act_and_mul(C, op, x[t: t + 1].clone())[0], out[t]), t

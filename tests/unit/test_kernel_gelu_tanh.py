@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from tests import kernel_checks as kc
 from tokenserve.ops.dispatch import Kernels, load_kernels
 from tokenserve.ops.layer_ref import gelu_tanh_and_mul_ref
 
@@ -27,31 +28,7 @@ pytestmark = pytest.mark.skipif(C is None or not hasattr(C, "gelu_tanh_and_mul")
 DTYPES = [torch.bfloat16, torch.float32]
 
 
-class _Forced:
-    """The layer_ops path forced for a block: "vector" (the machine's best), "avx2" or
-    "portable"."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        self.old = (C._layer_ops_force_portable(self.name == "portable"),
-                    C._layer_ops_force_avx2(self.name == "avx2"))
-
-    def __exit__(self, *exc):
-        C._layer_ops_force_portable(self.old[0])
-        C._layer_ops_force_avx2(self.old[1])
-
-
-@pytest.fixture(params=["vector", "avx2", "portable"])
-def path(request):
-    with _Forced(request.param):
-        yield request.param
-
-
-def _rows(T: int, n: int, dtype: torch.dtype, seed: int, scale: float = 3.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(T, n, generator=g) * scale).to(dtype)
+path = kc.layer_ops_path_fixture(C)
 
 
 def _truth(x: torch.Tensor) -> torch.Tensor:
@@ -66,11 +43,7 @@ def _truth(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("T", [0, 1, 3, 17, 300])
 @pytest.mark.parametrize("I", [1536, 37, 8, 1])
 def test_gelu_tanh_and_mul_matches_reference(path, dtype, T, I):
-    x = _rows(T, 2 * I, dtype, seed=T * 23 + I, scale=4.0)
-    out = torch.full((T, I), float("nan"), dtype=dtype)
-    C.gelu_tanh_and_mul(out, x)
-    ref = torch.empty_like(out)
-    gelu_tanh_and_mul_ref(ref, x)
+    x, out, ref = kc.act_and_ref(C, "gelu_tanh_and_mul", gelu_tanh_and_mul_ref, T, I, dtype)
     # bf16: one rounding of nearly the same fp32 value (1 bf16 ulp at most)
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out, ref, rtol=rtol, atol=1e-5)
@@ -95,19 +68,9 @@ def test_gelu_tanh_keeps_the_negative_tail():
 def test_gelu_tanh_and_mul_avx512_is_avx2(dtype):
     """The AVX-512 path is the AVX2 one on 16 lanes: the same bits, body and tail
     (I = 1536 + 13), NaN, inf and large |g| included."""
-    x = _rows(9, 2 * (1536 + 13), dtype, seed=11, scale=6.0)
-    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0])
-    x[1, 1536 + 13: 1536 + 17] = torch.tensor([-100.0, 90.0, -90.0, 0.0])
-    outs = []
-    for name in ("vector", "avx2"):
-        with _Forced(name):
-            o = torch.empty(9, 1536 + 13, dtype=dtype)
-            C.gelu_tanh_and_mul(o, x)
-            outs.append(o)
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # NaN == NaN as bits
-    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+    x, o = kc.assert_act_avx512_is_avx2(C, "gelu_tanh_and_mul", dtype)
     # the special values as torch has them: gelu(inf) = inf, gelu(-inf) = NaN, gelu(100) = 100
-    o = outs[0].float()
+    o = o.float()
     assert o[0, 0].isnan() and o[0, 1] == float("inf") * x[0, 1550].float()
     assert o[0, 2].isnan() and o[0, 3] == (100.0 * x[0, 1552].float()).to(dtype).float()
 
@@ -115,13 +78,8 @@ def test_gelu_tanh_and_mul_avx512_is_avx2(dtype):
 @pytest.mark.parametrize("T", [1, 300])
 def test_gelu_tanh_and_mul_row_invariance(T):
     """A row's output is bit-identical alone or inside a batch (any T, any thread split)."""
-    x = _rows(T, 2 * 1536, torch.bfloat16, seed=13)
-    out = torch.empty(T, 1536, dtype=torch.bfloat16)
-    C.gelu_tanh_and_mul(out, x)
-    for t in sorted({0, T // 2, T - 1}):
-        one = torch.empty(1, 1536, dtype=torch.bfloat16)
-        C.gelu_tanh_and_mul(one, x[t: t + 1].clone())
-        assert torch.equal(one[0], out[t])
+    x = kc.layer_rows(T, 2 * 1536, torch.bfloat16, seed=13, scale=3.0)
+    kc.assert_act_row_invariant(C, "gelu_tanh_and_mul", x)
 
 
 def test_gelu_tanh_and_mul_rejects_bad_arguments():
@@ -135,7 +93,7 @@ def test_gelu_tanh_and_mul_rejects_bad_arguments():
 
 
 def test_dispatch_runs_the_kernel_or_the_reference():
-    x = _rows(5, 2 * 40, torch.bfloat16, seed=3)
+    x = kc.layer_rows(5, 2 * 40, torch.bfloat16, seed=3, scale=3.0)
     ref = torch.empty(5, 40, dtype=torch.bfloat16)
     gelu_tanh_and_mul_ref(ref, x)
     assert torch.equal(Kernels(use_c=False).gelu_tanh_and_mul(x), ref)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import kernel_checks as kc
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.layer_ref import fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 
@@ -27,27 +28,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 EPS = 1e-5
 
 
-class _Forced:
-    """The layer_ops path forced for a block: "vector" (the machine's best: AVX-512 where it
-    has it), "avx2" (AVX2 even on an AVX-512 machine) or "portable"."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        self.old = (C._layer_ops_force_portable(self.name == "portable"),
-                    C._layer_ops_force_avx2(self.name == "avx2"))
-
-    def __exit__(self, *exc):
-        C._layer_ops_force_portable(self.old[0])
-        C._layer_ops_force_avx2(self.old[1])
-
-
-@pytest.fixture(params=["vector", "avx2", "portable"])
-def path(request):
-    """Run a test on the machine's best path, then with the AVX2 and the portable one forced."""
-    with _Forced(request.param):
-        yield request.param
+path = kc.layer_ops_path_fixture(C)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -66,13 +47,6 @@ def _max_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(_ulps(a, b).max()) if a.numel() else 0
 
 
-def _rows(T, Hd, dtype, seed, scale=1.0, strided=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, Hd + (7 if strided else 0), generator=g) * scale
-    x = x.to(dtype)
-    return x[:, :Hd] if strided else x
-
-
 def _weight(Hd, dtype, seed):
     g = torch.Generator().manual_seed(seed + 1)
     return (1 + 0.5 * torch.randn(Hd, generator=g)).to(dtype)
@@ -83,7 +57,7 @@ def _weight(Hd, dtype, seed):
 @pytest.mark.parametrize("Hd", [576, 37, 8, 1])
 @pytest.mark.parametrize("strided", [False, True])
 def test_rms_norm_matches_reference(path, dtype, T, Hd, strided):
-    x = _rows(T, Hd, dtype, seed=T * 13 + Hd, scale=3.0, strided=strided)
+    x = kc.layer_rows(T, Hd, dtype, seed=T * 13 + Hd, scale=3.0, strided=strided)
     w = _weight(Hd, dtype, Hd)
     out = torch.full((T, Hd), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
@@ -103,8 +77,8 @@ def test_rms_norm_matches_reference(path, dtype, T, Hd, strided):
 @pytest.mark.parametrize("Hd", [576, 37])
 @pytest.mark.parametrize("strided", [False, True])
 def test_fused_add_rms_norm_matches_reference(path, dtype, T, Hd, strided):
-    x = _rows(T, Hd, dtype, seed=T * 17 + Hd, strided=strided)
-    res = _rows(T, Hd, dtype, seed=T * 19 + Hd + 1, scale=4.0, strided=strided)
+    x = kc.layer_rows(T, Hd, dtype, seed=T * 17 + Hd, strided=strided)
+    res = kc.layer_rows(T, Hd, dtype, seed=T * 19 + Hd + 1, scale=4.0, strided=strided)
     w = _weight(Hd, dtype, Hd + 3)
     rx, rres = x.clone(), res.clone()
     C.fused_add_rms_norm(x, res, w, EPS)
@@ -117,8 +91,8 @@ def test_fused_add_rms_norm_matches_reference(path, dtype, T, Hd, strided):
 def test_fused_add_rms_norm_matches_the_model_code():
     """The residual stream and the norm as HF Llama computes them in bf16:
     ``h = h + a``; ``w * (hf * rsqrt(mean(hf^2) + eps)).to(bf16)`` with ``hf = h.float()``."""
-    a = _rows(17, 576, torch.bfloat16, seed=1)
-    h = _rows(17, 576, torch.bfloat16, seed=2, scale=5.0)
+    a = kc.layer_rows(17, 576, torch.bfloat16, seed=1)
+    h = kc.layer_rows(17, 576, torch.bfloat16, seed=2, scale=5.0)
     w = _weight(576, torch.bfloat16, 4)
     want_h = h + a
     hf = want_h.float()
@@ -130,11 +104,11 @@ def test_fused_add_rms_norm_matches_the_model_code():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_paths_bit_identical(dtype):
-    x = _rows(17, 576 + 13, dtype, seed=5, scale=2.0)
+    x = kc.layer_rows(17, 576 + 13, dtype, seed=5, scale=2.0)
     w = _weight(576 + 13, dtype, 5)
     outs = []
     for name in ("vector", "avx2", "portable"):
-        with _Forced(name):
+        with kc.ForcedLayerOps(C, name):
             o = torch.empty_like(x)
             C.rms_norm(o, x, w, EPS)
             xx, rr = x.clone(), x.flip(0).contiguous()
@@ -149,21 +123,11 @@ def test_rms_norm_paths_bit_identical(dtype):
 def test_silu_and_mul_avx512_is_avx2(dtype):
     """The AVX-512 path is the AVX2 one on 16 lanes (exp16 = exp8 lane for lane): the same
     bits, body and tail (I = 1536 + 13), NaN, inf and large |g| included."""
-    x = _rows(9, 2 * (1536 + 13), dtype, seed=11, scale=6.0)
-    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0])
-    x[1, 1536 + 13: 1536 + 17] = torch.tensor([-100.0, 90.0, -90.0, 0.0])
-    outs = []
-    for name in ("vector", "avx2"):
-        with _Forced(name):
-            o = torch.empty(9, 1536 + 13, dtype=dtype)
-            C.silu_and_mul(o, x)
-            outs.append(o)
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # NaN == NaN as bits
-    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+    kc.assert_act_avx512_is_avx2(C, "silu_and_mul", dtype)
 
 
 def test_rms_norm_in_place_and_nan():
-    x = _rows(3, 37, torch.bfloat16, seed=8)
+    x = kc.layer_rows(3, 37, torch.bfloat16, seed=8)
     w = _weight(37, torch.bfloat16, 8)
     ref = torch.empty_like(x)
     rms_norm_ref(ref, x, w, EPS)
@@ -177,15 +141,13 @@ def test_rms_norm_in_place_and_nan():
 def test_layer_ops_row_invariance(T):
     """A row's output is bit-identical alone or inside a batch (any T, any thread split)."""
     dtype = torch.bfloat16
-    x = _rows(T, 576, dtype, seed=11, scale=2.0)
-    res = _rows(T, 576, dtype, seed=12, scale=3.0)
+    x = kc.layer_rows(T, 576, dtype, seed=11, scale=2.0)
+    res = kc.layer_rows(T, 576, dtype, seed=12, scale=3.0)
     w = _weight(576, dtype, 11)
-    xi = _rows(T, 2 * 1536, dtype, seed=13, scale=3.0)
+    xi = kc.layer_rows(T, 2 * 1536, dtype, seed=13, scale=3.0)
     out, bx, bres = torch.empty_like(x), x.clone(), res.clone()
-    bsilu = torch.empty(T, 1536, dtype=dtype)
     C.rms_norm(out, x, w, EPS)
     C.fused_add_rms_norm(bx, bres, w, EPS)
-    C.silu_and_mul(bsilu, xi)
     for t in sorted({0, T // 2, T - 1}):
         o1 = torch.empty(1, 576, dtype=dtype)
         C.rms_norm(o1, x[t: t + 1].clone(), w, EPS)
@@ -193,9 +155,7 @@ def test_layer_ops_row_invariance(T):
         x1, r1 = x[t: t + 1].clone(), res[t: t + 1].clone()
         C.fused_add_rms_norm(x1, r1, w, EPS)
         assert torch.equal(x1[0], bx[t]) and torch.equal(r1[0], bres[t])
-        s1 = torch.empty(1, 1536, dtype=dtype)
-        C.silu_and_mul(s1, xi[t: t + 1].clone())
-        assert torch.equal(s1[0], bsilu[t])
+    kc.assert_act_row_invariant(C, "silu_and_mul", xi)
 
 
 def test_rms_norm_rejects_bad_arguments():
@@ -214,11 +174,7 @@ def test_rms_norm_rejects_bad_arguments():
 @pytest.mark.parametrize("T", [0, 1, 3, 17, 300])
 @pytest.mark.parametrize("I", [1536, 37, 8, 1])
 def test_silu_and_mul_matches_reference(path, dtype, T, I):
-    x = _rows(T, 2 * I, dtype, seed=T * 23 + I, scale=4.0)
-    out = torch.full((T, I), float("nan"), dtype=dtype)
-    ref = torch.empty_like(out)
-    C.silu_and_mul(out, x)
-    silu_and_mul_ref(ref, x)
+    x, out, ref = kc.act_and_ref(C, "silu_and_mul", silu_and_mul_ref, T, I, dtype)
     if dtype == torch.bfloat16:
         assert _max_ulps(out, ref) <= 1
         g, u = x.chunk(2, dim=-1)

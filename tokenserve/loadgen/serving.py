@@ -556,18 +556,16 @@ def assemble(args: argparse.Namespace, meta: dict[str, Any], ours: Sequence[Leve
             drafted, accepted = res.spec
             level["spec_decode"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
                                     "acceptance": accepted / drafted if drafted else None}
-        if base is not None:
-            b = base[k]
-            s_base = summarize(b.records, b.duration_s, **slo)
-            level["baseline"] = s_base
-            level["ratio"] = compare(s_ours, s_base)
-            level["records"]["baseline"] = [r.to_json() for r in b.records]
-        if llama is not None:
-            lc = llama[k]
-            s_llama = summarize(lc.records, lc.duration_s, **slo)
-            level["llamacpp"] = s_llama
-            level["ratio_llamacpp"] = compare(s_ours, s_llama)
-            level["records"]["llamacpp"] = [r.to_json() for r in lc.records]
+        # the baselines that ran: their summary, ours / theirs, their records
+        for key, ratio_key, runs in (("baseline", "ratio", base),
+                                     ("llamacpp", "ratio_llamacpp", llama)):
+            if runs is None:
+                continue
+            other = runs[k]
+            s_other = summarize(other.records, other.duration_s, **slo)
+            level[key] = s_other
+            level[ratio_key] = compare(s_ours, s_other)
+            level["records"][key] = [r.to_json() for r in other.records]
         levels.append(level)
     return {"meta": meta, "levels": levels}
 
