@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.server
+import signal
 import threading
 import time
 
@@ -265,3 +266,36 @@ def _stream_chunks(url: str, body: dict) -> int:
 def _decoded(url: str) -> float:
     """Requests a decode instance finished (its request_success_total)."""
     return _success(url)
+
+
+def test_a_stopped_d_finishes_its_streams_then_exits_without_waiting_on_dresult(cl):
+    """SIGINT a decode instance while a stream runs through it: the stream still gets every
+    token (its messages go out on the open /dresult), then D ends /dresult with the close
+    message and exits 0 at once, instead of holding the coordinator's /dresult stream
+    for its whole drain time (a new user saw a stopped D stay up with 'draining 1
+    requests' and no request in flight)."""
+    d = instance("d_stop", cl["tmp"], "--role", "decode", "--timeout-graceful-shutdown", "60").start()
+    coord = coordinator(cl["tmp"], [cl["p"]], [d], name="coord_dstop").start()
+    try:
+        d.wait_ready()
+        coord.wait_ready("/v1/readiness")
+        body = {"prompt": "Count slowly.", "stream": True, "max_tokens": 48,
+                "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_chunks, coord.url, body)
+            deadline = time.monotonic() + 60
+            while d.status()["resource"]["runningRequestNum"] == 0:
+                assert time.monotonic() < deadline and not stream.done()
+                time.sleep(0.05)
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGINT)
+            assert stream.result(timeout=120) >= 48  # every token, then the end
+        ended = time.monotonic()
+        assert d.proc.wait(30) == 0
+        assert time.monotonic() - ended < 15, "D waited on /dresult for its drain time"
+        log = d.log.read_text()
+        assert "draining" in log and "drain time ended" not in log
+        cl["p"].assert_leak_free()
+    finally:
+        coord.stop()
+        d.stop()

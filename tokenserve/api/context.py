@@ -15,6 +15,7 @@ module-global state::
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,7 +51,10 @@ class ServeContext:
     Attributes:
         registry: live requests, for ``stopInfer``.
         metrics: Prometheus metrics of this server, or None to record nothing.
+        drain_hooks: coroutines run beside the server's drain (a PD decode instance ends
+            its ``/dresult`` stream once its requests are done).
     """
 
     registry: RequestRegistry = field(default_factory=RequestRegistry)
     metrics: Metrics | None = None
+    drain_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)

@@ -241,6 +241,15 @@ class DecodeServer:
         self._live: dict[str, Signal] = {}
         self._watchdog: asyncio.Task | None = None
 
+    async def drain(self) -> None:
+        """The server is stopping (its listeners take no new connections): once the
+        running requests have ended (their last messages published), end the ``/dresult``
+        stream with the close message, so the server's drain does not wait on that one
+        long-lived response for its whole timeout."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+        self.hub.close()
+
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()

@@ -34,6 +34,7 @@ class DresultHub:
         self._backlog: collections.deque[bytes] = collections.deque(maxlen=backlog)
         #: time.monotonic() when the last consumer left; None while one is connected
         self.orphaned_since: float | None = time.monotonic()
+        self._closed = False
 
     def publish(self, msg: bytes) -> None:
         """Queue one chunk (whole messages) for the consumer; never blocks."""
@@ -46,6 +47,13 @@ class DresultHub:
     def connected(self) -> bool:
         return self._queue is not None
 
+    def close(self) -> None:
+        """The server is stopping and nothing is left to send: the consumer's stream ends
+        (after what is queued, with the close message), and so does any later one's."""
+        self._closed = True
+        if self._queue is not None:
+            self._queue.put_nowait(_CLOSE)
+
     async def serve(self, request: HttpRequest, response: HttpResponse) -> None:
         """Stream messages to this consumer until it leaves or a newer one replaces it."""
         if self._queue is not None:
@@ -55,6 +63,8 @@ class DresultHub:
             queue.put_nowait(self._backlog.popleft())
         self._queue = queue
         self.orphaned_since = None
+        if self._closed:
+            queue.put_nowait(_CLOSE)
         gone = asyncio.Event()
         request.disconnected.subscribe(gone.set)
         request.disconnected.subscribe(lambda: queue.put_nowait(_CLOSE))

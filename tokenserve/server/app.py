@@ -102,6 +102,7 @@ def build_router(
         router.add(route.method, route.path, wrap(handler) if wrap is not None else handler)
     if node.cfg.pd:
         engine.set_kv_puller(decode.pull)
+        context.drain_hooks.append(decode.drain)
     if not node.cfg.pd:
         return router
 
@@ -197,6 +198,11 @@ async def serve(
             await stop.wait()
     finally:
         close_listeners(bound[len(servers):])  # bound but never served (a start failed)
-        await asyncio.shield(drain(servers, context.registry, shutdown_timeout_s, now))
+        hooks = [asyncio.ensure_future(hook()) for hook in context.drain_hooks]
+        try:
+            await asyncio.shield(drain(servers, context.registry, shutdown_timeout_s, now))
+        finally:
+            for hook in hooks:
+                hook.cancel()
 
 
