@@ -234,6 +234,28 @@ def test_the_coordinator_pairs_only_equal_world_sizes(caplog) -> None:
                      "cannot be linked: the KV hand-off is rank to rank")]
 
 
+def test_a_request_goes_to_a_p_that_has_a_d_of_its_size() -> None:
+    """P of 2 ranks and P of 1, one D of 1: a request is placed on the P that can hand
+    off (before, DIGS could keep choosing the other and the request ended 408); the
+    forwarded routes still take any P."""
+    cfg = CoordinatorConfig(prefill=(InstanceAddr.parse("127.0.0.1:1000"),
+                                     InstanceAddr.parse("127.0.0.1:1001")),
+                            decode=(InstanceAddr.parse("127.0.0.1:2000"),))
+    pool = InstancePool(cfg, httpx.AsyncClient())
+    for inst, world in zip(pool.prefill + pool.decode, [2, 1, 1]):
+        inst.status = {"service": {"currentRole": "decode" if inst.is_decode else "prefill"},
+                       "resource": {"availBlockNum": 100, "totalNpuBlockNums": 100,
+                                    "worldSize": world}}
+        inst.link_up = True
+    for _ in range(4):
+        p = pool.choose_p(linked=True)
+        assert p is not None and p.name == "127.0.0.1:1001"
+        p.chosen += 1  # DIGS would now prefer the other P
+    assert pool.choose_p().name == "127.0.0.1:1000"
+    pool.decode[0].status = None  # no usable D at all: no P for a request
+    assert pool.choose_p(linked=True) is None and pool.choose_p() is not None
+
+
 def test_an_instance_that_does_not_say_has_world_size_one() -> None:
     pool = _pool(1, [1])
     del pool.decode[0].status["resource"]["worldSize"]

@@ -256,11 +256,14 @@ class InstancePool:
     # ------------------------------------------------------------------ selection
 
     def choose_p(self, exclude: frozenset[str] = frozenset(), *, prompt: str = "",
-                 cost: int = 0) -> Instance | None:
+                 cost: int = 0, linked: bool = False) -> Instance | None:
         """The usable P (not in ``exclude``, by name) the policy picks for a request
         whose prompt text is ``prompt`` and cost ``cost`` tokens
-        (:mod:`tokenserve.coordinator.policy`)."""
-        cands = [p for p in self.prefill if p.usable() and p.name not in exclude]
+        (:mod:`tokenserve.coordinator.policy`); ``linked``: only among the Ps that have a
+        usable D of their world size (a request's placement: a P whose every D has
+        another size could never hand off; the forwarded routes take any P)."""
+        cands = [p for p in self.prefill if p.usable() and p.name not in exclude
+                 and (not linked or self._has_d_of_its_size(p))]
         views = [PView(p.name, p.prefill_load, p.chosen) for p in cands]
         if self._cfg.p_policy == "affinity" and prompt:
             i = affinity_p(views, prefix_key(prompt, self._cfg.affinity_prefix_chars),
@@ -268,6 +271,10 @@ class InstancePool:
         else:
             i = digs_p(views)
         return None if i is None else cands[i]
+
+    def _has_d_of_its_size(self, p: Instance) -> bool:
+        world = p.world_size()
+        return any(d.usable() and d.world_size() == world for d in self.decode)
 
     def choose_d(self, exclude: frozenset[str] = frozenset(), *, assign: int = 1,
                  avoid: str | None = None, world: int | None = None) -> Instance | None:

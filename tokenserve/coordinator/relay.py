@@ -295,7 +295,7 @@ class Flow:
         while True:
             p = self._prefer_p
             if p is None or not p.usable():
-                p = pool.choose_p(prompt=self._in.prompt, cost=self._in.cost)
+                p = pool.choose_p(prompt=self._in.prompt, cost=self._in.cost, linked=True)
             if p is not None:
                 world = p.world_size()  # a D of P's worldSize: rank to rank KV
                 d = (pool.choose_d(frozenset(self._lost), assign=blocks, avoid=p.name,
