@@ -42,7 +42,9 @@ def _inv_freq(D: int, theta: float = 10000.0) -> torch.Tensor:
     return 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)
 
 
-def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096, kv="model"):
+def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096, kv="model", rotary_dim=None):
+    """(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping); ``rotary_dim`` (default
+    D): the table's width (partial rotary when narrower than the head)."""
     g = torch.Generator().manual_seed(seed)
     nb = max(4, (T + bs - 1) // bs * 2 + 3)
     qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 3).to(dtype)
@@ -55,8 +57,20 @@ def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096, kv="model"):
     v_cache = torch.randn(nb, Hkv, bs, D, generator=g).to(dtype)
     if kv == "int8":
         k_cache, v_cache = quantize_kv_rows(k_cache), quantize_kv_rows(v_cache)
-    cs = rope_cos_sin(_inv_freq(D), max_pos)
+    cs = rope_cos_sin(_inv_freq(rotary_dim or D), max_pos)
     return qkv, positions, cs, k_cache, v_cache, slots
+
+
+def _kernel_equals_reference(args, H, Hkv) -> list[torch.Tensor]:
+    """The kernel and the reference on copies of ``args``: every tensor bit-equal after;
+    returns the kernel's."""
+    mine = [a.clone() for a in args]
+    ref = [a.clone() for a in args]
+    C.rotary_embedding_write_kv(*mine, H, Hkv)
+    rotary_embedding_write_kv_ref(*ref, H, Hkv)
+    for got, want in zip(mine, ref):
+        assert torch.equal(got, want)
+    return mine
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,12 +80,7 @@ def _rope_case(T, H, Hkv, D, bs, dtype, seed=0, max_pos=4096, kv="model"):
 @pytest.mark.parametrize("kv", ["model", "int8"])
 def test_rotary_embedding_write_kv_matches_reference(path, dtype, T, H, Hkv, D, bs, kv):
     args = _rope_case(T, H, Hkv, D, bs, dtype, seed=T * 7 + bs, kv=kv)
-    mine = [a.clone() for a in args]
-    ref = [a.clone() for a in args]
-    C.rotary_embedding_write_kv(*mine, H, Hkv)
-    rotary_embedding_write_kv_ref(*ref, H, Hkv)
-    for got, want in zip(mine, ref):
-        assert torch.equal(got, want)
+    mine = _kernel_equals_reference(args, H, Hkv)
     if T:  # the op did something: q/k changed, v untouched, cache rows written
         assert not torch.equal(mine[0][:, : (H + Hkv) * D], args[0][:, : (H + Hkv) * D])
         assert torch.equal(mine[0][:, (H + Hkv) * D:], args[0][:, (H + Hkv) * D:])
@@ -84,15 +93,9 @@ def test_partial_rotary_matches_reference(path, dtype, D, R, kv):
     """A table narrower than the head (Phi-4-mini's ``partial_rotary_factor``): the first
     R dims of each q and k head rotate, the rest pass through; bits = the reference's."""
     H, Hkv, T = 4, 2, 19
-    qkv, positions, _, k_cache, v_cache, slots = _rope_case(T, H, Hkv, D, 16, dtype, kv=kv)
-    cs = rope_cos_sin(_inv_freq(R), 4096)  # [max_pos, R]
-    args = (qkv, positions, cs, k_cache, v_cache, slots)
-    mine = [a.clone() for a in args]
-    ref = [a.clone() for a in args]
-    C.rotary_embedding_write_kv(*mine, H, Hkv)
-    rotary_embedding_write_kv_ref(*ref, H, Hkv)
-    for got, want in zip(mine, ref):
-        assert torch.equal(got, want)
+    args = _rope_case(T, H, Hkv, D, 16, dtype, kv=kv, rotary_dim=R)
+    qkv, positions, _, k_cache, v_cache, slots = args
+    mine = _kernel_equals_reference(args, H, Hkv)
     heads = mine[0][:, : (H + Hkv) * D].view(T, H + Hkv, D)
     before = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
     assert torch.equal(heads[..., R:], before[..., R:])  # the rest passes through

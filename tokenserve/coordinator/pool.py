@@ -273,17 +273,22 @@ class InstancePool:
         return None if i is None else cands[i]
 
     def _has_d_of_its_size(self, p: Instance) -> bool:
-        world = p.world_size()
-        return any(d.usable() and d.world_size() == world for d in self.decode)
+        return bool(self._usable_ds(world=p.world_size()))
+
+    def _usable_ds(self, exclude: frozenset[str] = frozenset(), avoid: str | None = None,
+                   world: int | None = None) -> list[Instance]:
+        """The usable Ds not in ``exclude``, not named ``avoid``, of ``world`` ranks when
+        given (the KV hand-off is rank to rank)."""
+        return [d for d in self.decode
+                if d.usable() and d.name not in exclude and d.name != avoid
+                and (world is None or d.world_size() == world)]
 
     def choose_d(self, exclude: frozenset[str] = frozenset(), *, assign: int = 1,
                  avoid: str | None = None, world: int | None = None) -> Instance | None:
         """The usable D (not in ``exclude``; not the P named ``avoid``: [I] a flex
         instance is never paired with itself; of ``world`` ranks when given: the P's, the
         KV hand-off is rank to rank) of least DIGS load, charged ``assign`` blocks."""
-        cands = [d for d in self.decode
-                 if d.usable() and d.name not in exclude and d.name != avoid
-                 and (world is None or d.world_size() == world)]
+        cands = self._usable_ds(exclude, avoid, world)
         i = digs_d([DView(d.outstanding, d.free_blocks() + d.assigned_blocks,
                           d.assigned_blocks, d.total_blocks()) for d in cands], assign)
         if i is None:

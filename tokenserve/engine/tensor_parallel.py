@@ -453,7 +453,7 @@ def run_rank(cfg: EngineConfig, rank: int, store_addr: tuple[str, int],
     comm = _collectives(shards, rank, par, store, r.model_cfg)
     model = load_model(r, _context(shards, rank, comm))
     log.info("rank %d: %s", rank, shards[rank])
-    kv = hidden = None
+    kv = region = hidden = None
     pd = RankKvServer(rank, store)  # PD: this rank's share of the KV hand-off
     while True:
         msg = recv_message(sock)
@@ -471,15 +471,16 @@ def run_rank(cfg: EngineConfig, rank: int, store_addr: tuple[str, int],
         elif isinstance(msg, TpStart):
             kv = model.allocate_kv_cache(msg.num_blocks, msg.block_size,
                                          getattr(torch, msg.kv_dtype))
+            region = kv[0][0]._base  # every layer's K and V: one tensor
             rss = process_rss()
             log.info("rank %d memory: resident %.0f MiB (peak %.0f) = weights %.0f + KV cache "
                      "%.0f + the rest", rank, *(v / 2**20 for v in (
                          rss or (0, 0))), model.weight_bytes / 2**20,
-                     kv[0][0]._base.numel() * kv[0][0].element_size() / 2**20)
+                     region.numel() * region.element_size() / 2**20)
         elif isinstance(msg, TpPull):
             pd.pull(msg)
         elif isinstance(msg, TpKvStart):
-            pd.start(msg, None if kv is None else kv[0][0]._base)
+            pd.start(msg, region)
         elif isinstance(msg, TpStop):
             pd.close()
             dist.destroy_process_group()

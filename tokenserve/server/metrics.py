@@ -50,7 +50,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -100,7 +100,7 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
         self._metrics = metrics
         self._start = arrival_s
-        self._prompts: set[tuple[int, ...]] = set()
+        self._prompts: list[Sequence[int]] = []  # the distinct prompts, not copied
         self._prompt_tokens = 0
         self._ttft_s: float | None = None
         self._decode_ms = 0.0
@@ -116,9 +116,9 @@ class RequestTracker:
         """A tracker for one more engine request of this client request (all of them
         join before any of them ends)."""
         assert not self._done, "a sequence joined an ended request"
-        prompt = tuple(request.prompt_token_ids)
-        if prompt not in self._prompts:
-            self._prompts.add(prompt)
+        prompt = request.prompt_token_ids  # n sequences share one: compared by identity
+        if not any(p is prompt or p == prompt for p in self._prompts):
+            self._prompts.append(prompt)
             self._prompt_tokens += len(prompt)
         self._open += 1
         return SequenceTracker(self)
