@@ -13,9 +13,10 @@ may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_
 
     python bench/kernels_quant_k.py --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k]
 
-times the k-quant GEMM's AVX-512 VNNI tiles against its AVX2 tiles (the same bits) on
-Llama-3.2-1B's layer shapes (qkv [3072, 2048], o [2048, 2048], gate_up [16384, 2048],
-down [2048, 8192]), alternating the two, best of 5 (needs an AVX-512 VNNI CPU).
+times the k-quant GEMM's three x86 inner loops, the same bits each (the AVX-512 VNNI int8
+tiles, ``vpdpbusd``, the default; the AVX-512 VNNI int16 tiles, ``vpdpwssd``; the AVX2
+tiles) on Llama-3.2-1B's layer shapes (qkv [3072, 2048], o [2048, 2048], gate_up [16384,
+2048], down [2048, 8192]), alternating them, best of 5 (needs an AVX-512 VNNI CPU).
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def bench(ms: tuple[int, ...] = (1, 16, 64), layers: int = 8) -> list[dict]:
 L32_1B = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
 
 
+ISAS = ("avx512vnni", "avx512vnni-int16", "avx2")
+
+
 def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> list[dict]:
-    """One row per (qtype, M, shape): ms per GEMM on the AVX-512 VNNI and the AVX2 tiles."""
+    """One row per (qtype, M, shape): ms per GEMM on each of ``ISAS``."""
     c = load_kernels()
     if c is None or not c.cpu_features().get("avx512vnni"):
         raise RuntimeError("--isa-ab needs tokenserve._C on an AVX-512 VNNI CPU")
@@ -101,8 +105,9 @@ def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> 
         for m in ms:
             best: dict[tuple[str, str], float] = {}
             for _ in range(5):
-                for isa in ("avx512vnni", "avx2"):
+                for isa in ISAS:
                     old = c._quant_k_force_avx2(isa == "avx2")
+                    old_w = c._quant_k_force_vpdpwssd(isa == "avx512vnni-int16")
                     try:
                         for name, n, k in L32_1B:
                             x = torch.randn(m, k, generator=g).bfloat16()
@@ -114,11 +119,11 @@ def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> 
                             best[(isa, name)] = min(best.get((isa, name), 1e9), t)
                     finally:
                         c._quant_k_force_avx2(old)
+                        c._quant_k_force_vpdpwssd(old_w)
             for name, n, k in L32_1B:
                 nbytes = ws[name][0].numel()
                 rows.append({"format": qt, "M": m, "shape": name, "N": n, "K": k,
-                             "ms_avx512vnni": round(best[("avx512vnni", name)], 3),
-                             "ms_avx2": round(best[("avx2", name)], 3),
+                             **{f"ms_{isa}": round(best[(isa, name)], 3) for isa in ISAS},
                              "gbs_avx512vnni": round(nbytes / best[("avx512vnni", name)] / 1e6, 1)})
     return rows
 
@@ -135,11 +140,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.isa_ab:
-        print(f"threads={torch.get_num_threads()}; ms per GEMM, AVX-512 VNNI / AVX2 tiles")
+        print(f"threads={torch.get_num_threads()}; ms per GEMM, " + " / ".join(ISAS))
         for r in bench_isa(tuple(int(v) for v in args.ms.split(",")),
                            tuple(args.qtypes.split(","))):
-            print(f"{r['format']} M={r['M']:<3} {r['shape']:<8} {r['ms_avx512vnni']:.3f} / "
-                  f"{r['ms_avx2']:.3f} ms ({r['gbs_avx512vnni']} GB/s)")
+            times = " / ".join(f"{r['ms_' + isa]:.3f}" for isa in ISAS)
+            print(f"{r['format']} M={r['M']:<3} {r['shape']:<8} {times} ms "
+                  f"({r['gbs_avx512vnni']} GB/s)")
         return
     rows = bench(tuple(int(v) for v in args.ms.split(",")), args.layers)
     print(f"threads={torch.get_num_threads()}; ms for {args.layers} layers (GB/s of weights)")

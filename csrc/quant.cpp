@@ -338,7 +338,7 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load() &&
                       !(qtype == Q8_0 && M == 1);
   qact::ActBuffers& act = qact::act_buffers(M, K, false);
-  qact::quantize_act(x.contiguous(), avx2, act, [](int64_t) {});
+  qact::quantize_act(x.contiguous(), avx2, act, qact::kActQMax, [](int64_t) {});
   const int16_t* qp = act.q.data();
   const float* dp = act.ds.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();

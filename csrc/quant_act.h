@@ -1,9 +1,10 @@
-// Shared helpers of the block-quantised GEMMs: fp16 decoding and the int12 activation
-// quantiser (per row and 32-element block, stored as int16). Pure-torch oracle:
-// tokenserve.ops.quant.quantize_act_ref.
+// Shared helpers of the block-quantised GEMMs: fp16 decoding and the activation quantiser
+// (per row and 32-element block, stored as int16; int12 for csrc/quant.cpp, int8 for
+// csrc/quant_k.cpp). Pure-torch oracle: tokenserve.ops.quant.quantize_act_ref.
 //
-// Per 32-block of a row: d = amax / 2047 (fp32), q = round_half_even(x * (1 / d)) (0 where
-// d = 0; |q| <= 2047), s = d * float(sum q). The scalar and AVX2 versions give the same bits.
+// Per 32-block of a row: d = amax / qmax (fp32; qmax 2047 or 127), q = round_half_even(x *
+// (1 / d)) (0 where d = 0; |q| <= qmax), s = d * float(sum q). The scalar and AVX2 versions
+// give the same bits.
 // 12 bits, not 16: q = 16 h + l with h a signed byte and l = 0..15, so an AMX-INT8 tile
 // product gives the exact block dot (csrc/quant_amx_int.cpp); mean KL against the fp32
 // reference 0.00069 nats vs 0.00065 with int16 (bench/README.md, issue 24).
@@ -28,7 +29,8 @@
 namespace tokenserve {
 namespace qact {
 
-constexpr int kActQMax = 2047;  // |q| of the int12 activations
+constexpr int kActQMax = 2047;  // |q| of the int12 activations (Q4_0 / Q4_1 / Q8_0)
+constexpr int kActQMax8 = 127;  // |q| of the int8 activations (the k-quants, csrc/quant_k.cpp)
 
 // QB (the activation block), RG (weight rows per group) and the tile sizes: csrc/tiles.h
 
@@ -58,14 +60,15 @@ inline float fp16_to_f32(const uint8_t* p) {
 
 // x [K] fp32 or bf16 (T = float | at::BFloat16) -> q int16 [K], ds fp32 [K / 32][2] =
 // (d, s).  K a multiple of 32. A bf16 x is widened exactly, so both give the same bits.
+// qmax: kActQMax (int12) or kActQMax8 (int8), d = amax / qmax.
 template <class T>
-inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds) {
+inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds, int qmax) {
   for (int64_t b = 0; b < K / QB; ++b) {
     float xb[QB];
     for (int i = 0; i < QB; ++i) xb[i] = load1(x + b * QB + i);
     float amax = 0.f;
     for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float db = amax / float(kActQMax), inv = db > 0.f ? 1.f / db : 0.f;
+    const float db = amax / float(qmax), inv = db > 0.f ? 1.f / db : 0.f;
     int sum = 0;
     for (int i = 0; i < QB; ++i) {
       const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
@@ -79,7 +82,7 @@ inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds) {
 
 #ifdef TS_X86
 template <class T>
-TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t* q, float* ds) {
+TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t* q, float* ds, int qmax) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / QB; ++b) {
     const T* xb = x + b * QB;
@@ -88,7 +91,7 @@ TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t
     __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
     const float amax = hmax8(mx);
-    const float db = amax / float(kActQMax), inv = db > 0.f ? 1.f / db : 0.f;
+    const float db = amax / float(qmax), inv = db > 0.f ? 1.f / db : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
     __m256i iv[4];
     for (int i = 0; i < 4; ++i)
@@ -113,17 +116,17 @@ TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t
 // parallel region's barrier costs more than its ~1 us of quantising). Measured (Sapphire
 // Rapids, 2 threads, a 64-row GEMM with N = 16, so mostly this): 22 -> 18.5 us at K = 576,
 // 56 -> 44.5 us at K = 1536 against serial up to 4M elements; ~0.7 ms of a 64-row step.
-// avx2: the caller checked the CPU.
+// avx2: the caller checked the CPU. qmax: kActQMax or kActQMax8.
 template <class T, class AfterRow>
-void quantize_rows(const T* x, int64_t M, int64_t K, bool avx2, int16_t* q, float* ds,
+void quantize_rows(const T* x, int64_t M, int64_t K, bool avx2, int16_t* q, float* ds, int qmax,
                    AfterRow&& after_row) {
   const int64_t nb = K / QB;
   parallel_units(M, M * K >= (int64_t{1} << 14) ? at::get_num_threads() : 1, [&](int64_t m) {
 #ifdef TS_X86
-    if (avx2) quantize_row_avx2(x + m * K, K, q + m * K, ds + m * nb * 2);
+    if (avx2) quantize_row_avx2(x + m * K, K, q + m * K, ds + m * nb * 2, qmax);
     else
 #endif
-      quantize_row_scalar(x + m * K, K, q + m * K, ds + m * nb * 2);
+      quantize_row_scalar(x + m * K, K, q + m * K, ds + m * nb * 2, qmax);
     after_row(m);
   });
 }
@@ -135,26 +138,28 @@ struct ActBuffers {
   std::vector<int16_t> q;     // [M, K]
   std::vector<float> ds;      // [M, K / 32, 2]
   std::vector<int32_t> sums;  // [M, K / 16] (Q6_K)
+  std::vector<int8_t> q8;     // [M, K]: q as int8, reordered for vpdpbusd (csrc/quant_k.cpp)
 };
 
-inline ActBuffers& act_buffers(int64_t M, int64_t K, bool sums) {
+inline ActBuffers& act_buffers(int64_t M, int64_t K, bool sums, bool q8 = false) {
   thread_local ActBuffers b;
   const size_t n = size_t(std::max<int64_t>(M * K, 1));
   if (b.q.size() < n) b.q.resize(n);
   if (b.ds.size() < n / QB * 2 + 2) b.ds.resize(n / QB * 2 + 2);
   if (sums && b.sums.size() < n / 16 + 1) b.sums.resize(n / 16 + 1);
+  if (q8 && b.q8.size() < n) b.q8.resize(n);
   return b;
 }
 
 // Quantises x [M, K] (bf16 or fp32, contiguous) into b (act_buffers(M, K, ...) of the
 // calling thread: after_row runs on worker threads, so it must use b, not act_buffers).
 template <class AfterRow>
-void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, AfterRow&& after_row) {
+void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, int qmax, AfterRow&& after_row) {
   const int64_t M = x.size(0), K = x.size(1);
   if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, avx2, b.q.data(), b.ds.data(), after_row);
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, avx2, b.q.data(), b.ds.data(), qmax, after_row);
   else
-    quantize_rows(x.data_ptr<float>(), M, K, avx2, b.q.data(), b.ds.data(), after_row);
+    quantize_rows(x.data_ptr<float>(), M, K, avx2, b.q.data(), b.ds.data(), qmax, after_row);
 }
 
 // Runs fn(m_lo, m_hi, g0, g1) (activation rows [m_lo, m_hi), groups [g0, g1) of 8

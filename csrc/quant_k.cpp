@@ -22,14 +22,18 @@
 //       bits 2t..2t+1 = hi2(q[2c + j + 8t]), t = 0..3.
 // Rows past N are zero (d = 0).
 //
-// Activations: int12 per row and 32-block, exactly as csrc/quant.cpp (csrc/quant_act.h:
-// d = amax / 2047, q = round_half_even(x / d), s = d * sum q). The 32-block is the Q4_K /
-// Q5_K sub-block; a Q6_K 32-block holds two 16-weight sub-blocks (their own scales, the
-// same activation d). Q6_K's "q - 32" is applied as isum - 32 * sum16(qx) (exact integers;
-// sum16 per row and 16-block, computed once per row).
+// Activations: int8 per row and 32-block (csrc/quant_act.h with qmax 127: d = amax / 127,
+// q = round_half_even(x / d), s = d * sum q), llama.cpp's activation width on blocks an
+// eighth of its Q8_K's. The 32-block is the Q4_K / Q5_K sub-block; a Q6_K 32-block holds two
+// 16-weight sub-blocks (their own scales, the same activation d). Q6_K's "q - 32" is
+// applied as isum - 32 * sum16(qx) (exact integers; sum16 per row and 16-block, computed
+// once per row). Int8, not csrc/quant.cpp's int12: the weights' quants are unsigned, so
+// vpdpbusd (u8 x s8, four products a lane) does what two vpdpwssd do; the GEMM at 16-64
+// rows ran 1.4-1.6x faster on AVX-512 VNNI (bench/README.md, "K-quants on int8
+// activations"), and the mean KL on real weights stays below llama.cpp's on the same file.
 //
-// Per output element y[m, n], in every path (AVX2 and AVX-512 VNNI tiles of any shape, the
-// portable code),
+// Per output element y[m, n], in every path (AVX2, AVX-512 VNNI int16 and int8 tiles of any
+// shape, the portable code),
 // whatever the batch and thread partition (batch invariance), sub-blocks s in k order:
 //
 //     dw_s = d * sc_s  (exact in fp32: 11-bit x <= 8-bit)     mw_s = -(dmin * m_s) (Q4/5_K)
@@ -39,8 +43,8 @@
 //             summ = fma(mw_s, sx_b, summ)                             (Q4_K / Q5_K only)
 //     y = round(acc + summ (+ b[n]))
 //
-// float(isum) is exact for Q4_K (|isum| <= 32 * 15 * 2047 < 2^24), Q5_K (32 * 31 * 2047) and
-// Q6_K (16 * 32 * 2047); a fixed function of the row's data.
+// float(isum) is exact (|isum| <= 32 * 31 * 127 < 2^24); a fixed function of the row's data.
+// The AVX2 and int16 AVX-512 tiles read the int8 quants as int16 (csrc/quant.cpp's loops).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -51,6 +55,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #include "cpu_features.h"
@@ -71,6 +76,7 @@ constexpr int64_t sub_bytes(int qt) { return qt == Q4_K ? 128 : 160; }  // Q4_K 
 
 std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
+std::atomic<bool> g_no_int8{false};    // test hook: the vpdpwssd tiles instead of the vpdpbusd ones
 
 using qact::fp16_to_f32;
 #ifdef TS_X86
@@ -325,96 +331,170 @@ TS_TARGET_AVX512VNNI inline __m512i load2x32(const uint8_t* a, const uint8_t* c)
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), 1);
 }
 
-template <int QT, int MR>
-TS_TARGET_AVX512VNNI void tile_q45k_512(const int16_t* __restrict xq, const float* __restrict xds, const int32_t*,
+// A pair of Q4_K / Q5_K groups' super-block header (ga, gc: the two groups' bytes): d, dmin
+// (16 lanes) and lane r's 6-bit scales / mins as bytes (ggml's kmask trick): sc[0] / mn[0]
+// sub-blocks 0..3, sc[1] / mn[1] sub-blocks 4..7.
+struct Q45Header512 {
+  __m512 d, dmin;
+  __m512i sc[2], mn[2];
+};
+
+TS_TARGET_AVX512VNNI inline Q45Header512 q45k_header512(const uint8_t* ga, const uint8_t* gc) {
+  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f),
+                k3 = _mm512_set1_epi32(0x03030303);
+  Q45Header512 h;
+  h.d = _mm512_cvtph_ps(pair16(ga, gc));
+  h.dmin = _mm512_cvtph_ps(pair16(ga + 16, gc + 16));
+  const __m512i u0 = load2x32(ga + 32, gc + 32), u1 = load2x32(ga + 64, gc + 64), u2 = load2x32(ga + 96, gc + 96);
+  h.sc[0] = _mm512_and_si512(u0, k1);
+  h.sc[1] = _mm512_or_si512(_mm512_and_si512(u2, k2),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
+  h.mn[0] = _mm512_and_si512(u1, k1);
+  h.mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4));
+  return h;
+}
+
+// The fp32 step of sub-block j (b: its activation block) for MR rows: dw = d * sc_j,
+// dm = dmin * m_j, then per row acc = fma(dw * dx, float(isum), acc), summ = fma(-dm, sx,
+// summ) (the header's arithmetic; isum: CH partial int32 sums per row).
+template <int MR, int CH>
+TS_TARGET_AVX512VNNI inline void q45k_step512(const Q45Header512& h, int j, const __m512i (&isum)[MR][CH],
+                                              const float* xds, int64_t nb, int64_t b, __m512 (&acc)[MR],
+                                              __m512 (&summ)[MR]) {
+  // byte k of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
+  const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(j % 4, -1, -1, -1, 4 + j % 4, -1, -1, -1, 8 + j % 4, -1,
+                                                           -1, -1, 12 + j % 4, -1, -1, -1));
+  const __m512 dw = _mm512_mul_ps(h.d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.sc[j / 4], sel)));
+  const __m512 dm = _mm512_mul_ps(h.dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.mn[j / 4], sel)));
+  for (int r = 0; r < MR; ++r) {
+    __m512i is = isum[r][0];
+    for (int c = 1; c < CH; ++c) is = _mm512_add_epi32(is, isum[r][c]);
+    const float* xp = xds + (r * nb + b) * 2;
+    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xp[0])), _mm512_cvtepi32_ps(is), acc[r]);
+    summ[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xp[1]), summ[r]);
+  }
+}
+
+
+// The int8 tiles (vpdpbusd: a 32-bit lane adds four u8 x s8 products): the weights' quants
+// are unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), the activations int8 (|q| <= 127), so
+// one instruction does what two vpdpwssd do. A lane holds four elements of one weight row
+// of one sub-block, and the activations are stored in the same order once per GEMM
+// (reorder_q8 below), so the k8 layout is read as it is:
+//   Q4_K / Q5_K chunk p: row r's two bytes hold elements 2p, 2p+1 (low nibbles) and
+//       16+2p, 17+2p (high nibbles) -> lane [e 2p, 2p+1, 16+2p, 17+2p]
+//   Q6_K, 32-block, c = 0..3: sub-block A lane [2c, 2c+1, 8+2c, 9+2c] from low chunks c and
+//       c+4's low nibbles and high bits t = 0, 1; sub-block B lane [16+2c, 17+2c, 24+2c,
+//       25+2c] from their high nibbles and t = 2, 3.
+// The integer sums are the int16 tiles' (exact), and the fp32 steps are theirs lane for
+// lane: with the same int8-valued activations every tile gives the same bits.
+//
+// q8 [K]: activation lane L of 32-block b at q8[32 b + 4 L .. + 3].
+TS_TARGET_AVX512VNNI inline __m512i xquad512(const int8_t* q8, int64_t b, int lane) {
+  int32_t v;
+  std::memcpy(&v, q8 + 32 * b + 4 * lane, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Q4_K / Q5_K, both activation widths: A = int16_t (xq [K], vpdpwssd, two per chunk) or
+// int8_t (q8 [K] in lane order, vpdpbusd, one per chunk).
+template <int QT, int MR, class A>
+TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __restrict xds, const int32_t*,
                                         int64_t K, const uint8_t* __restrict wg, int64_t gstride,
                                         float* __restrict out, int64_t ldo) {
+  constexpr bool I8 = std::is_same_v<A, int8_t>;
   constexpr int CH = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
   __m512 acc[MR], summ[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), summ[r] = _mm512_setzero_ps();
-  const __m512i lo4 = _mm512_set1_epi16(0x0f), bit4 = _mm512_set1_epi16(0x10);
-  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f),
-                k3 = _mm512_set1_epi32(0x03030303);
-  // byte k of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
-  const __m512i sel[4] = {
-      _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1)),
-      _mm512_broadcast_i32x4(_mm_setr_epi8(1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1)),
-      _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1)),
-      _mm512_broadcast_i32x4(_mm_setr_epi8(3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1))};
+  const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), bit4 = _mm512_set1_epi32(0x10101010);
+  const __m512i lo4w = _mm512_set1_epi16(0x0f), bit4w = _mm512_set1_epi16(0x10);  // int16 lanes
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* ga = wg + B * GB;
     const uint8_t* gc = ga + gstride;
-    const __m512 d = _mm512_cvtph_ps(pair16(ga, gc)), dmin = _mm512_cvtph_ps(pair16(ga + 16, gc + 16));
-    const __m512i u0 = load2x32(ga + 32, gc + 32), u1 = load2x32(ga + 64, gc + 64), u2 = load2x32(ga + 96, gc + 96);
-    const __m512i sc[2] = {
-        _mm512_and_si512(u0, k1),
-        _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4))};
-    const __m512i mn[2] = {
-        _mm512_and_si512(u1, k1),
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4))};
+    const Q45Header512 h = q45k_header512(ga, gc);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sa = ga + 128 + SB * j;
       const uint8_t* sc_ = gc + 128 + SB * j;
       prefetch_next_pair(wg, gstride, B, GB, j);
-      const int64_t xo = B * QKK + QB * j;
+      const int64_t b = B * 8 + j;
       __m512i isum[MR][CH];
       for (int r = 0; r < MR; ++r)
         for (int c = 0; c < CH; ++c) isum[r][c] = _mm512_setzero_si512();
-      __m512i hl = _mm512_setzero_si512(), hh = _mm512_setzero_si512();
-      if constexpr (QT == Q5_K) {
-        hl = _mm512_slli_epi16(_mm512_cvtepu8_epi16(pair16(sa + 128, sc_ + 128)), 4);
-        hh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(pair16(sa + 144, sc_ + 144)), 4);
-      }
+      if constexpr (I8) {
+        __m512i hb = _mm512_setzero_si512();  // lane bytes: fifth bits of [2p + j] (low) and [16 + 2p + j]
+        if constexpr (QT == Q5_K)
+          hb = _mm512_or_si512(_mm512_cvtepu16_epi32(pair16(sa + 128, sc_ + 128)),
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(pair16(sa + 144, sc_ + 144)), 16));
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) {
-        const __m512i t = _mm512_cvtepu8_epi16(pair16(sa + 16 * p, sc_ + 16 * p));
-        __m512i wl = _mm512_and_si512(t, lo4), wh = _mm512_srli_epi16(t, 4);
+        for (int p = 0; p < 8; ++p) {
+          // lane [b0, b1, 0, 0] -> [b0 & 15, b1 & 15, b0 >> 4, b1 >> 4]
+          const __m512i t = _mm512_cvtepu16_epi32(pair16(sa + 16 * p, sc_ + 16 * p));
+          __m512i w = _mm512_ternarylogic_epi32(t, _mm512_slli_epi32(t, 12), nib, 0xA8);  // (a | b) & c
+          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4
+            w = _mm512_ternarylogic_epi32(w, _mm512_slli_epi32(hb, 4), bit4, 0xF8);  // a | (b & c)
+            hb = _mm512_srli_epi32(hb, 1);
+          }
+          const int ch = p % CH;
+          for (int r = 0; r < MR; ++r)
+            isum[r][ch] = _mm512_dpbusd_epi32(isum[r][ch], w, xquad512(xa + r * K, b, p));
+        }
+      } else {
+        __m512i hl = _mm512_setzero_si512(), hh = _mm512_setzero_si512();
         if constexpr (QT == Q5_K) {
-          wl = _mm512_or_si512(wl, _mm512_and_si512(hl, bit4));
-          wh = _mm512_or_si512(wh, _mm512_and_si512(hh, bit4));
-          hl = _mm512_srli_epi16(hl, 1);
-          hh = _mm512_srli_epi16(hh, 1);
+          hl = _mm512_slli_epi16(_mm512_cvtepu8_epi16(pair16(sa + 128, sc_ + 128)), 4);
+          hh = _mm512_slli_epi16(_mm512_cvtepu8_epi16(pair16(sa + 144, sc_ + 144)), 4);
         }
-        const int c_lo = (2 * p) % CH, c_hi = (2 * p + 1) % CH;
-        for (int r = 0; r < MR; ++r) {
-          const int16_t* xb = xq + r * K + xo;
-          isum[r][c_lo] = _mm512_dpwssd_epi32(isum[r][c_lo], wl, xpair512(xb, 2 * p));
-          isum[r][c_hi] = _mm512_dpwssd_epi32(isum[r][c_hi], wh, xpair512(xb, 16 + 2 * p));
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+          const __m512i t = _mm512_cvtepu8_epi16(pair16(sa + 16 * p, sc_ + 16 * p));
+          __m512i wl = _mm512_and_si512(t, lo4w), wh = _mm512_srli_epi16(t, 4);
+          if constexpr (QT == Q5_K) {
+            wl = _mm512_or_si512(wl, _mm512_and_si512(hl, bit4w));
+            wh = _mm512_or_si512(wh, _mm512_and_si512(hh, bit4w));
+            hl = _mm512_srli_epi16(hl, 1);
+            hh = _mm512_srli_epi16(hh, 1);
+          }
+          const int c_lo = (2 * p) % CH, c_hi = (2 * p + 1) % CH;
+          for (int r = 0; r < MR; ++r) {
+            const int16_t* xb = xa + r * K + QB * b;
+            isum[r][c_lo] = _mm512_dpwssd_epi32(isum[r][c_lo], wl, xpair512(xb, 2 * p));
+            isum[r][c_hi] = _mm512_dpwssd_epi32(isum[r][c_hi], wh, xpair512(xb, 16 + 2 * p));
+          }
         }
       }
-      const __m512i scj = _mm512_shuffle_epi8(sc[j / 4], sel[j % 4]);
-      const __m512i mj = _mm512_shuffle_epi8(mn[j / 4], sel[j % 4]);
-      const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scj));
-      const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mj));
-      const int64_t b = B * 8 + j;
-      for (int r = 0; r < MR; ++r) {
-        __m512i is = isum[r][0];
-        for (int c = 1; c < CH; ++c) is = _mm512_add_epi32(is, isum[r][c]);
-        const float* xp = xds + (r * nb + b) * 2;
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xp[0])), _mm512_cvtepi32_ps(is), acc[r]);
-        summ[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xp[1]), summ[r]);
-      }
+      q45k_step512<MR, CH>(h, j, isum, xds, nb, b, acc, summ);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], summ[r]));
 }
 
-template <int QT, int MR>
-TS_TARGET_AVX512VNNI void tile_q6k_512(const int16_t* __restrict xq, const float* __restrict xds,
+// Q6_K, both activation widths (A as tile_q45k_512; int16: four vpdpwssd per chunk
+// c, int8: two vpdpbusd).
+template <int QT, int MR, class A>
+TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __restrict xds,
                                        const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
                                        int64_t gstride, float* __restrict out, int64_t ldo) {
   static_assert(QT == Q6_K);
-  constexpr int CH = MR <= 2 ? 2 : 1;  // chains per sub-block sum (two sub-blocks per row)
+  constexpr bool I8 = std::is_same_v<A, int8_t>;
+  constexpr int CH = I8 ? (MR <= 2 ? 4 : MR <= 4 ? 2 : 1) : (MR <= 2 ? 2 : 1);
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(Q6_K);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), ma = _mm512_set1_epi32(0x0c0c0303),
+                mb = _mm512_set1_epi32(int32_t(0xc0c03030u)), sha = _mm512_set1_epi32(0x00020004),
+                shb = _mm512_set1_epi32(0x00020000);
+  // word indices: lane r = [a word r, b word r] (two-source), [word r, word r] (one source)
+  const __m512i pab = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i pdup = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5,
+                                        5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i lo4 = _mm512_set1_epi16(0x0f), m03 = _mm512_set1_epi16(0x03), m0c = _mm512_set1_epi16(0x0c),
-                m30 = _mm512_set1_epi16(0x30), mc0 = _mm512_set1_epi16(0xc0);
+                m30 = _mm512_set1_epi16(0x30), mc0 = _mm512_set1_epi16(0xc0);  // int16 lanes
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* ga = wg + B * GB;
     const uint8_t* gc = ga + gstride;
@@ -424,26 +504,53 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const int16_t* __restrict xq, const float
       const uint8_t* ba = ga + 144 + 192 * bl;
       const uint8_t* bc = gc + 144 + 192 * bl;
       prefetch_next_pair(wg, gstride, B, GB, bl);
-      const int64_t xo = B * QKK + QB * bl;
+      const int64_t b = B * 8 + bl;
+      // Q6_K's "- 32": the chains start at -32 x the row's 16-element sums (exact integers)
       __m512i ia[MR][CH], ib[MR][CH];
-      for (int r = 0; r < MR; ++r)
-        for (int c = 0; c < CH; ++c) ia[r][c] = _mm512_setzero_si512(), ib[r][c] = _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* s16 = xs16 + r * (K / 16) + 2 * b;
+        ia[r][0] = _mm512_set1_epi32(-32 * s16[0]), ib[r][0] = _mm512_set1_epi32(-32 * s16[1]);
+        for (int c = 1; c < CH; ++c) ia[r][c] = _mm512_setzero_si512(), ib[r][c] = _mm512_setzero_si512();
+      }
+      if constexpr (I8) {
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m512i h = _mm512_cvtepu8_epi16(pair16(ba + 128 + 16 * c, bc + 128 + 16 * c));
-        const __m512i ta = _mm512_cvtepu8_epi16(pair16(ba + 16 * c, bc + 16 * c));
-        const __m512i tb = _mm512_cvtepu8_epi16(pair16(ba + 16 * (c + 4), bc + 16 * (c + 4)));
-        const __m512i wa0 = _mm512_or_si512(_mm512_and_si512(ta, lo4), _mm512_slli_epi16(_mm512_and_si512(h, m03), 4));
-        const __m512i wa1 = _mm512_or_si512(_mm512_and_si512(tb, lo4), _mm512_slli_epi16(_mm512_and_si512(h, m0c), 2));
-        const __m512i wb0 = _mm512_or_si512(_mm512_srli_epi16(ta, 4), _mm512_and_si512(h, m30));
-        const __m512i wb1 = _mm512_or_si512(_mm512_srli_epi16(tb, 4), _mm512_srli_epi16(_mm512_and_si512(h, mc0), 2));
-        const int ch = c % CH;
-        for (int r = 0; r < MR; ++r) {
-          const int16_t* xb = xq + r * K + xo;
-          ia[r][ch] = _mm512_dpwssd_epi32(ia[r][ch], wa0, xpair512(xb, 2 * c));
-          ia[r][ch] = _mm512_dpwssd_epi32(ia[r][ch], wa1, xpair512(xb, 8 + 2 * c));
-          ib[r][ch] = _mm512_dpwssd_epi32(ib[r][ch], wb0, xpair512(xb, 16 + 2 * c));
-          ib[r][ch] = _mm512_dpwssd_epi32(ib[r][ch], wb1, xpair512(xb, 24 + 2 * c));
+        for (int c = 0; c < 4; ++c) {
+          // lane [ta0, ta1, tb0, tb1] (low chunks c, c + 4) and [h0, h1, h0, h1] (high chunk c)
+          const __m512i t = _mm512_permutex2var_epi16(_mm512_castsi256_si512(pair16(ba + 16 * c, bc + 16 * c)), pab,
+                                                      _mm512_castsi256_si512(pair16(ba + 16 * (c + 4),
+                                                                                    bc + 16 * (c + 4))));
+          const __m512i h =
+              _mm512_permutexvar_epi16(pdup, _mm512_castsi256_si512(pair16(ba + 128 + 16 * c, bc + 128 + 16 * c)));
+          // A: low nibbles | high bits t = 0 (bytes 0, 1: << 4) and t = 1 (bytes 2, 3: << 2)
+          const __m512i wa = _mm512_ternarylogic_epi32(t, nib, _mm512_sllv_epi16(_mm512_and_si512(h, ma), sha),
+                                                       0xEA);  // (a & b) | c
+          // B: high nibbles | high bits t = 2 (in place) and t = 3 (bytes 2, 3: >> 2)
+          const __m512i wb = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 4), nib,
+                                                       _mm512_srlv_epi16(_mm512_and_si512(h, mb), shb), 0xEA);
+          const int ch = c % CH;
+          for (int r = 0; r < MR; ++r) {
+            ia[r][ch] = _mm512_dpbusd_epi32(ia[r][ch], wa, xquad512(xa + r * K, b, c));
+            ib[r][ch] = _mm512_dpbusd_epi32(ib[r][ch], wb, xquad512(xa + r * K, b, 4 + c));
+          }
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m512i h = _mm512_cvtepu8_epi16(pair16(ba + 128 + 16 * c, bc + 128 + 16 * c));
+          const __m512i ta = _mm512_cvtepu8_epi16(pair16(ba + 16 * c, bc + 16 * c));
+          const __m512i tb = _mm512_cvtepu8_epi16(pair16(ba + 16 * (c + 4), bc + 16 * (c + 4)));
+          const __m512i wa0 = _mm512_or_si512(_mm512_and_si512(ta, lo4), _mm512_slli_epi16(_mm512_and_si512(h, m03), 4));
+          const __m512i wa1 = _mm512_or_si512(_mm512_and_si512(tb, lo4), _mm512_slli_epi16(_mm512_and_si512(h, m0c), 2));
+          const __m512i wb0 = _mm512_or_si512(_mm512_srli_epi16(ta, 4), _mm512_and_si512(h, m30));
+          const __m512i wb1 = _mm512_or_si512(_mm512_srli_epi16(tb, 4), _mm512_srli_epi16(_mm512_and_si512(h, mc0), 2));
+          const int ch = c % CH;
+          for (int r = 0; r < MR; ++r) {
+            const int16_t* xb = xa + r * K + QB * b;
+            ia[r][ch] = _mm512_dpwssd_epi32(ia[r][ch], wa0, xpair512(xb, 2 * c));
+            ia[r][ch] = _mm512_dpwssd_epi32(ia[r][ch], wa1, xpair512(xb, 8 + 2 * c));
+            ib[r][ch] = _mm512_dpwssd_epi32(ib[r][ch], wb0, xpair512(xb, 16 + 2 * c));
+            ib[r][ch] = _mm512_dpwssd_epi32(ib[r][ch], wb1, xpair512(xb, 24 + 2 * c));
+          }
         }
       }
       const __m128i sa = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 16 + 16 * bl)),
@@ -452,14 +559,10 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const int16_t* __restrict xq, const float
                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 24 + 16 * bl)));
       const __m512 dwa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sa)));
       const __m512 dwb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sb)));
-      const int64_t b = B * 8 + bl;
       for (int r = 0; r < MR; ++r) {
         __m512i a = ia[r][0], bb = ib[r][0];
         for (int c = 1; c < CH; ++c) a = _mm512_add_epi32(a, ia[r][c]), bb = _mm512_add_epi32(bb, ib[r][c]);
         const float* xp = xds + (r * nb + b) * 2;
-        const int32_t* s16 = xs16 + r * (K / 16) + 2 * b;
-        a = _mm512_sub_epi32(a, _mm512_set1_epi32(32 * s16[0]));
-        bb = _mm512_sub_epi32(bb, _mm512_set1_epi32(32 * s16[1]));
         const __m512 dx = _mm512_set1_ps(xp[0]);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dwa, dx), _mm512_cvtepi32_ps(a), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dwb, dx), _mm512_cvtepi32_ps(bb), acc[r]);
@@ -468,22 +571,48 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const int16_t* __restrict xq, const float
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_setzero_ps()));
 }
-
-using Tile2Fn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, int64_t, float*,
-                         int64_t);
-
-template <int QT, size_t... I>
-constexpr std::array<Tile2Fn, sizeof...(I)> avx512_tiles(std::index_sequence<I...>) {
-  if constexpr (QT == Q6_K) return {&tile_q6k_512<QT, int(I) + 1>...};
-  else return {&tile_q45k_512<QT, int(I) + 1>...};
+// One row's int12-path quants q [K] (values in -127..127) -> q8 [K] in the int8 tiles' lane
+// order (above): 32-block b, lane L at q8[32 b + 4 L ..].
+inline void reorder_q8(int qt, const int16_t* q, int64_t K, int8_t* q8) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const int16_t* x = q + QB * b;
+    int8_t* o = q8 + QB * b;
+    for (int L = 0; L < 8; ++L) {
+      int e0, e1;  // the lane's two element pairs (e0, e0 + 1), (e1, e1 + 1)
+      if (qt == Q6_K) e0 = L < 4 ? 2 * L : 16 + 2 * (L - 4), e1 = e0 + 8;
+      else e0 = 2 * L, e1 = 16 + 2 * L;
+      o[4 * L] = int8_t(x[e0]), o[4 * L + 1] = int8_t(x[e0 + 1]);
+      o[4 * L + 2] = int8_t(x[e1]), o[4 * L + 3] = int8_t(x[e1 + 1]);
+    }
+  }
 }
-constexpr auto kAvx512Rows = std::make_index_sequence<size_t(kQuantMrAvx512)>{};
-constexpr std::array<std::array<Tile2Fn, kQuantMrAvx512>, 3> kAvx512Tiles = {
-    avx512_tiles<Q4_K>(kAvx512Rows), avx512_tiles<Q5_K>(kAvx512Rows), avx512_tiles<Q6_K>(kAvx512Rows)};
 
-// The AVX-512 VNNI tile of qtype qt for mr rows (1..kQuantMrAvx512).
-inline Tile2Fn pick_tile2(int qt, int mr) {
-  return kAvx512Tiles[qt - Q4_K][std::clamp<int>(mr, 1, kQuantMrAvx512) - 1];
+// The AVX-512 VNNI tiles' signature for activations of type A (int16_t: vpdpwssd, int8_t:
+// vpdpbusd), and their tables by qtype and row count.
+template <class A>
+using Tile512Fn = void (*)(const A*, const float*, const int32_t*, int64_t, const uint8_t*, int64_t, float*, int64_t);
+
+template <int QT, class A, size_t... I>
+constexpr std::array<Tile512Fn<A>, sizeof...(I)> avx512_tiles(std::index_sequence<I...>) {
+  if constexpr (QT == Q6_K) return {&tile_q6k_512<QT, int(I) + 1, A>...};
+  else return {&tile_q45k_512<QT, int(I) + 1, A>...};
+}
+
+template <class A>
+constexpr std::array<std::array<Tile512Fn<A>, kQuantMrAvx512>, 3> avx512_table() {
+  constexpr auto rows = std::make_index_sequence<size_t(kQuantMrAvx512)>{};
+  return {avx512_tiles<Q4_K, A>(rows), avx512_tiles<Q5_K, A>(rows), avx512_tiles<Q6_K, A>(rows)};
+}
+constexpr auto kAvx512Tiles16 = avx512_table<int16_t>();
+constexpr auto kAvx512Tiles8 = avx512_table<int8_t>();
+
+// The AVX-512 VNNI tile of qtype qt for mr rows (1..kQuantMrAvx512) on int16 (vpdpwssd) or
+// int8 (vpdpbusd) activations.
+inline Tile512Fn<int16_t> pick_tile2(int qt, int mr) {
+  return kAvx512Tiles16[qt - Q4_K][std::clamp<int>(mr, 1, kQuantMrAvx512) - 1];
+}
+inline Tile512Fn<int8_t> pick_tile8(int qt, int mr) {
+  return kAvx512Tiles8[qt - Q4_K][std::clamp<int>(mr, 1, kQuantMrAvx512) - 1];
 }
 
 using TileFn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
@@ -512,15 +641,16 @@ TileFn pick_tile(int mr) {
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias) on AVX-512 VNNI: two
 // groups per tile (an odd last group: the AVX2 tile, whose lanes give the same bits), rows
 // in balanced blocks of at most kQuantMrAvx512 (any split gives the same bits).
-void compute_block_avx512(int qt, const int16_t* xq, const float* xds, const int32_t* xs16, int64_t K, int64_t m0,
-                          int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
-                          bool y_bf16, int64_t N) {
+void compute_block_avx512(int qt, const int16_t* xq, const int8_t* q8, const float* xds, const int32_t* xs16,
+                          int64_t K, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1,
+                          const float* bias, void* y, bool y_bf16, int64_t N) {
   const int64_t nb = K / QB, n16 = K / 16, gstride = (K / QKK) * group_bytes(qt);
   auto s16 = [&](int64_t m) { return xs16 ? xs16 + m * n16 : nullptr; };
   qact::compute_group_pairs(
       m0, rows, w, gstride, g0, g1, bias, y, y_bf16, N,
       [&](int64_t m, int mr, const uint8_t* wg, float* out) {
-        pick_tile2(qt, mr)(xq + m * K, xds + m * nb * 2, s16(m), K, wg, gstride, out, 2 * RG);
+        if (q8) pick_tile8(qt, mr)(q8 + m * K, xds + m * nb * 2, s16(m), K, wg, gstride, out, 2 * RG);
+        else pick_tile2(qt, mr)(xq + m * K, xds + m * nb * 2, s16(m), K, wg, gstride, out, 2 * RG);
       },
       [&](int64_t m, int mr, const uint8_t* wg, float* out) {
         for (int r0 = 0; r0 < mr; r0 += int(kQuantMr)) {  // AVX2 tiles of <= 4 rows
@@ -580,16 +710,20 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   if (M == 0 || N == 0) return y;
   const int64_t n16 = K / 16;
   const bool avx2 = avx2_enabled(g_force_portable);
-  // AVX-512 VNNI tiles (two groups, up to 8 rows, vpdpwssd): the same bits as the AVX2 ones.
+  // AVX-512 VNNI tiles (two groups, up to 8 rows; vpdpbusd, or vpdpwssd under the test hook):
+  // the same bits as the AVX2 ones.
   const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load();
   const bool q6 = qtype == Q6_K;
-  qact::ActBuffers& act = qact::act_buffers(M, K, q6);
+  const bool i8 = avx512 && !g_no_int8.load();  // the vpdpbusd tiles (test hook: the vpdpwssd ones)
+  qact::ActBuffers& act = qact::act_buffers(M, K, q6, i8);
   const int16_t* qp = act.q.data();
+  int8_t* q8p = i8 ? act.q8.data() : nullptr;
   const float* dp = act.ds.data();
   int32_t* sp = q6 ? act.sums.data() : nullptr;
-  qact::quantize_act(x.contiguous(), avx2, act, [&](int64_t m) {
-    if (!q6) return;  // Q6_K's "-32": the sums of 16-element runs
+  qact::quantize_act(x.contiguous(), avx2, act, qact::kActQMax8, [&](int64_t m) {
     const int16_t* qm = qp + m * K;
+    if (q8p) reorder_q8(int(qtype), qm, K, q8p + m * K);
+    if (!q6) return;  // Q6_K's "-32": the sums of 16-element runs
     for (int64_t i = 0; i < n16; ++i) {
       int32_t s = 0;
       for (int e = 0; e < 16; ++e) s += qm[16 * i + e];
@@ -604,7 +738,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
                   [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
 #ifdef TS_X86
     if (avx512) {
-      compute_block_avx512(int(qtype), qp, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+      compute_block_avx512(int(qtype), qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
       return;
     }
 #endif
@@ -620,10 +754,13 @@ TOKENSERVE_REGISTER(quant_k) {
         pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "quant_k_gemm(x: Tensor[M, K] bf16|fp32, w: uint8 [ceil(N/8), K/256, group_bytes] k8-packed GGUF k-quant "
         "super-blocks, qtype: 12 Q4_K | 13 Q5_K | 14 Q6_K, N, bias=None, out_dtype=None) -> Tensor[M, N]: "
-        "x @ W^T (+ bias), int16 activations per 32-block, exact integer sub-block dots, fp32 accumulation, "
+        "x @ W^T (+ bias), int8 activations per 32-block, exact integer sub-block dots, fp32 accumulation, "
         "row-invariant bits.");
   m.def("_quant_k_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
         "Test hook: True forces the portable (non-AVX2) path of quant_k_gemm; returns the old value.");
+  m.def("_quant_k_force_vpdpwssd", [](bool on) { return tokenserve::g_no_int8.exchange(on); },
+        "Test hook: True runs quant_k_gemm's AVX-512 path on its int16 (vpdpwssd) tiles instead of the int8 "
+        "(vpdpbusd) ones; returns the old value.");
   m.def("_quant_k_force_avx2", [](bool on) { return tokenserve::g_no_avx512.exchange(on); },
         "Test hook: True keeps quant_k_gemm on its AVX2 tiles on an AVX-512 VNNI CPU; returns the old value.");
 }

@@ -190,9 +190,9 @@ def test_quant_k_gemm_vs_reference(qtype, M, N, K):
         return
     assert torch.equal(y, quant_k_linear_ref(x, qw, bias, torch.float32))
     exact = quant_linear_fp32_ref(x, qw, bias, torch.float32)
-    # activation rounding (int16): |x - x_q| <= d / 2 per element, so the error is at most
+    # activation rounding (int8): |x - x_q| <= d / 2 per element, so the error is at most
     # sum_b (dx_b / 2) * sum_k |w_k| over a 32-block (plus fp32 accumulation)
-    _, dx, _ = quantize_act_ref(x)
+    _, dx, _ = quantize_act_ref(x, 127)
     wabs = dequantize_ref(qw).abs().reshape(N, K // 32, 32).sum(-1)  # [N, nb]
     bound = (dx / 2) @ wabs.T * 1.01 + 1e-5 * (1 + exact.abs())
     assert ((y - exact).abs() <= bound).all()
@@ -230,16 +230,27 @@ def test_portable_path_same_bits(qtype, dtype):
 
 @pytest.fixture
 def isa(request):
-    """quant_k_gemm held on one inner loop for the test (the hooks restore the old state)."""
+    """quant_k_gemm held on one inner loop for the test (the hooks restore the old state):
+    "avx512vnni" is the int8 (vpdpbusd) tiles, "avx512vnni-int16" the vpdpwssd ones."""
     old_p = C._quant_k_force_portable(request.param == "portable")
     old_a = C._quant_k_force_avx2(request.param == "avx2")
+    old_w = C._quant_k_force_vpdpwssd(request.param == "avx512vnni-int16")
     yield request.param
     C._quant_k_force_portable(old_p)
     C._quant_k_force_avx2(old_a)
+    C._quant_k_force_vpdpwssd(old_w)
+
+
+def _inner_loops() -> list:
+    """The shared inner loops plus quant_k_gemm's int16 AVX-512 tiles."""
+    loops = inner_loop_params(C)
+    vnni = loops[0]
+    assert vnni.values == ("avx512vnni",)
+    return [vnni, pytest.param("avx512vnni-int16", id="avx512vnni-int16", marks=vnni.marks), *loops[1:]]
 
 
 @needs_c
-@pytest.mark.parametrize("isa", inner_loop_params(C), indirect=True)
+@pytest.mark.parametrize("isa", _inner_loops(), indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_row_invariance_batch_and_threads(qtype, isa):
     """Bit for bit, on each inner loop this CPU has: a row alone == the same row at every
@@ -249,7 +260,7 @@ def test_row_invariance_batch_and_threads(qtype, isa):
 
 
 @needs_c
-@pytest.mark.parametrize("isa", inner_loop_params(C), indirect=True)
+@pytest.mark.parametrize("isa", _inner_loops(), indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_each_inner_loop_equals_reference(qtype, isa):
     """Each inner loop against the pure-torch oracle at the row counts that cut its tiles
@@ -266,8 +277,16 @@ def test_each_inner_loop_equals_reference(qtype, isa):
                     reason="this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_avx512_tiles_same_bits_as_avx2(qtype):
-    """The AVX-512 VNNI tiles (two groups, up to 8 rows) give the AVX2 tiles' bits for every
-    row count and group parity, bf16 and fp32 out, with a bias."""
+    """The AVX-512 VNNI tiles (two groups, up to 8 rows; int8 vpdpbusd and int16 vpdpwssd)
+    give the AVX2 tiles' bits for every row count and group parity, bf16 and fp32 out, with
+    a bias."""
+    def forced(hook, *args):
+        old = hook(True)
+        try:
+            return _gemm(*args)
+        finally:
+            hook(old)
+
     for N, K in ((40, 512), (37, 1024)):
         qw = _weight(N, K, qtype)
         bias = torch.randn(N) if N % 2 else None
@@ -275,12 +294,8 @@ def test_avx512_tiles_same_bits_as_avx2(qtype):
             x = _x(M, K, torch.bfloat16)
             for od in (torch.float32, torch.bfloat16):
                 fast = _gemm(x, qw, bias, od)
-                old = C._quant_k_force_avx2(True)
-                try:
-                    ref = _gemm(x, qw, bias, od)
-                finally:
-                    C._quant_k_force_avx2(old)
-                assert torch.equal(fast, ref), (N, K, M, od)
+                assert torch.equal(fast, forced(C._quant_k_force_avx2, x, qw, bias, od)), (N, K, M, od)
+                assert torch.equal(fast, forced(C._quant_k_force_vpdpwssd, x, qw, bias, od)), (N, K, M, od)
 
 
 @needs_c

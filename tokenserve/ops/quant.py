@@ -13,7 +13,8 @@ The rest is the pure-torch oracle of ``csrc/quant.cpp`` and ``csrc/quant_k.cpp``
 
 * :func:`quantize_act_ref` quantises activations per row and 32-block to int12, as the kernel
   does before its integer dot products (llama.cpp's Q8_1 activations, with 12 bits instead of
-  8, see ``csrc/quant.cpp`` and bench/README.md "Quantised weights");
+  8, see ``csrc/quant.cpp`` and bench/README.md "Quantised weights"), or to int8 for the
+  k-quants (``csrc/quant_k.cpp``, bench/README.md "K-quants on int8 activations");
 * :func:`quant_linear_ref` emulates the kernel's arithmetic (exact integer block dots, one
   fp32 fma per block) and :func:`quant_linear_fp32_ref` is the "true" product with the
   dequantised weight in fp32 (what the kernel approximates to the activation rounding);
@@ -100,24 +101,28 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
     return y.reshape(n, k)
 
 
-def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activations -> int12 blocks (stored as int16), the kernel's first step (row by row,
-    32-block by 32-block; ``csrc/quant_act.h``).
+def quantize_act_ref(x: torch.Tensor, qmax: int = 2047
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations -> int12 (or int8) blocks (stored as int16), the kernel's first step (row
+    by row, 32-block by 32-block; ``csrc/quant_act.h``).
 
-    ``d = amax / 2047`` (fp32), ``q = round_half_even(x * (1/d))`` (0 where d = 0,
-    ``|q| <= 2047``), and ``s = d * sum(q)`` (as llama.cpp's Q8_1 ``s``, for the Q4 offset
-    term). 12 bits so that ``q = 16 h + l`` (``h`` a signed byte, ``l`` 0..15) and an
-    AMX-INT8 tile product is the exact block dot (``csrc/quant_amx_int.cpp``).
+    ``d = amax / qmax`` (fp32), ``q = round_half_even(x * (1/d))`` (0 where d = 0,
+    ``|q| <= qmax``), and ``s = d * sum(q)`` (as llama.cpp's Q8_1 ``s``, for the Q4 offset
+    term). ``quant_gemm`` (Q4_0 / Q4_1 / Q8_0) uses 12 bits (qmax 2047) so that
+    ``q = 16 h + l`` (``h`` a signed byte, ``l`` 0..15) and an AMX-INT8 tile product is the
+    exact block dot (``csrc/quant_amx_int.cpp``); ``quant_k_gemm`` uses 8 bits (qmax 127),
+    llama.cpp's activation width on 32-blocks instead of its 256-element Q8_K blocks.
 
     Args:
         x: [M, K] any float dtype (used as fp32), K a multiple of 32.
+        qmax: 2047 (int12) or 127 (int8).
 
     Returns:
         (q int16 [M, K], d fp32 [M, K // 32], s fp32 [M, K // 32]).
     """
     m, k = x.shape
     xb = x.float().reshape(m, k // QK, QK)
-    d = xb.abs().amax(-1) / 2047.0
+    d = xb.abs().amax(-1) / float(qmax)
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int32)
     s = d * q.sum(-1).float()
@@ -311,7 +316,8 @@ def quant_k_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Bit-exact emulation of ``quant_k_gemm`` (``csrc/quant_k.cpp``): ``y = x @ W.T (+ b)``.
 
-    Activations as :func:`quantize_act_ref` (int12 per 32-block: q, dx, sx = dx * sum q).
+    Activations as :func:`quantize_act_ref` with ``qmax = 127`` (int8 per 32-block: q, dx,
+    sx = dx * sum q).
     Per output element, sub-blocks s in k order (Q4_K / Q5_K: 32 weights, activation block
     b = s; Q6_K: 16 weights, b = s // 2)::
 
@@ -330,7 +336,7 @@ def quant_k_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
     Returns:
         [M, N] in ``out_dtype``.
     """
-    qx, dx, sx = quantize_act_ref(x)
+    qx, dx, sx = quantize_act_ref(x, 127)
     dw, mw, qw = _k_parts(w)  # [N, S], [N, S], [N, S, L]
     m_rows, _ = x.shape
     n, s_count, sub = qw.shape
