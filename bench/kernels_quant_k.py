@@ -13,10 +13,11 @@ may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_
 
     python bench/kernels_quant_k.py --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k]
 
-times the k-quant GEMM's three x86 inner loops, the same bits each (the AVX-512 VNNI int8
-tiles, ``vpdpbusd``, the default; the AVX-512 VNNI int16 tiles, ``vpdpwssd``; the AVX2
-tiles) on Llama-3.2-1B's layer shapes (qkv [3072, 2048], o [2048, 2048], gate_up [16384,
-2048], down [2048, 8192]), alternating them, best of 5 (needs an AVX-512 VNNI CPU).
+times the k-quant GEMM's x86 inner loops, the same bits each (the AVX-512 VNNI int8 tiles,
+``vpdpbusd``, the default; the AVX-512 VNNI int16 tiles, ``vpdpwssd``; the AVX2 int8 tiles,
+``vpmaddubsw``, Q6_K excepted; the AVX2 int16 tiles, ``vpmaddwd``) on Llama-3.2-1B's layer shapes (qkv [3072, 2048], o [2048, 2048], gate_up [16384,
+2048], down [2048, 8192]), alternating them, best of 5 (needs an AVX-512 VNNI CPU). At one
+row the default ("avx512vnni") takes the AVX2 tiles (``csrc/quant_k.cpp``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def bench(ms: tuple[int, ...] = (1, 16, 64), layers: int = 8) -> list[dict]:
 L32_1B = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
 
 
-ISAS = ("avx512vnni", "avx512vnni-int16", "avx2")
+ISAS = ("avx512vnni", "avx512vnni-int16", "avx2", "avx2-int16")
 
 
 def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> list[dict]:
@@ -106,8 +107,8 @@ def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> 
             best: dict[tuple[str, str], float] = {}
             for _ in range(5):
                 for isa in ISAS:
-                    old = c._quant_k_force_avx2(isa == "avx2")
-                    old_w = c._quant_k_force_vpdpwssd(isa == "avx512vnni-int16")
+                    old = c._quant_k_force_avx2(isa.startswith("avx2"))
+                    old_w = c._quant_k_force_int16(isa.endswith("-int16"))
                     try:
                         for name, n, k in L32_1B:
                             x = torch.randn(m, k, generator=g).bfloat16()
@@ -119,7 +120,7 @@ def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> 
                             best[(isa, name)] = min(best.get((isa, name), 1e9), t)
                     finally:
                         c._quant_k_force_avx2(old)
-                        c._quant_k_force_vpdpwssd(old_w)
+                        c._quant_k_force_int16(old_w)
             for name, n, k in L32_1B:
                 nbytes = ws[name][0].numel()
                 rows.append({"format": qt, "M": m, "shape": name, "N": n, "K": k,

@@ -28,9 +28,11 @@
 // 16-weight sub-blocks (their own scales, the same activation d). Q6_K's "q - 32" is
 // applied as isum - 32 * sum16(qx) (exact integers; sum16 per row and 16-block, computed
 // once per row). Int8, not csrc/quant.cpp's int12: the weights' quants are unsigned, so
-// vpdpbusd (u8 x s8, four products a lane) does what two vpdpwssd do; the GEMM at 16-64
-// rows ran 1.4-1.6x faster on AVX-512 VNNI (bench/README.md, "K-quants on int8
-// activations"), and the mean KL on real weights stays below llama.cpp's on the same file.
+// vpdpbusd (u8 x s8, four products a lane) does what two vpdpwssd do, and on AVX2 vpmaddubsw
+// sums eight chunks in int16 before one vpmaddwd widens them (Q4_K / Q5_K; Q6_K's AVX2 tile
+// stays on int16); the GEMM at 4-64 rows ran 1.4-1.7x faster on both (bench/README.md,
+// "K-quants on int8 activations"), and the mean KL on real weights stays below llama.cpp's
+// on the same file.
 //
 // Per output element y[m, n], in every path (AVX2, AVX-512 VNNI int16 and int8 tiles of any
 // shape, the portable code),
@@ -76,7 +78,7 @@ constexpr int64_t sub_bytes(int qt) { return qt == Q4_K ? 128 : 160; }  // Q4_K 
 
 std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
-std::atomic<bool> g_no_int8{false};    // test hook: the vpdpwssd tiles instead of the vpdpbusd ones
+std::atomic<bool> g_no_int8{false};    // test hook: the int16 tiles instead of the int8 ones
 
 using qact::fp16_to_f32;
 #ifdef TS_X86
@@ -164,14 +166,20 @@ float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const u
 #ifdef TS_X86
 // Q4_K / Q5_K: MR activation rows x one group of 8 weight rows over all super-blocks:
 // out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
-template <int QT, int MR>
-TS_TARGET_AVX2_F16C void tile_q45k(const int16_t* __restrict xq, const float* __restrict xds, const int32_t*,
+// A = int16_t: xq [K], vpmaddwd on widened weight pairs; int8_t: q8 [K] in the AVX-512 int8
+// tiles' lane order (reorder_q8), vpmaddubsw on the u8 quants' four-element lanes (u8 x s8
+// pairs <= 2 * 31 * 127, no saturation), summed in int16 for up to 8 chunks (Q4_K: 8 x 3810;
+// Q5_K: 4 x 7874 < 2^15) and widened with vpmaddwd against ones: exact, the same bits.
+template <int QT, int MR, class A = int16_t>
+TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restrict xds, const int32_t*,
                                    int64_t K, const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
+  constexpr bool I8 = std::is_same_v<A, int8_t>;
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
   __m256 acc[MR], summ[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), summ[r] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
+  const __m256i bit4x4 = _mm256_set1_epi32(0x10101010);  // int8 lanes (Q5_K)
   const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
                 k3 = _mm256_set1_epi32(0x03030303);
   // byte k of each 32-bit lane -> the lane's low byte, zero above
@@ -206,26 +214,58 @@ TS_TARGET_AVX2_F16C void tile_q45k(const int16_t* __restrict xq, const float* __
       if constexpr (QT == Q5_K) _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 128), _MM_HINT_T0);
       const int64_t xo = B * QKK + QB * j;
       __m256i isum[MR];
-      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-      __m256i hl = _mm256_setzero_si256(), hh = _mm256_setzero_si256();
-      if constexpr (QT == Q5_K) {
-        hl = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(sub + 128)), 4);
-        hh = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(sub + 144)), 4);
-      }
+      if constexpr (I8) {
+        const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1);
+        constexpr int WIDEN = QT == Q5_K ? 4 : 8;  // chunks summed in int16 before widening
+        __m256i s16[MR];
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256(), s16[r] = _mm256_setzero_si256();
+        __m256i hb = _mm256_setzero_si256();  // lane bytes: fifth bits of [2p + j] and [16 + 2p + j]
+        if constexpr (QT == Q5_K)
+          hb = _mm256_or_si256(_mm256_cvtepu16_epi32(load16(sub + 128)),
+                               _mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(sub + 144)), 16));
+        const int8_t* q8b = xa + 32 * (B * 8 + j);
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) {
-        const __m256i t = _mm256_cvtepu8_epi16(load16(sub + 16 * p));
-        __m256i wl = _mm256_and_si256(t, lo4), wh = _mm256_srli_epi16(t, 4);
-        if constexpr (QT == Q5_K) {  // bit p of the fifth-bit bytes, moved to bit 4
-          wl = _mm256_or_si256(wl, _mm256_and_si256(hl, bit4));
-          wh = _mm256_or_si256(wh, _mm256_and_si256(hh, bit4));
-          hl = _mm256_srli_epi16(hl, 1);
-          hh = _mm256_srli_epi16(hh, 1);
+        for (int p = 0; p < 8; ++p) {
+          // lane [b0, b1, 0, 0] -> [b0 & 15, b1 & 15, b0 >> 4, b1 >> 4]
+          const __m256i t = _mm256_cvtepu16_epi32(load16(sub + 16 * p));
+          __m256i w = _mm256_and_si256(_mm256_or_si256(t, _mm256_slli_epi32(t, 12)), nib);
+          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4
+            w = _mm256_or_si256(w, _mm256_and_si256(_mm256_slli_epi32(hb, 4), bit4x4));
+            hb = _mm256_srli_epi32(hb, 1);
+          }
+          for (int r = 0; r < MR; ++r) {
+            int32_t v;
+            std::memcpy(&v, q8b + r * K + 4 * p, 4);
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(v)));
+          }
+          if ((p + 1) % WIDEN == 0)
+            for (int r = 0; r < MR; ++r) {
+              isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], ones));
+              s16[r] = _mm256_setzero_si256();
+            }
         }
-        for (int r = 0; r < MR; ++r) {
-          const int16_t* xb = xq + r * K + xo;
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(wl, xpair(xb, 2 * p)),
-                                                               _mm256_madd_epi16(wh, xpair(xb, 16 + 2 * p))));
+      } else {
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+        __m256i hl = _mm256_setzero_si256(), hh = _mm256_setzero_si256();
+        if constexpr (QT == Q5_K) {
+          hl = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(sub + 128)), 4);
+          hh = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(sub + 144)), 4);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+          const __m256i t = _mm256_cvtepu8_epi16(load16(sub + 16 * p));
+          __m256i wl = _mm256_and_si256(t, lo4), wh = _mm256_srli_epi16(t, 4);
+          if constexpr (QT == Q5_K) {  // bit p of the fifth-bit bytes, moved to bit 4
+            wl = _mm256_or_si256(wl, _mm256_and_si256(hl, bit4));
+            wh = _mm256_or_si256(wh, _mm256_and_si256(hh, bit4));
+            hl = _mm256_srli_epi16(hl, 1);
+            hh = _mm256_srli_epi16(hh, 1);
+          }
+          for (int r = 0; r < MR; ++r) {
+            const int16_t* xb = xa + r * K + xo;
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(wl, xpair(xb, 2 * p)),
+                                                                 _mm256_madd_epi16(wh, xpair(xb, 16 + 2 * p))));
+          }
         }
       }
       const __m256i scj = _mm256_shuffle_epi8(sc[j / 4], sel[j % 4]);
@@ -617,6 +657,19 @@ inline Tile512Fn<int8_t> pick_tile8(int qt, int mr) {
 
 using TileFn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
 
+using Tile8Fn = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
+
+// The AVX2 int8 tile (vpmaddubsw) of Q4_K / Q5_K for mr rows (1..kQuantMr).
+template <int QT>
+Tile8Fn pick_tile_i8(int mr) {
+  switch (mr) {
+    case 1: return &tile_q45k<QT, 1, int8_t>;
+    case 2: return &tile_q45k<QT, 2, int8_t>;
+    case 3: return &tile_q45k<QT, 3, int8_t>;
+    default: return &tile_q45k<QT, 4, int8_t>;
+  }
+}
+
 template <int QT>
 TileFn pick_tile(int mr) {
   if constexpr (QT == Q6_K) {
@@ -664,13 +717,19 @@ void compute_block_avx512(int qt, const int16_t* xq, const int8_t* q8, const flo
 #endif  // TS_X86
 
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
-void compute_block(int qt, bool avx2, const int16_t* xq, const float* xds, const int32_t* xs16, int64_t K,
-                   int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias, void* y,
-                   bool y_bf16, int64_t N) {
+// q8: the int8 activations in lane order (AVX2 Q4_K / Q5_K int8 tiles), or null (int16 tiles).
+void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const float* xds, const int32_t* xs16,
+                   int64_t K, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias,
+                   void* y, bool y_bf16, int64_t N) {
   const int64_t nb = K / QB, gstride = (K / QKK) * group_bytes(qt);
   qact::compute_groups(m0, rows, kQuantMr, w, gstride, g0, g1, bias, y, y_bf16, N,
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
+    if (avx2 && q8 && qt != Q6_K) {
+      (qt == Q4_K ? pick_tile_i8<Q4_K>(mr) : pick_tile_i8<Q5_K>(mr))(q8 + m * K, xds + m * nb * 2, nullptr, K, wg,
+                                                                    tile, RG);
+      return;
+    }
     if (avx2) {
       TileFn fn = qt == Q4_K ? pick_tile<Q4_K>(mr) : qt == Q5_K ? pick_tile<Q5_K>(mr) : pick_tile<Q6_K>(mr);
       fn(xq + m * K, xds + m * nb * 2, xs16 + m * (K / 16), K, wg, tile, RG);
@@ -711,10 +770,13 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const int64_t n16 = K / 16;
   const bool avx2 = avx2_enabled(g_force_portable);
   // AVX-512 VNNI tiles (two groups, up to 8 rows; vpdpbusd, or vpdpwssd under the test hook):
-  // the same bits as the AVX2 ones.
-  const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load();
+  // the same bits as the AVX2 ones. A one-row GEMM streams its weights from memory, and the
+  // AVX2 tiles' one group stream per thread reads them faster than the two-group tiles'
+  // two: a Llama-3.2-1B Q4_K_M batch-1 step 28.9 vs 32.5 ms (four alternations each,
+  // bench/README.md "K-quants on int8 activations").
+  const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load() && M > 1;
   const bool q6 = qtype == Q6_K;
-  const bool i8 = avx512 && !g_no_int8.load();  // the vpdpbusd tiles (test hook: the vpdpwssd ones)
+  const bool i8 = avx2 && !g_no_int8.load();  // the int8 tiles (test hook: the int16 ones)
   qact::ActBuffers& act = qact::act_buffers(M, K, q6, i8);
   const int16_t* qp = act.q.data();
   int8_t* q8p = i8 ? act.q8.data() : nullptr;
@@ -742,7 +804,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
       return;
     }
 #endif
-    compute_block(int(qtype), avx2, qp, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+    compute_block(int(qtype), avx2, qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   });
   return y;
 }
@@ -758,9 +820,9 @@ TOKENSERVE_REGISTER(quant_k) {
         "row-invariant bits.");
   m.def("_quant_k_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
         "Test hook: True forces the portable (non-AVX2) path of quant_k_gemm; returns the old value.");
-  m.def("_quant_k_force_vpdpwssd", [](bool on) { return tokenserve::g_no_int8.exchange(on); },
-        "Test hook: True runs quant_k_gemm's AVX-512 path on its int16 (vpdpwssd) tiles instead of the int8 "
-        "(vpdpbusd) ones; returns the old value.");
+  m.def("_quant_k_force_int16", [](bool on) { return tokenserve::g_no_int8.exchange(on); },
+        "Test hook: True runs quant_k_gemm on its int16 tiles (vpdpwssd, vpmaddwd) instead of the int8 ones "
+        "(vpdpbusd, vpmaddubsw); the same bits. Returns the old value.");
   m.def("_quant_k_force_avx2", [](bool on) { return tokenserve::g_no_avx512.exchange(on); },
         "Test hook: True keeps quant_k_gemm on its AVX2 tiles on an AVX-512 VNNI CPU; returns the old value.");
 }

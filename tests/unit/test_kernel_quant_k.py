@@ -231,22 +231,26 @@ def test_portable_path_same_bits(qtype, dtype):
 @pytest.fixture
 def isa(request):
     """quant_k_gemm held on one inner loop for the test (the hooks restore the old state):
-    "avx512vnni" is the int8 (vpdpbusd) tiles, "avx512vnni-int16" the vpdpwssd ones."""
+    "avx512vnni" / "avx2" are the int8 tiles (vpdpbusd / vpmaddubsw; AVX2 Q6_K stays int16),
+    "...-int16" the int16 ones (vpdpwssd / vpmaddwd)."""
     old_p = C._quant_k_force_portable(request.param == "portable")
-    old_a = C._quant_k_force_avx2(request.param == "avx2")
-    old_w = C._quant_k_force_vpdpwssd(request.param == "avx512vnni-int16")
+    old_a = C._quant_k_force_avx2(request.param.startswith("avx2"))
+    old_w = C._quant_k_force_int16(request.param.endswith("-int16"))
     yield request.param
     C._quant_k_force_portable(old_p)
     C._quant_k_force_avx2(old_a)
-    C._quant_k_force_vpdpwssd(old_w)
+    C._quant_k_force_int16(old_w)
 
 
 def _inner_loops() -> list:
-    """The shared inner loops plus quant_k_gemm's int16 AVX-512 tiles."""
-    loops = inner_loop_params(C)
-    vnni = loops[0]
-    assert vnni.values == ("avx512vnni",)
-    return [vnni, pytest.param("avx512vnni-int16", id="avx512vnni-int16", marks=vnni.marks), *loops[1:]]
+    """The shared inner loops, each SIMD one also on quant_k_gemm's int16 tiles."""
+    out = []
+    for loop in inner_loop_params(C):
+        out.append(loop)
+        name = loop.values[0]
+        if name != "portable":
+            out.append(pytest.param(f"{name}-int16", id=f"{name}-int16", marks=loop.marks))
+    return out
 
 
 @needs_c
@@ -278,8 +282,8 @@ def test_each_inner_loop_equals_reference(qtype, isa):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_avx512_tiles_same_bits_as_avx2(qtype):
     """The AVX-512 VNNI tiles (two groups, up to 8 rows; int8 vpdpbusd and int16 vpdpwssd)
-    give the AVX2 tiles' bits for every row count and group parity, bf16 and fp32 out, with
-    a bias."""
+    give the AVX2 tiles' bits (int8 vpmaddubsw) for every row count and group parity, bf16
+    and fp32 out, with a bias."""
     def forced(hook, *args):
         old = hook(True)
         try:
@@ -295,7 +299,7 @@ def test_avx512_tiles_same_bits_as_avx2(qtype):
             for od in (torch.float32, torch.bfloat16):
                 fast = _gemm(x, qw, bias, od)
                 assert torch.equal(fast, forced(C._quant_k_force_avx2, x, qw, bias, od)), (N, K, M, od)
-                assert torch.equal(fast, forced(C._quant_k_force_vpdpwssd, x, qw, bias, od)), (N, K, M, od)
+                assert torch.equal(fast, forced(C._quant_k_force_int16, x, qw, bias, od)), (N, K, M, od)
 
 
 @needs_c

@@ -47,8 +47,8 @@ says which, for the start-up log):
     8 rows interleaved per 256-weight super-block; one fp32 fma per 32- or 16-weight
     sub-block) but on int8 activations per 32-block (llama.cpp's width, on blocks an eighth
     of its Q8_K's): AVX-512 VNNI ``vpdpbusd`` tiles (two 8-row groups per zmm, up to 8
-    activation rows) where the CPU has them, else AVX2 or portable code, the same bits on
-    each. A fused projection
+    activation rows) where the CPU has them from two rows on, else AVX2 (``vpmaddubsw``) or
+    portable code, the same bits on each. A fused projection
     whose parts differ in format (a Q4_K_M layer's q|k in Q4_K, v in Q6_K) runs per part
     (:class:`SplitLinear`), never widened to bf16.
 ``"tokenserve.int8_gemm"``
@@ -121,8 +121,8 @@ def vector_isa(c) -> str:
 
 def quant_k_isa(c) -> str:
     """The inner loops of ``quant_k_gemm`` on this CPU: ``"avx512vnni"`` (``vpdpbusd`` on two
-    8-row groups per zmm; ``quant_gemm``'s are ``vpdpwssd``), ``"avx2"`` or ``"portable"``;
-    all give the same bits."""
+    8-row groups per zmm from two rows on, the AVX2 tiles for one; ``quant_gemm``'s are
+    ``vpdpwssd``), ``"avx2"`` or ``"portable"``; all give the same bits."""
     if c is not None and c.cpu_features().get("avx512vnni", False):
         return "avx512vnni"
     return vector_isa(c)
