@@ -164,7 +164,7 @@ void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, int qmax, After
 
 // Runs fn(m_lo, m_hi, g0, g1) (activation rows [m_lo, m_hi), groups [g0, g1) of 8
 // weight rows) over every work unit of an [M, N] output: row chunks sized so a chunk's
-// int16 activations stay in L2 (~128 KiB; a multiple of mr_max rows) x pairs of groups,
+// activations stay in L2 (~128 KiB; a multiple of mr_max rows) x pairs of groups,
 // unit u = (chunk u / groups, group pair u % groups). Each task owns a contiguous range of
 // units and walks it in order, so at small M (where the GEMM streams its weights from
 // memory) each thread reads one long sequential run of weight bytes that the prefetchers
@@ -178,10 +178,13 @@ void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, int qmax, After
 // weights, bench/kernels_quant.py at M = 1, the two builds alternated four times):
 // 3.27-3.76 ms with these ranges vs 3.78-4.64 ms with the previous interleaved batches of
 // units / 16 (bench/README.md "One default weight path on AMD Zen 5").
+// act_bytes: bytes per activation element the tiles read (2: int16, 1: int8; the k-quant
+// GEMM's int8 tiles at 16 rows, Llama-3.2-1B's down [2048, 8192] in one row chunk instead
+// of two: 1.35 -> 1.18 ms, bench/README.md "K-quants on int8 activations").
 template <class Fn>
-void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn) {
+void run_units(int64_t M, int64_t N, int64_t K, int64_t mr_max, Fn&& fn, int64_t act_bytes = 2) {
   constexpr int64_t GPU = kQuantGroupsPerUnit;
-  const int64_t mc = std::max<int64_t>(mr_max, (131072 / std::max<int64_t>(K * 2, 1)) / mr_max * mr_max);
+  const int64_t mc = std::max<int64_t>(mr_max, (131072 / std::max<int64_t>(K * act_bytes, 1)) / mr_max * mr_max);
   const int64_t nchunks = (M + mc - 1) / mc;
   const int64_t NG = (N + RG - 1) / RG;
   const int64_t ngroups = (NG + GPU - 1) / GPU;

@@ -805,7 +805,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
     }
 #endif
     compute_block(int(qtype), avx2, qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
-  });
+  }, i8 ? 1 : 2);  // the int8 tiles read one byte per activation: row chunks twice as tall
   return y;
 }
 
