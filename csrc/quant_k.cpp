@@ -347,10 +347,11 @@ TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __r
 
 // The AVX-512 VNNI tiles: MR activation rows x TWO groups (16 weight rows, the groups at wg
 // and wg + gstride), out[r * ldo + j] for j < 16. A chunk's 16 bytes of each group widen to
-// one zmm (lanes 0-7 group g, 8-15 group g + 1) and vpdpwssd adds the pair dots into the
-// int32 sub-block sums, exact whatever the order or number of partial sums (CH chains hide
-// the instruction's latency when few rows share a weight vector). The fp32 steps are the
-// AVX2 tiles', lane for lane, so both give the same bits (tests/unit/test_quant_k*.py).
+// one zmm (lanes 0-7 group g, 8-15 group g + 1) and vpdpbusd (int8 lanes, below) or
+// vpdpwssd (int16 pairs) adds the dots into the int32 sub-block sums, exact whatever the
+// order or number of partial sums (CH chains hide the instruction's latency when few rows
+// share a weight vector). The fp32 steps are the AVX2 tiles', lane for lane, so all give the
+// same bits (tests/unit/test_kernel_quant_k.py).
 //
 // The two group streams of a tile sit gstride apart, and a work unit's next tile reads the
 // 2 gstride bytes after them (run_units walks groups in memory order). So at super-block B
