@@ -138,7 +138,7 @@ struct ActBuffers {
   std::vector<int16_t> q;     // [M, K]
   std::vector<float> ds;      // [M, K / 32, 2]
   std::vector<int32_t> sums;  // [M, K / 16] (Q6_K)
-  std::vector<int8_t> q8;     // [M, K]: q as int8, reordered for vpdpbusd (csrc/quant_k.cpp)
+  std::vector<int8_t> q8;     // [M, K]: q as int8 in the k-quant int8 tiles' lane order (csrc/quant_k.cpp)
 };
 
 inline ActBuffers& act_buffers(int64_t M, int64_t K, bool sums, bool q8 = false) {

@@ -212,7 +212,6 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
       _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 64), _MM_HINT_T0);
       if constexpr (QT == Q5_K) _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 128), _MM_HINT_T0);
-      const int64_t xo = B * QKK + QB * j;
       __m256i isum[MR];
       if constexpr (I8) {
         const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1);
@@ -262,7 +261,7 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
             hh = _mm256_srli_epi16(hh, 1);
           }
           for (int r = 0; r < MR; ++r) {
-            const int16_t* xb = xa + r * K + xo;
+            const int16_t* xb = xa + r * K + B * QKK + QB * j;
             isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(wl, xpair(xb, 2 * p)),
                                                                  _mm256_madd_epi16(wh, xpair(xb, 16 + 2 * p))));
           }
@@ -416,7 +415,6 @@ TS_TARGET_AVX512VNNI inline void q45k_step512(const Q45Header512& h, int j, cons
     summ[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xp[1]), summ[r]);
   }
 }
-
 
 // The int8 tiles (vpdpbusd: a 32-bit lane adds four u8 x s8 products): the weights' quants
 // are unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), the activations int8 (|q| <= 127), so
@@ -612,7 +610,8 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_setzero_ps()));
 }
-// One row's int12-path quants q [K] (values in -127..127) -> q8 [K] in the int8 tiles' lane
+
+// One row's quants q [K] (int16, values in -127..127) -> q8 [K] in the int8 tiles' lane
 // order (above): 32-block b, lane L at q8[32 b + 4 L ..].
 inline void reorder_q8(int qt, const int16_t* q, int64_t K, int8_t* q8) {
   for (int64_t b = 0; b < K / QB; ++b) {
@@ -726,7 +725,8 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const
   qact::compute_groups(m0, rows, kQuantMr, w, gstride, g0, g1, bias, y, y_bf16, N,
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
-    if (avx2 && q8 && qt != Q6_K) {
+    if (avx2 && q8) {  // Q4_K / Q5_K (quant_k_gemm passes no q8 for an AVX2 Q6_K)
+      assert(qt != Q6_K);
       (qt == Q4_K ? pick_tile_i8<Q4_K>(mr) : pick_tile_i8<Q5_K>(mr))(q8 + m * K, xds + m * nb * 2, nullptr, K, wg,
                                                                     tile, RG);
       return;
@@ -777,7 +777,9 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   // bench/README.md "K-quants on int8 activations").
   const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load() && M > 1;
   const bool q6 = qtype == Q6_K;
-  const bool i8 = avx2 && !g_no_int8.load();  // the int8 tiles (test hook: the int16 ones)
+  // The int8 tiles (test hook: the int16 ones); Q6_K has no AVX2 int8 tile, so off the
+  // AVX-512 tiles its activations are read as int16 only (no lane-order copy made).
+  const bool i8 = avx2 && !g_no_int8.load() && (avx512 || !q6);
   qact::ActBuffers& act = qact::act_buffers(M, K, q6, i8);
   const int16_t* qp = act.q.data();
   int8_t* q8p = i8 ? act.q8.data() : nullptr;

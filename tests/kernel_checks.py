@@ -33,6 +33,18 @@ def quant_weight(N: int, K: int, qtype: str, seed: int = 0):
     return quantize_ref(w, qtype)
 
 
+def act_rounding_bound(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
+    """[M, N] bound on |x_q @ w.T - x @ w.T| from quantising x's activations per 32-block
+    to ``qmax`` levels (``quantize_act_ref``): each element moves by at most d_b / 2, so a
+    block adds at most (d_b / 2) * sum_k |w_k|; times 1.01 for the fp32 accumulation.
+    x: [M, K] float; w: [N, K] the dequantised weight. Callers add their output rounding."""
+    from tokenserve.ops.quant import quantize_act_ref
+
+    _, dx, _ = quantize_act_ref(x, qmax)
+    wabs = w.float().abs().reshape(w.shape[0], -1, 32).sum(-1)  # [N, K / 32]
+    return (dx / 2) @ wabs.T * 1.01
+
+
 def assert_rows_invariant(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                           batch_sizes: Sequence[int]) -> None:
     """Bit for bit: each row of ``gemm(x)`` equals that row computed alone, in the first m

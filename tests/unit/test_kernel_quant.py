@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.kernel_checks import (
+    act_rounding_bound,
     activations,
     assert_releases_gil,
     assert_rows_invariant,
@@ -115,11 +116,8 @@ def test_quant_gemm_vs_reference(qtype, M, N, K):
     # the emulation rounds its fma in fp64 then fp32: equal up to a rare double rounding
     torch.testing.assert_close(y, emu, rtol=1e-6, atol=1e-6)
     exact = quant_linear_fp32_ref(x, qw, bias, torch.float32)
-    # activation rounding (int16): |x - x_q| <= d / 2 per element, so the error is at most
-    # sum_b (dx_b / 2) * sum_k |w_k| in a block; check against that bound
-    _, dx, _ = quantize_act_ref(x)
-    wabs = dequantize_ref(qw).abs().reshape(N, K // 32, 32).sum(-1)  # [N, nb]
-    bound = (dx / 2) @ wabs.T * 1.01 + 1e-5
+    # within the int12 activation rounding's bound
+    bound = act_rounding_bound(x, dequantize_ref(qw), 2047) + 1e-5
     assert ((y - exact).abs() <= bound).all()
 
 

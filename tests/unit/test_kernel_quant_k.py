@@ -26,7 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernel_checks import activations, assert_rows_invariant, inner_loop_params
+from tests.kernel_checks import (
+    act_rounding_bound,
+    activations,
+    assert_rows_invariant,
+    inner_loop_params,
+)
 from tokenserve.ops.dispatch import load_kernels
 from tokenserve.ops.linear import Linear, SplitLinear, fused_linear, leaf_linears
 from tokenserve.ops.quant import (
@@ -190,11 +195,8 @@ def test_quant_k_gemm_vs_reference(qtype, M, N, K):
         return
     assert torch.equal(y, quant_k_linear_ref(x, qw, bias, torch.float32))
     exact = quant_linear_fp32_ref(x, qw, bias, torch.float32)
-    # activation rounding (int8): |x - x_q| <= d / 2 per element, so the error is at most
-    # sum_b (dx_b / 2) * sum_k |w_k| over a 32-block (plus fp32 accumulation)
-    _, dx, _ = quantize_act_ref(x, 127)
-    wabs = dequantize_ref(qw).abs().reshape(N, K // 32, 32).sum(-1)  # [N, nb]
-    bound = (dx / 2) @ wabs.T * 1.01 + 1e-5 * (1 + exact.abs())
+    # within the int8 activation rounding's bound
+    bound = act_rounding_bound(x, dequantize_ref(qw), 127) + 1e-5 * (1 + exact.abs())
     assert ((y - exact).abs() <= bound).all()
 
 
