@@ -745,6 +745,48 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const
 
 }  // namespace
 
+// Embedding lookup on a k8-packed k-quant table w (V rows): rows ids [T] dequantised as
+// tokenserve.ops.quant.dequantize_k_ref does (fp32 fl(dw * q) + mw; Q6_K fl(dw * (q - 32))),
+// [T, K] bf16 or fp32. The torch path decodes each id's whole 8-row group to int32 fields
+// (~250 MB transient for a 500-token prefill of a 2048-wide table); this reads one row.
+// Errors (RuntimeError): bad qtype, shapes, dtypes, or an id outside [0, V).
+torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor& w, int64_t qtype, int64_t V,
+                                   int64_t K, at::ScalarType out_dtype) {
+  TORCH_CHECK(qtype == Q4_K || qtype == Q5_K || qtype == Q6_K,
+              "quant_k_dequant_rows: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
+  TORCH_CHECK(K > 0 && K % QKK == 0, "quant_k_dequant_rows: K=", K, " is not a positive multiple of 256");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(0) == (V + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
+              "quant_k_dequant_rows: w must be contiguous uint8 [", (V + RG - 1) / RG, ", ", K / QKK, ", ",
+              group_bytes(int(qtype)), "] (k8), got ", w.sizes());
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_k_dequant_rows: bf16 or fp32 out");
+  auto idx = ids.to(at::kLong).contiguous();
+  const int64_t T = idx.numel(), nsb = K / QKK, GB = group_bytes(int(qtype));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "quant_k_dequant_rows: id ", ip[t], " out of range [0, ", V, ")");
+  auto y = torch::empty({T, K}, w.options().dtype(out_dtype));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bool bf = out_dtype == at::kBFloat16, q6 = qtype == Q6_K;
+  void* yp = y.data_ptr();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    float dw[16], mw[16];
+    int32_t q[QKK];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = ip[t] / RG, r = ip[t] % RG;
+      for (int64_t B = 0; B < nsb; ++B) {
+        unpack_row(int(qtype), wp + (g * nsb + B) * GB, int(r), dw, mw, q);
+        const int L = q6 ? 16 : 32;  // weights per sub-block
+        for (int i = 0; i < QKK; ++i) {
+          const float v = dw[i / L] * float(q[i]);  // rounded, then the min added (no FMA)
+          store1(yp, t * K + B * QKK + i, q6 ? v : v + mw[i / L], bf);
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // y = x @ W^T (+ bias) on k8-packed GGUF k-quant super-blocks.
 //   x:     [M, K] bf16 or fp32 (K a multiple of 256)
 //   w:     uint8 [ceil(N / 8), K / 256, group_bytes] (tokenserve.ops.quant.repack_k8)
@@ -821,6 +863,10 @@ TOKENSERVE_REGISTER(quant_k) {
         "super-blocks, qtype: 12 Q4_K | 13 Q5_K | 14 Q6_K, N, bias=None, out_dtype=None) -> Tensor[M, N]: "
         "x @ W^T (+ bias), int8 activations per 32-block, exact integer sub-block dots, fp32 accumulation, "
         "row-invariant bits.");
+  m.def("quant_k_dequant_rows", &tokenserve::quant_k_dequant_rows, pybind11::arg("ids"), pybind11::arg("w"),
+        pybind11::arg("qtype"), pybind11::arg("V"), pybind11::arg("K"), pybind11::arg("out_dtype"),
+        "quant_k_dequant_rows(ids: int [T], w: k8-packed k-quant table of V rows, qtype, V, K, out_dtype) -> "
+        "Tensor[T, K]: an embedding lookup on a k-quant table, as dequantize_k_ref.");
   m.def("_quant_k_force_portable", [](bool on) { return tokenserve::g_force_portable.exchange(on); },
         "Test hook: True forces the portable (non-AVX2) path of quant_k_gemm; returns the old value.");
   m.def("_quant_k_force_int16", [](bool on) { return tokenserve::g_no_int8.exchange(on); },

@@ -32,7 +32,7 @@ from tests.kernel_checks import (
     assert_rows_invariant,
     inner_loop_params,
 )
-from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.dispatch import Kernels, load_kernels
 from tokenserve.ops.linear import Linear, SplitLinear, fused_linear, leaf_linears
 from tokenserve.ops.quant import (
     act_sums16_ref,
@@ -312,6 +312,24 @@ def test_vocab_49152_lm_head_q6_k_fp32_logits():
     y = _gemm(x, qw, None, torch.float32)
     assert y.shape == (3, 49152) and y.dtype == torch.float32
     assert torch.equal(y, quant_k_linear_ref(x, qw, None, torch.float32))
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dequant_rows_equals_reference(qtype, out_dtype):
+    """The embedding lookup on a k8 table (a Q4_K_M file's tied Q6_K embedding) equals
+    ``dequantize_rows_ref`` (gguf-py's dequantisation) bit for bit, ids in any order, and
+    the Kernels dispatch takes it; an id outside the table is a RuntimeError."""
+    qw = _weight(37, 512, qtype, seed=5)
+    p = repack_k8(qw)
+    ids = torch.tensor([0, 36, 7, 7, 20, 8])
+    got = C.quant_k_dequant_rows(ids, p.data, QTYPE_IDS[qtype], 37, 512, out_dtype)
+    assert got.shape == (6, 512) and got.dtype == out_dtype
+    assert torch.equal(got, dequantize_rows_ref(ids, qw, out_dtype))
+    assert torch.equal(Kernels(use_c=True).embedding(ids, p, out_dtype), got)
+    with pytest.raises(RuntimeError, match="out of range"):
+        C.quant_k_dequant_rows(torch.tensor([37]), p.data, QTYPE_IDS[qtype], 37, 512, out_dtype)
 
 
 # ------------------------------------------------------------------ Linear

@@ -115,7 +115,7 @@ class CausalLM:
             elif globals_["lm_head"] is embed and self.lm_head.qweight is not None:
                 embed = self.lm_head.qweight  # tied: one (x8 or t16) copy of the table
             else:
-                embed = repack_x8(embed)
+                embed = repack_x8(embed, self.kernels.c)
         self.embed, self.final_norm = embed, self._norm(globals_["norm"])
         self.weight_bytes, self.weight_formats = self._weight_stats()
         log.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, self.weight_formats)

@@ -125,12 +125,12 @@ class Kernels:
     def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor | QuantWeight,
                   dtype: torch.dtype) -> torch.Tensor:
         """Rows ``input_ids`` (int64 [T]) of the embedding table, [T, hidden] in ``dtype``.
-        A quantised table (GGUF blocks) is dequantised row by row, as
+        A quantised table (GGUF blocks, k-quants too) is dequantised row by row in C++, as
         :func:`tokenserve.ops.quant.dequantize_rows_ref` does."""
         if not isinstance(weight, QuantWeight):
             return F.embedding(input_ids, weight)
-        rows = self.op({"x8": "quant_dequant_rows", "t16": "quant_t16_dequant_rows"}.get(
-            weight.layout, ""))
+        rows = self.op({"x8": "quant_dequant_rows", "t16": "quant_t16_dequant_rows",
+                        "k8": "quant_k_dequant_rows"}.get(weight.layout, ""))
         if rows is not None:
             return rows(input_ids, weight.data, QTYPE_IDS[weight.qtype], weight.shape[0],
                         weight.shape[1], dtype)

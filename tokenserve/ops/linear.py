@@ -222,7 +222,7 @@ class Linear:
                        and amx_available(c))
                 # GGUF blocks -> t16 tiles (AMX) or x8 (k-quants: k8) groups; Int8Weight ->
                 # x16 panels
-                packed = repack_t16(weight) if amx else repack_x8(weight)
+                packed = repack_t16(weight) if amx else repack_x8(weight, c)
                 self.qweight = dataclasses.replace(packed, data=weight_on_huge_pages(packed.data))
                 if packed is not weight:  # the file's blocks, if mapped, leave the RSS
                     drop_file_pages(weight.data)

@@ -312,9 +312,10 @@ def _k_encode(f: dict[str, torch.Tensor], qtype: str) -> torch.Tensor:
 # Rows past N are zero bytes (d = 0: they compute to 0 and are never stored).
 
 
-#: Row groups repacked at a time: 512 groups x 8 rows x K 2048 is ~8M weights, ~250 MB of
-#: transient int32 fields (a 128256-row Q6_K table in one piece peaked at ~6 GB).
-_REPACK_GROUPS = 512
+#: Weights repacked at a time: the decode below holds ~30 bytes a weight in transient int32
+#: fields, so 2M weights is ~60 MB (a 128256-row Q6_K table in one piece peaked at ~6 GB;
+#: 4096-row pieces still put ~300 MB on a 1B model's peak RSS at K = 8192).
+_REPACK_WEIGHTS = 1 << 21
 
 
 def repack_k8(w: QuantWeight) -> QuantWeight:
@@ -337,8 +338,8 @@ def repack_k8(w: QuantWeight) -> QuantWeight:
     n, k = w.shape
     nsb, bb = k // QK_K, BLOCK_BYTES[w.qtype]
     g = (n + RG - 1) // RG
-    if g > _REPACK_GROUPS:  # the decode below holds ~30 bytes a weight: bound the peak
-        step = _REPACK_GROUPS * RG
+    step = max(1, _REPACK_WEIGHTS // (RG * k)) * RG
+    if n > step:  # the decode below holds ~30 bytes a weight: bound the peak
         rows = w.data.view(n, nsb * bb)
         parts = [repack_k8(QuantWeight(rows[r:r + step], w.qtype, (min(step, n - r), k))).data
                  for r in range(0, n, step)]
