@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from safetensors import safe_open
 
 from tests.kernel_checks import act_rounding_bound
 from tokenserve.config.tree import EngineConfig
@@ -44,6 +46,7 @@ from tokenserve.models.loader import (
     resolve_quantization,
 )
 from tokenserve.ops.dispatch import load_kernels
+from tokenserve.ops.host_memory import file_backed
 from tokenserve.ops.linear import quant_isa
 from tokenserve.ops.quant import dequantize_ref
 from tokenserve.ops.quant_blocks import QuantWeight
@@ -69,15 +72,26 @@ def _same_weights(a: dict, b: dict) -> None:
 
 
 def test_gguf_blocks_cache_round_trip_and_stale_file(tmp_path):
-    """The first load parses the GGUF and saves its tensors beside the converted model; the
-    next load reads them back bit for bit; a cache written for another set of kept formats
-    (or a damaged one) is ignored and rewritten."""
+    """The first load parses the GGUF and saves what it found beside the converted model
+    (the file's blocks by offset, computed tensors as they are); the next load gives the
+    same tensors bit for bit, the file's blocks mapped from the file again; a cache written
+    for another set of kept formats, by another version (or a damaged one) is ignored and
+    rewritten."""
     src = default_gguf_path()
     parsed = _load_gguf_blocks(src, torch.bfloat16, None)
     first = _load_gguf_blocks(src, torch.bfloat16, tmp_path)
     assert (tmp_path / BLOCKS_CACHE).is_file()
     _same_weights(parsed, first)
-    _same_weights(parsed, _load_gguf_blocks(src, torch.bfloat16, tmp_path))
+    hit = _load_gguf_blocks(src, torch.bfloat16, tmp_path)
+    _same_weights(parsed, hit)
+    # the file's blocks are kept by offset and mapped again, not copied into the cache
+    assert (tmp_path / BLOCKS_CACHE).stat().st_size < src.stat().st_size // 4
+    with safe_open(str(tmp_path / BLOCKS_CACHE), framework="pt") as f:
+        views = json.loads(f.metadata()["views"])
+    assert any(".down_proj." in n for n in views)
+    assert not any(".q_proj." in n or ".k_proj." in n for n in views)  # un-permuted: stored
+    # every block tensor of a hit is mapped (the GGUF's or the cache's pages), none copied
+    assert all(file_backed(w.data.data_ptr()) for w in hit.values() if isinstance(w, QuantWeight))
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, str(tmp_path / BLOCKS_CACHE),
               metadata={"formats": '["Q4_0"]', "tensors": '{"x": null}'})

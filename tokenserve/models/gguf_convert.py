@@ -462,7 +462,8 @@ def _check_tensors(reader: GGUFReader, config: dict[str, Any], arch: GgufArch) -
 
 
 def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
-                           progress: bool = False) -> dict[str, Any]:
+                           progress: bool = False,
+                           offsets: dict[str, int] | None = None) -> dict[str, Any]:
     """Every tensor of a GGUF by its HF name, block-quantised ones kept as raw blocks (for
     ``--quantization gguf``).
 
@@ -471,16 +472,23 @@ def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
     array: each row is one output feature's blocks, so llama.cpp's Q/K row permutation is
     undone on whole rows (:func:`unpermute_qk` works on any trailing shape) and the bytes
     are otherwise the file's; a stacked expert tensor ``[E, rows, row_bytes]`` gives one such
-    entry per expert, each a view of the file's bytes. Every other tensor is dequantised to
-    float32 as in :func:`convert_gguf`.
+    entry per expert. Blocks needing no reordering are views of the file's mapping (private,
+    copy-on-write: nothing is written back), so their pages can leave the resident set once
+    packed (``ops/host_memory.drop_file_pages``); un-permuted Q/K rows are copies. Every other
+    tensor is dequantised to float32 as in :func:`convert_gguf`.
+
+    Args:
+        offsets: filled, when given, with each view's byte offset in the file (by HF name):
+            what a later start needs to map the same bytes without parsing the file again.
 
     Raises:
         ValueError: an architecture or tensor :func:`convert_gguf` would refuse.
     """
-    reader = GGUFReader(Path(gguf_path))
+    reader = GGUFReader(Path(gguf_path), mode="c")
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = _hf_config(meta, reader, name=Path(gguf_path).stem)
     arch = gguf_arch(meta)
+    base, size = reader.data.ctypes.data, reader.data.nbytes
     out: dict[str, Any] = {}
     for t in tqdm(reader.tensors, desc="read GGUF", unit="tensor", disable=not progress):
         if t.name in _CONFIG_TENSORS:
@@ -489,7 +497,11 @@ def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
         if t.tensor_type.name in formats and len(shape) in (2, 3):
             arr = np.asarray(t.data, dtype=np.uint8).reshape(*shape[:-1], -1)
             for name, a in _layer_arrays(t, arch, config, arr):
-                out[name] = (np.array(a, order="C"), t.tensor_type.name, a.shape[:1] + shape[-1:])
+                blocks = np.ascontiguousarray(a)  # the file's bytes unless Q/K rows moved
+                off = blocks.ctypes.data - base
+                if offsets is not None and 0 <= off <= size - blocks.nbytes:
+                    offsets[name] = off
+                out[name] = (blocks, t.tensor_type.name, a.shape[:1] + shape[-1:])
             continue
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         for name, a in _layer_arrays(t, arch, config, arr):

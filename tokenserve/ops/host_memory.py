@@ -84,7 +84,7 @@ def weight_on_huge_pages(t: torch.Tensor) -> torch.Tensor:
 _MADV_DONTNEED = 4  # asm-generic/mman-common.h
 
 
-def _file_backed(addr: int) -> bool:
+def file_backed(addr: int) -> bool:
     """True when ``addr`` lies in a file-backed mapping of this process
     (``/proc/self/maps``: a non-zero inode)."""
     try:
@@ -118,7 +118,7 @@ def drop_file_pages(t: torch.Tensor) -> int:
     start, nbytes = t.data_ptr(), t.numel() * t.element_size()
     page = mmap.PAGESIZE
     lo, hi = -(-start // page) * page, (start + nbytes) // page * page
-    if hi <= lo or not _file_backed(start):
+    if hi <= lo or not file_backed(start):
         return 0
     try:
         libc = ctypes.CDLL("libc.so.6")
