@@ -79,8 +79,10 @@ def test_gguf_blocks_cache_round_trip_and_stale_file(tmp_path):
     rewritten."""
     src = default_gguf_path()
     parsed = _load_gguf_blocks(src, torch.bfloat16, None)
+    old_format = tmp_path / "gguf_blocks.cache"  # a release before offsets: every block
+    old_format.write_bytes(b"a full copy of the blocks")
     first = _load_gguf_blocks(src, torch.bfloat16, tmp_path)
-    assert (tmp_path / BLOCKS_CACHE).is_file()
+    assert (tmp_path / BLOCKS_CACHE).is_file() and not old_format.exists()
     _same_weights(parsed, first)
     hit = _load_gguf_blocks(src, torch.bfloat16, tmp_path)
     _same_weights(parsed, hit)

@@ -358,7 +358,10 @@ def _tie_int8_head(model_dir: Path, weights: dict[str, torch.Tensor | QuantWeigh
 #: the same bytes of the same file: the directory is keyed by the file's SHA-256); only
 #: what was computed (float norms, un-permuted Q/K rows) is stored, so the cache is a small
 #: fraction of the file, not a second copy of it.
-BLOCKS_CACHE = "gguf_blocks.cache"  # safetensors format; not *.safetensors: no weight shard
+#: (a new name for the offsets format: a release that stored every block would read this
+#: file as a cache missing most tensors; the old name's file is removed when this is written)
+BLOCKS_CACHE = "gguf_blocks.v2.cache"  # safetensors format; not *.safetensors: no weight shard
+_OLD_BLOCKS_CACHE = "gguf_blocks.cache"
 _BLOCKS_CACHE_VERSION = "2"  # 2: the file's blocks by offset (1 stored them all)
 
 
@@ -413,6 +416,8 @@ def _write_blocks_cache(file: Path, raw: dict[str, Any], offsets: dict[str, int]
             "gguf_bytes": str(gguf_path.stat().st_size), "tensors": json.dumps(kinds),
             "views": json.dumps(views)})
         os.replace(tmp, file)
+        with contextlib.suppress(OSError):  # the old format's full copy of the blocks
+            (file.parent / _OLD_BLOCKS_CACHE).unlink()
     except OSError as exc:
         logger.warning("could not cache the GGUF blocks in %s: %s", file, exc)
         with contextlib.suppress(OSError):
