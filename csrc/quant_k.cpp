@@ -745,6 +745,10 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const
 
 }  // namespace
 
+// No FMA contraction here (GCC's C++ default -ffp-contract=fast would fuse fl(dw * q) + mw
+// on an FMA target, e.g. -march=native): the two roundings are dequantize_k_ref's.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 // Embedding lookup on a k8-packed k-quant table w (V rows): rows ids [T] dequantised as
 // tokenserve.ops.quant.dequantize_k_ref does (fp32 fl(dw * q) + mw; Q6_K fl(dw * (q - 32))),
 // [T, K] bf16 or fp32. The torch path decodes each id's whole 8-row group to int32 fields
@@ -786,6 +790,7 @@ torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor
   });
   return y;
 }
+#pragma GCC pop_options
 
 // y = x @ W^T (+ bias) on k8-packed GGUF k-quant super-blocks.
 //   x:     [M, K] bf16 or fp32 (K a multiple of 256)
