@@ -62,6 +62,7 @@
 
 #include "cpu_features.h"
 #include "quant_act.h"
+#include "quant_k_layout.h"
 #include "kernels.h"
 #include "registry.h"
 #include "simd.h"
@@ -70,11 +71,7 @@
 namespace tokenserve {
 namespace {
 
-constexpr int64_t QKK = 256;  // weights per super-block (QB, RG: csrc/tiles.h)
-enum KType : int { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's type ids
-
-constexpr int64_t group_bytes(int qt) { return qt == Q4_K ? 1152 : qt == Q5_K ? 1408 : 1680; }
-constexpr int64_t sub_bytes(int qt) { return qt == Q4_K ? 128 : 160; }  // Q4_K / Q5_K sub-block
+using namespace kquant;  // QKK, KType, group_bytes, sub_bytes (QB, RG: csrc/tiles.h)
 
 std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
@@ -743,6 +740,16 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const
   });
 }
 
+// A k8-packed weight of N rows (quant_k_gemm's w, quant_k_dequant_rows' table).
+void check_k8(const char* fn, const torch::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
+  TORCH_CHECK(is_k_type(qtype), fn, ": qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
+  TORCH_CHECK(K % QKK == 0, fn, ": K=", K, " is not a multiple of 256");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(0) == (N + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
+              fn, ": w must be contiguous uint8 [", (N + RG - 1) / RG, ", ", K / QKK, ", ", group_bytes(int(qtype)),
+              "] (tokenserve.ops.quant.repack_k8), got ", w.sizes());
+}
+
 }  // namespace
 
 // No FMA contraction here (GCC's C++ default -ffp-contract=fast would fuse fl(dw * q) + mw
@@ -756,13 +763,8 @@ void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const
 // Errors (RuntimeError): bad qtype, shapes, dtypes, or an id outside [0, V).
 torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor& w, int64_t qtype, int64_t V,
                                    int64_t K, at::ScalarType out_dtype) {
-  TORCH_CHECK(qtype == Q4_K || qtype == Q5_K || qtype == Q6_K,
-              "quant_k_dequant_rows: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
-  TORCH_CHECK(K > 0 && K % QKK == 0, "quant_k_dequant_rows: K=", K, " is not a positive multiple of 256");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
-                  w.size(0) == (V + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
-              "quant_k_dequant_rows: w must be contiguous uint8 [", (V + RG - 1) / RG, ", ", K / QKK, ", ",
-              group_bytes(int(qtype)), "] (k8), got ", w.sizes());
+  check_k8("quant_k_dequant_rows", w, qtype, V, K);
+  TORCH_CHECK(K > 0, "quant_k_dequant_rows: K must be positive");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "quant_k_dequant_rows: bf16 or fp32 out");
   auto idx = ids.to(at::kLong).contiguous();
   const int64_t T = idx.numel(), nsb = K / QKK, GB = group_bytes(int(qtype));
@@ -800,16 +802,11 @@ torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor
 // Returns [M, N]. Errors (RuntimeError): bad qtype, K, shapes or dtypes.
 torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                            const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(qtype == Q4_K || qtype == Q5_K || qtype == Q6_K,
-              "quant_k_gemm: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
+  TORCH_CHECK(is_k_type(qtype), "quant_k_gemm: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
   check_gemm_x("quant_k_gemm", x);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % QKK == 0, "quant_k_gemm: K=", K, " is not a multiple of 256");
   TORCH_CHECK(N >= 0, "quant_k_gemm: N must be >= 0");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
-                  w.size(0) == (N + RG - 1) / RG && w.size(1) == K / QKK && w.size(2) == group_bytes(int(qtype)),
-              "quant_k_gemm: w must be contiguous uint8 [", (N + RG - 1) / RG, ", ", K / QKK, ", ",
-              group_bytes(int(qtype)), "] (tokenserve.ops.quant.repack_k8), got ", w.sizes());
+  check_k8("quant_k_gemm", w, qtype, N, K);
   const GemmIo io = gemm_io("quant_k_gemm", x, N, bias, out_dtype);
   const at::ScalarType odt = io.dtype;
   const torch::Tensor& b = io.bias;

@@ -20,17 +20,18 @@
 #include <cstring>
 
 #include <ATen/Parallel.h>
+#include "quant_k_layout.h"
 #include "registry.h"
+#include "tiles.h"
 
 namespace tokenserve {
 namespace {
 
-constexpr int kRows = 8;  // rows per k8 group
-constexpr int kQK = 256;  // weights per super-block
+using namespace kquant;  // QKK, KType, block_bytes, group_bytes, sub_bytes (RG: csrc/tiles.h)
 
 // One super-block's 256 quants (unsigned, element order) of a GGUF block.
 void decode_q(int qtype, const uint8_t* b, uint8_t* q) {
-  if (qtype == 14) {  // Q6_K
+  if (qtype == Q6_K) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     for (int h = 0; h < 2; ++h)
@@ -42,7 +43,7 @@ void decode_q(int qtype, const uint8_t* b, uint8_t* q) {
         }
     return;
   }
-  const bool q5 = qtype == 13;
+  const bool q5 = qtype == Q5_K;
   const uint8_t* qs = b + (q5 ? 48 : 16);
   for (int j = 0; j < 8; ++j)
     for (int l = 0; l < 32; ++l) {
@@ -55,20 +56,20 @@ void decode_q(int qtype, const uint8_t* b, uint8_t* q) {
 // The k8 bytes of one (group, super-block): rows[r] is row r's GGUF block (nullptr past N:
 // left zero), out the group's GB bytes (zeroed by the caller).
 void pack_group(int qtype, const uint8_t* const* rows, uint8_t* out) {
-  uint8_t q[kRows][kQK];
-  for (int r = 0; r < kRows; ++r) {
+  uint8_t q[RG][QKK];
+  for (int r = 0; r < RG; ++r) {
     if (rows[r]) decode_q(qtype, rows[r], q[r]);
-    else std::memset(q[r], 0, kQK);
+    else std::memset(q[r], 0, QKK);
   }
-  if (qtype == 14) {  // | d[8] | scales[16][8] | 8 blocks x (8 low chunks, 4 high chunks) |
-    for (int r = 0; r < kRows; ++r) {
+  if (qtype == Q6_K) {  // | d[8] | scales[16][8] | 8 blocks x (8 low chunks, 4 high chunks) |
+    for (int r = 0; r < RG; ++r) {
       if (!rows[r]) continue;
       std::memcpy(out + 2 * r, rows[r] + 208, 2);
       for (int s = 0; s < 16; ++s) out[16 + 8 * s + r] = rows[r][192 + s];
     }
     uint8_t* body = out + 144;
     for (int blk = 0; blk < 8; ++blk, body += 192)
-      for (int r = 0; r < kRows; ++r) {
+      for (int r = 0; r < RG; ++r) {
         const uint8_t* e = q[r] + 32 * blk;
         for (int p = 0; p < 8; ++p)
           for (int j = 0; j < 2; ++j)
@@ -83,17 +84,17 @@ void pack_group(int qtype, const uint8_t* const* rows, uint8_t* out) {
     return;
   }
   // Q4_K / Q5_K: | d[8] | dmin[8] | 3 scale words x 8 rows | 8 sub-blocks |
-  const bool q5 = qtype == 13;
-  for (int r = 0; r < kRows; ++r) {
+  const bool q5 = qtype == Q5_K;
+  for (int r = 0; r < RG; ++r) {
     if (!rows[r]) continue;
     std::memcpy(out + 2 * r, rows[r], 2);
     std::memcpy(out + 16 + 2 * r, rows[r] + 2, 2);
     for (int w = 0; w < 3; ++w) std::memcpy(out + 32 + 32 * w + 4 * r, rows[r] + 4 + 4 * w, 4);
   }
-  const int sb = q5 ? 160 : 128;
+  const int64_t sb = sub_bytes(qtype);
   uint8_t* body = out + 128;
   for (int sub = 0; sub < 8; ++sub, body += sb)
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < RG; ++r) {
       const uint8_t* e = q[r] + 32 * sub;
       for (int p = 0; p < 8; ++p)
         for (int j = 0; j < 2; ++j)
@@ -108,28 +109,25 @@ void pack_group(int qtype, const uint8_t* const* rows, uint8_t* out) {
     }
 }
 
-int block_bytes(int qtype) { return qtype == 12 ? 144 : qtype == 13 ? 176 : 210; }
-int group_bytes(int qtype) { return qtype == 12 ? 1152 : qtype == 13 ? 1408 : 1680; }
-
 // rows: uint8 [N, K / 256 * block_bytes] (GGUF row order, contiguous) -> uint8
 // [ceil(N / 8), K / 256, group_bytes].
 torch::Tensor repack_k8(const torch::Tensor& rows, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == 12 || qtype == 13 || qtype == 14, "repack_k8: qtype must be 12 Q4_K | 13 Q5_K | 14 Q6_K");
-  TORCH_CHECK(K > 0 && K % kQK == 0, "repack_k8: K must be a positive multiple of 256");
+  TORCH_CHECK(is_k_type(qtype), "repack_k8: qtype must be 12 Q4_K | 13 Q5_K | 14 Q6_K");
+  TORCH_CHECK(K > 0 && K % QKK == 0, "repack_k8: K must be a positive multiple of 256");
   TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous() && rows.device().is_cpu(),
               "repack_k8: rows must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  const int64_t nsb = K / kQK, bb = block_bytes(int(qtype)), gb = group_bytes(int(qtype));
+  const int64_t nsb = K / QKK, bb = block_bytes(int(qtype)), gb = group_bytes(int(qtype));
   TORCH_CHECK(rows.size(1) == nsb * bb, "repack_k8: rows hold ", rows.size(1), " bytes, K needs ", nsb * bb);
-  const int64_t N = rows.size(0), G = (N + kRows - 1) / kRows;
+  const int64_t N = rows.size(0), G = (N + RG - 1) / RG;
   auto out = torch::zeros({G, nsb, gb}, torch::kUInt8);
   const uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
-    const uint8_t* blocks[kRows];
+    const uint8_t* blocks[RG];
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t B = 0; B < nsb; ++B) {
-        for (int r = 0; r < kRows; ++r) {
-          const int64_t n = g * kRows + r;
+        for (int r = 0; r < RG; ++r) {
+          const int64_t n = g * RG + r;
           blocks[r] = n < N ? src + (n * nsb + B) * bb : nullptr;
         }
         pack_group(int(qtype), blocks, dst + (g * nsb + B) * gb);

@@ -26,6 +26,8 @@ The rest is the pure-torch oracle of ``csrc/quant.cpp`` and ``csrc/quant_k.cpp``
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from tokenserve.ops.quant_blocks import (
@@ -56,7 +58,7 @@ def _blocks(w: QuantWeight) -> torch.Tensor:
     return w.data.view(n, k // QK, BLOCK_BYTES[w.qtype])
 
 
-def repack_x8(w: QuantWeight, c=None) -> QuantWeight:
+def repack_x8(w: QuantWeight, c: ModuleType | None = None) -> QuantWeight:
     """``w`` in its kernel's layout, packed once: GGUF blocks as 8 rows interleaved per block
     (:func:`~tokenserve.ops.quant_blocks.repack_blocks`; k-quants: ``"k8"``), an
     ``Int8Weight`` as its ``"x16"`` panels (:func:`~tokenserve.ops.quant_int8.pack_int8`).
