@@ -358,8 +358,10 @@ TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __r
 // Called once per sub-block j (0..7) of super-block B: an eighth of the pair's bytes each.
 TS_TARGET_AVX512VNNI inline void prefetch_next_pair(const uint8_t* wg, int64_t gstride, int64_t B, int64_t GB,
                                                     int j) {
-  const char* p = reinterpret_cast<const char*>(wg + 2 * gstride + 2 * B * GB);
-  for (int64_t o = j * GB / 4; o < (j + 1) * GB / 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  const char* p = reinterpret_cast<const char*>(wg + 2 * gstride + 2 * B * GB) + j * GB / 4;
+  const int n = int((GB / 4 + 63) / 64);  // lines a sub-block; a fixed count (no loop bounds to work out)
+#pragma GCC unroll 8
+  for (int i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
 }
 
 // 32 bytes at a and 32 at c as one zmm.
@@ -392,18 +394,32 @@ TS_TARGET_AVX512VNNI inline Q45Header512 q45k_header512(const uint8_t* ga, const
   return h;
 }
 
-// The fp32 step of sub-block j (b: its activation block) for MR rows: dw = d * sc_j,
-// dm = dmin * m_j, then per row acc = fma(dw * dx, float(isum), acc), summ = fma(-dm, sx,
-// summ) (the header's arithmetic; isum: CH partial int32 sums per row).
+// A Q4_K / Q5_K super-block's per-sub-block fp32 scales for 16 lanes (two groups):
+// dw[j] = d * sc_j, dm[j] = dmin * m_j (the header's arithmetic), made once per super-block
+// with the byte selectors as constants (a sub-block loop that built them from j spent ~30
+// scalar and shuffle ops a sub-block on it).
+struct Q45Scales512 {
+  __m512 dw[8], dm[8];
+};
+
+TS_TARGET_AVX512VNNI inline void q45k_scales512(const Q45Header512& h, Q45Scales512& s) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    // byte j % 4 of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
+    const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(j % 4, -1, -1, -1, 4 + j % 4, -1, -1, -1, 8 + j % 4,
+                                                             -1, -1, -1, 12 + j % 4, -1, -1, -1));
+    s.dw[j] = _mm512_mul_ps(h.d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.sc[j / 4], sel)));
+    s.dm[j] = _mm512_mul_ps(h.dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.mn[j / 4], sel)));
+  }
+}
+
+// The fp32 step of sub-block j (b: its activation block) for MR rows: per row acc =
+// fma(dw_j * dx, float(isum), acc), summ = fma(-dm_j, sx, summ) (isum: CH partial int32
+// sums per row).
 template <int MR, int CH>
-TS_TARGET_AVX512VNNI inline void q45k_step512(const Q45Header512& h, int j, const __m512i (&isum)[MR][CH],
+TS_TARGET_AVX512VNNI inline void q45k_step512(const __m512 dw, const __m512 dm, const __m512i (&isum)[MR][CH],
                                               const float* xds, int64_t nb, int64_t b, __m512 (&acc)[MR],
                                               __m512 (&summ)[MR]) {
-  // byte k of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
-  const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(j % 4, -1, -1, -1, 4 + j % 4, -1, -1, -1, 8 + j % 4, -1,
-                                                           -1, -1, 12 + j % 4, -1, -1, -1));
-  const __m512 dw = _mm512_mul_ps(h.d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.sc[j / 4], sel)));
-  const __m512 dm = _mm512_mul_ps(h.dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.mn[j / 4], sel)));
   for (int r = 0; r < MR; ++r) {
     __m512i is = isum[r][0];
     for (int c = 1; c < CH; ++c) is = _mm512_add_epi32(is, isum[r][c]);
@@ -450,7 +466,8 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* ga = wg + B * GB;
     const uint8_t* gc = ga + gstride;
-    const Q45Header512 h = q45k_header512(ga, gc);
+    Q45Scales512 sc;
+    q45k_scales512(q45k_header512(ga, gc), sc);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sa = ga + 128 + SB * j;
@@ -502,7 +519,7 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
           }
         }
       }
-      q45k_step512<MR, CH>(h, j, isum, xds, nb, b, acc, summ);
+      q45k_step512<MR, CH>(sc.dw[j], sc.dm[j], isum, xds, nb, b, acc, summ);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], summ[r]));
