@@ -1,7 +1,7 @@
 """Micro-benchmark of the k-quant GEMM (``csrc/quant_k.cpp``) against the Q4_1 / Q8_0 GEMM
 (``csrc/quant.cpp``) and our bf16 GEMM, on the same shapes.
 
-    python bench/kernels_quant_k.py [--ms 1,16,64] [--threads N]
+    python -m bench.kernels_quant_k [--ms 1,16,64] [--threads N]
 
 Shapes (N, K): SmolLM2-135M's ``down`` [576, 1536] (its only K that is a multiple of 256) and
 a 1B-class model's (hidden 2048, MLP 5632: TinyLlama / Llama-3.2-1B-like) ``qkv`` [2560,
@@ -11,7 +11,7 @@ Weights are random valid blocks (timing does not depend on values; gguf-py canno
 to k-quants). Per (shape, M): milliseconds for all layers (best of several runs: the host
 may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_0, bf16.
 
-    python bench/kernels_quant_k.py --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k]
+    python -m bench.kernels_quant_k --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k]
 
 times the k-quant GEMM's x86 inner loops, the same bits each (the AVX-512 VNNI int8 tiles,
 ``vpdpbusd``, the default; the AVX-512 VNNI int16 tiles, ``vpdpwssd``; the AVX2 int8 tiles,

@@ -50,18 +50,36 @@ def _x(T: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("T", [1, 3, 17, 40])
 @pytest.mark.parametrize("wq", ["fp32", "bf16", "q4_0", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_matches_python(dtype: torch.dtype, wq: str, T: int) -> None:
+    """Both C++ schedules equal the Python loop: the default (experts side by side while
+    none has more than 32 tokens: all of these T), each expert's GEMMs on every thread
+    (``parallel_rows=0``) and side by side at any size."""
     ops = Kernels()
     for top_k, fp32w in ((1, True), (2, False), (8, True), (8, False)):
         c, py = _moe(dtype, wq, top_k, fp32w, True), _moe(dtype, wq, top_k, fp32w, False)
-        assert c._c_moe(ops) is not None  # the C++ path really runs
+        default = c._c_moe(ops)
+        assert default is not None  # the C++ path really runs
         x = _x(T, dtype)
-        got, want = c(x, ops), py(x, ops)
-        assert got.dtype == dtype
-        assert torch.equal(got, want), (top_k, fp32w, (got.float() - want.float()).abs().max())
+        want = py(x, ops)
+        specs = [(gu.c_spec(), d.c_spec()) for gu, d in c.experts]
+        for rows in (None, 0, 10**6):
+            c._c_experts = default if rows is None else ops.c.MoeExperts(
+                [a for a, _ in specs], [b for _, b in specs], rows)
+            got = c(x, ops)
+            assert got.dtype == dtype
+            assert torch.equal(got, want), (rows, top_k, fp32w, (got.float() - want.float()).abs().max())
+
+
+def test_parallel_rows_must_not_be_negative() -> None:
+    ops = Kernels()
+    c = _moe(torch.float32, "q8_0", 2, True, True)
+    c._c_moe(ops)
+    specs = [(gu.c_spec(), d.c_spec()) for gu, d in c.experts]
+    with pytest.raises(RuntimeError, match="parallel_rows"):
+        ops.c.MoeExperts([a for a, _ in specs], [b for _, b in specs], -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
