@@ -12,14 +12,16 @@
 // the Python path's (tests/unit/test_moe.py). Batch invariance: the GEMMs are row-
 // invariant and a token's experts are added in ascending id, one rounding each.
 //
-// Decode-sized calls (every active expert with at most parallel_rows tokens) run the
-// experts side by side instead: one parallel region over the active experts (taken in turn
-// from per-thread ranges, csrc/parallel.h), each expert's GEMMs serial on the thread that
+// Decode-sized calls (every active expert with at most parallel_rows tokens, and at least
+// as many active experts as threads, so no core idles) run the experts side by side
+// instead: one parallel region over the active experts (taken in turn from per-thread
+// ranges, csrc/parallel.h), each expert's GEMMs serial on the thread that
 // took it (a nested at::parallel_for runs inline), its weighted output kept, then the
 // index_add_ in ascending id as above. The kernels' bits do not depend on the thread split,
 // so the result is the same. Why: at one token a Qwen3-30B-A3B layer's 8 experts are 16
 // small GEMVs, each its own parallel region with a barrier and ~7 ATen calls around it; the
-// OpenMP worker spent about a third as long spinning as in the tiles (perf, batch 1).
+// OpenMP worker spent ~0.4 as long spinning as in the tiles (perf, batch 1).
+#include <ATen/ThreadLocalState.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -34,7 +36,7 @@ class MoeExperts {
  public:
   // gate_up, down: one c_spec tuple per expert (same length).
   // parallel_rows: the most tokens an expert may have for the experts to run side by side
-  // (0: never).
+  // (0: never; see above).
   MoeExperts(pybind11::list gate_up, pybind11::list down, int64_t parallel_rows)
       : parallel_rows_(parallel_rows) {
     TORCH_CHECK(gate_up.size() == down.size() && gate_up.size() > 0, "MoeExperts: one gate_up and down per expert");
@@ -91,9 +93,14 @@ class MoeExperts {
     for (int64_t e = 0; e < E; ++e)
       if (const int64_t n = count[e + 1] - count[e]; n > 0) active.push_back(e), most = std::max(most, n);
     const int64_t A = int64_t(active.size());
-    if (A > 1 && most <= parallel_rows_ && at::get_num_threads() > 1) {
+    const int64_t threads = at::get_num_threads();
+    if (threads > 1 && A >= threads && most <= parallel_rows_) {
       std::vector<torch::Tensor> ys(static_cast<size_t>(A));
-      parallel_units(A, at::get_num_threads(), [&](int64_t i) { ys[size_t(i)] = expert(active[size_t(i)]); });
+      const at::ThreadLocalState tls;  // the caller's inference / grad mode, for the workers' ATen ops
+      parallel_units(A, threads, [&](int64_t i) {
+        const at::ThreadLocalStateGuard guard(tls);
+        ys[size_t(i)] = expert(active[size_t(i)]);
+      });
       for (int64_t i = 0; i < A; ++i) {
         const int64_t e = active[size_t(i)];
         out.index_add_(0, tok_t.narrow(0, count[e], count[e + 1] - count[e]), ys[size_t(i)]);
@@ -103,7 +110,6 @@ class MoeExperts {
     for (const int64_t e : active) out.index_add_(0, tok_t.narrow(0, count[e], count[e + 1] - count[e]), expert(e));
     return out;
   }
-
 
  private:
   std::vector<ProjSpec> gate_up_, down_;
@@ -116,7 +122,8 @@ TOKENSERVE_REGISTER(moe) {
   pybind11::class_<tokenserve::MoeExperts>(m, "MoeExperts",
       "MoeExperts(gate_up_specs, down_specs, parallel_rows=32): one MoE layer's routed experts (csrc/moe.cpp), "
       "each a Linear.c_spec() tuple; bit-identical to tokenserve.models.moe.MoE's Python expert loop. The experts "
-      "run side by side (one thread each) when none has more than parallel_rows tokens (0: never).")
+      "run side by side (one thread each) when none has more than parallel_rows tokens (0: never) and at least "
+      "as many experts as threads are active.")
       .def(pybind11::init<pybind11::list, pybind11::list, int64_t>(), pybind11::arg("gate_up"), pybind11::arg("down"),
            pybind11::arg("parallel_rows") = 32)
       .def_property_readonly("num_experts", &tokenserve::MoeExperts::num_experts)

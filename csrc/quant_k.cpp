@@ -466,8 +466,8 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* ga = wg + B * GB;
     const uint8_t* gc = ga + gstride;
-    Q45Scales512 sc;
-    q45k_scales512(q45k_header512(ga, gc), sc);
+    Q45Scales512 scl;
+    q45k_scales512(q45k_header512(ga, gc), scl);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sa = ga + 128 + SB * j;
@@ -519,7 +519,7 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
           }
         }
       }
-      q45k_step512<MR, CH>(sc.dw[j], sc.dm[j], isum, xds, nb, b, acc, summ);
+      q45k_step512<MR, CH>(scl.dw[j], scl.dm[j], isum, xds, nb, b, acc, summ);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], summ[r]));

@@ -54,10 +54,20 @@ def _x(T: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("wq", ["fp32", "bf16", "q4_0", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_matches_python(dtype: torch.dtype, wq: str, T: int) -> None:
-    """Both C++ schedules equal the Python loop: the default (experts side by side while
-    none has more than 32 tokens: all of these T), each expert's GEMMs on every thread
-    (``parallel_rows=0``) and side by side at any size."""
+    """Both C++ schedules equal the Python loop (on two threads at least: one thread always
+    takes the loop): the default (experts side by side while none has more than 32 tokens:
+    all but T 40 at top-8, where each of the 8 experts gets all 40), each expert's GEMMs on
+    every thread (``parallel_rows=0``) and side by side at any size."""
     ops = Kernels()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        _c_matches_python(ops, dtype, wq, T)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _c_matches_python(ops: Kernels, dtype: torch.dtype, wq: str, T: int) -> None:
     for top_k, fp32w in ((1, True), (2, False), (8, True), (8, False)):
         c, py = _moe(dtype, wq, top_k, fp32w, True), _moe(dtype, wq, top_k, fp32w, False)
         default = c._c_moe(ops)
