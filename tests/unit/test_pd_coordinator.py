@@ -513,6 +513,38 @@ async def test_p_lost_before_answering_is_retried_on_another_p_under_a_new_id() 
 
 
 @bounded
+async def test_a_connection_that_breaks_while_set_up_goes_to_another_p(monkeypatch) -> None:
+    """httpcore on anyio can fail with AttributeError (the peer name of a socket the P
+    closed, read while connecting to a P killed at that moment; seen in the PD fault test):
+    the coordinator's transport (coordinator/upstream.py) makes it a failed connect, so the
+    request goes to the other P instead of ending in a 500."""
+    broken: list[str] = []
+    p_ports: set[int] = set()  # filled once the cluster is up
+    real = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def handle(self: httpx.AsyncHTTPTransport, request: httpx.Request) -> httpx.Response:
+        if not broken and request.method == "POST" and request.url.port in p_ports:
+            broken.append(str(request.url))
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        return await real(self, request)
+
+    async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
+        rid = request.headers["req-id"]
+        cl.d_for(request).say(rid, ("ids", "1,5"), ("lastData", D_LAST_JSON))
+        return 200, p_answer(rid, False)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", handle)
+    async with cluster(n_p=2) as cl:
+        cl.script(script)
+        p_ports.update(p.port for p in cl.ps)
+        r = await cl.client.post("/infer", json={"inputs": "hi"})
+        assert r.status_code == 200 and r.text == D_LAST_JSON
+        served = [p for p in cl.ps if p.seen]
+        assert len(broken) == 1 and len(served) == 1 and len(served[0].seen) == 1
+        assert f":{served[0].port}/" not in broken[0]
+
+
+@bounded
 async def test_p_lost_every_time_ends_with_503_after_max_retry() -> None:
     async def script(p: FakeP, request: HttpRequest) -> tuple[int, bytes]:
         assert p.server is not None

@@ -56,6 +56,7 @@ from tokenserve.coordinator.metrics import CoordinatorMetrics
 from tokenserve.coordinator.pool import Instance, InstancePool
 from tokenserve.coordinator.relay import Flow, FlowContext
 from tokenserve.coordinator.reqids import ReqIdGenerator
+from tokenserve.coordinator.upstream import upstream_client
 from tokenserve.pd.wire import DMessage
 from tokenserve.transport.cycle import HttpRequest, HttpResponse
 from tokenserve.transport.drain import drain
@@ -103,8 +104,7 @@ class Coordinator:
 
     async def start(self) -> None:
         """Open the upstream client, start polling every instance and link every D."""
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._client = httpx.AsyncClient(limits=limits, trust_env=False)
+        self._client = upstream_client()
         self._pool = InstancePool(self.cfg, self._client)
         self._forwarder = Forwarder(self.cfg, self._pool, self._client, self._holders)
         for inst in self._pool.prefill + self._pool.decode:
