@@ -487,9 +487,9 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
           // lane [b0, b1, 0, 0] -> [b0 & 15, b1 & 15, b0 >> 4, b1 >> 4]
           const __m512i t = _mm512_cvtepu16_epi32(pair16(sa + 16 * p, sc_ + 16 * p));
           __m512i w = _mm512_ternarylogic_epi32(t, _mm512_slli_epi32(t, 12), nib, 0xA8);  // (a | b) & c
-          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4
-            w = _mm512_ternarylogic_epi32(w, _mm512_slli_epi32(hb, 4), bit4, 0xF8);  // a | (b & c)
-            hb = _mm512_srli_epi32(hb, 1);
+          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4 (one shift)
+            const __m512i hp = p < 4 ? _mm512_slli_epi32(hb, 4 - p) : p > 4 ? _mm512_srli_epi32(hb, p - 4) : hb;
+            w = _mm512_ternarylogic_epi32(w, hp, bit4, 0xF8);  // a | (b & c)
           }
           const int ch = p % CH;
           for (int r = 0; r < MR; ++r)
