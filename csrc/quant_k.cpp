@@ -225,9 +225,9 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
           // lane [b0, b1, 0, 0] -> [b0 & 15, b1 & 15, b0 >> 4, b1 >> 4]
           const __m256i t = _mm256_cvtepu16_epi32(load16(sub + 16 * p));
           __m256i w = _mm256_and_si256(_mm256_or_si256(t, _mm256_slli_epi32(t, 12)), nib);
-          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4
-            w = _mm256_or_si256(w, _mm256_and_si256(_mm256_slli_epi32(hb, 4), bit4x4));
-            hb = _mm256_srli_epi32(hb, 1);
+          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4 (one shift)
+            const __m256i hp = p < 4 ? _mm256_slli_epi32(hb, 4 - p) : p > 4 ? _mm256_srli_epi32(hb, p - 4) : hb;
+            w = _mm256_or_si256(w, _mm256_and_si256(hp, bit4x4));
           }
           for (int r = 0; r < MR; ++r) {
             int32_t v;
