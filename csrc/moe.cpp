@@ -77,11 +77,12 @@ class MoeExperts {
     const torch::Tensor flat_t = torch::from_blob(flat.data(), {T * k}, i64);
     const torch::Tensor wflat = weights.reshape({T * k});
     torch::Tensor out = torch::zeros_like(x);
-    // expert e's weighted output [n_e, hidden] in x's dtype (the Python loop's operand)
+    // expert e's tokens (ascending) and its weighted output [n_e, hidden] in x's dtype (the
+    // Python loop's operand)
+    auto tokens = [&](int64_t e) { return tok_t.narrow(0, count[e], count[e + 1] - count[e]); };
     auto expert = [&](int64_t e) {
       const int64_t n = count[e + 1] - count[e];
-      const torch::Tensor te = tok_t.narrow(0, count[e], n);
-      const torch::Tensor g = gate_up_[e](x.index_select(0, te));
+      const torch::Tensor g = gate_up_[e](x.index_select(0, tokens(e)));
       torch::Tensor act = torch::empty({n, g.size(1) / 2}, g.options());
       silu_and_mul(act, g);
       const torch::Tensor y = down_[e](act);
@@ -101,13 +102,10 @@ class MoeExperts {
         const at::ThreadLocalStateGuard guard(tls);
         ys[size_t(i)] = expert(active[size_t(i)]);
       });
-      for (int64_t i = 0; i < A; ++i) {
-        const int64_t e = active[size_t(i)];
-        out.index_add_(0, tok_t.narrow(0, count[e], count[e + 1] - count[e]), ys[size_t(i)]);
-      }
+      for (int64_t i = 0; i < A; ++i) out.index_add_(0, tokens(active[size_t(i)]), ys[size_t(i)]);
       return out;
     }
-    for (const int64_t e : active) out.index_add_(0, tok_t.narrow(0, count[e], count[e + 1] - count[e]), expert(e));
+    for (const int64_t e : active) out.index_add_(0, tokens(e), expert(e));
     return out;
   }
 

@@ -819,7 +819,6 @@ torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor
 // Returns [M, N]. Errors (RuntimeError): bad qtype, K, shapes or dtypes.
 torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                            const std::optional<torch::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(is_k_type(qtype), "quant_k_gemm: qtype must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", qtype);
   check_gemm_x("quant_k_gemm", x);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(N >= 0, "quant_k_gemm: N must be >= 0");
