@@ -113,6 +113,26 @@ async def test_stream_include_usage(sdk, server):
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
 
 
+async def test_stream_sends_special_tokens_when_asked(sdk, server):
+    """With ``skip_special_tokens: false`` every generated token sends its chunk, special
+    ones included (what ``tokenserve bench --backend openai`` sends, so that its TTFT and ITL
+    time each token); by default their text, and so their chunks, are skipped."""
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n"
+    got = {}
+    for skip in (True, False):
+        chunks = [c async for c in await cmpl(
+            sdk, server, prompt, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "skip_special_tokens": skip})]
+        assert chunks[-1].usage.completion_tokens == 12
+        got[skip] = [c.choices[0].text for c in chunks if c.choices]
+    assert len(got[False]) == 12 and all(got[False])
+    assert any(t.startswith("<|im_") for t in got[False])
+    assert len(got[True]) < 12 and not any("<|im_" in t for t in got[True])
+    assert "".join(got[True]) == "".join(t for t in got[False] if not t.startswith("<|im_"))
+    await server.assert_idle_and_leak_free()
+
+
 async def test_n2_chat_and_completions(sdk, server):
     # PD: the coordinator splits the request into one-sequence ones (issue 40)
     out = await chat(sdk, server, "Write a word.", n=2, max_tokens=8, temperature=1.0, seed=3)

@@ -226,6 +226,7 @@ def test_request_builders_carry_exact_prompt_and_length():
     path, body = get_backend("openai").build(REQ, "m")
     assert path == "/v1/completions" and body["prompt"] == [5, 6, 7]
     assert body["ignore_eos"] is True and body["max_tokens"] == 3 and body["model"] == "m"
+    assert body["skip_special_tokens"] is False  # a special token's chunk still times it
     path, body = get_backend("triton").build(REQ, "smol")
     assert path == "/v2/models/smol/generate_stream" and body["text_input"] == " a b c"
     path, body = get_backend("tgi").build(REQ, "m")

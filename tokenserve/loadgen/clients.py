@@ -274,7 +274,12 @@ def _openai_common(req: BenchRequest, model: str) -> dict[str, Any]:
 
 
 def build_openai(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
-    return path_of("openai.completions"), {**_openai_common(req, model), "prompt": list(req.prompt_ids)}
+    """``skip_special_tokens: false`` (vLLM's extension, spec/interfaces.md §5.2): a token
+    whose text is skipped sends no chunk, so a stream whose first tokens are special tokens
+    (a random-weight model's, or EOS repeated under ``ignore_eos``) would time its first
+    token late, or never; spelled out, every token's chunk arrives when it is made."""
+    return path_of("openai.completions"), {**_openai_common(req, model), "prompt": list(req.prompt_ids),
+                                           "skip_special_tokens": False}
 
 
 def build_openai_chat(req: BenchRequest, model: str) -> tuple[str, dict[str, Any]]:
