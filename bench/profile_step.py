@@ -1,7 +1,7 @@
 """Where one engine step's time goes: the real model, synthetic decode (or prefill) batches.
 
     python -m bench.profile_step [--model PATH|FILE.gguf] [--batch 1,16,64] [--context 160]
-                                 [--prefill 0] [--dtype bfloat16] [--steps 5] [--no-c]
+                                 [--prefill 0] [--dtype bfloat16] [--steps 5] [--no-c] [--bound]
 
 Builds the model (the default one unless ``--model``; a GGUF with ``--quantization auto``
 runs on its own blocks, as served) and a ModelRunner, fills the KV cache of ``batch`` requests to
@@ -10,6 +10,11 @@ call (``Kernels`` methods), every GEMM (by layer role) and the sampler are wrapp
 timer, so the table splits a step into: GEMMs by role, attention, rope + KV write, norms,
 activation, sampling, and the rest (metadata, Python, embedding). ``--prefill N`` times
 one N-token prefill per request instead of decodes. Prints the CPU model and flags too.
+
+``--bound`` adds, at batch 1, the memory-bandwidth bound of a decode step: the bytes of
+weights one token reads (:func:`decode_weight_bytes`) over this machine's read rate measured
+in the same run (:func:`read_rate_gbs`), and the fused step's time as a fraction of it
+(issue 42: "batch 1 within 80 % of the bandwidth bound").
 """
 
 from __future__ import annotations
@@ -30,6 +35,49 @@ def cpu_summary() -> str:
     info = parse_lscpu(lscpu_text())
     return (f"{info['model'] or '?'}, {torch.get_num_threads()} threads, "
             f"flags: {' '.join(f for f, on in info['flags'].items() if on)}")
+
+
+def decode_weight_bytes(model) -> tuple[int, str]:
+    """(bytes of weights one decode token reads, how they were counted): every projection's
+    packed bytes (``Linear.nbytes``), the lm_head once; in a mixture-of-experts layer the
+    router, the shared expert and ``top_k`` experts of mean size (which ones a token picks
+    varies; their sizes do not). The embedding lookup (one row) and the norms are left out
+    (under 0.1 %)."""
+    from tokenserve.ops.linear import leaf_linears
+
+    def nbytes(lins) -> int:
+        return sum(lin.nbytes for lin in leaf_linears(lins))
+
+    total, moe = nbytes([model.lm_head]), 0
+    for layer in model.layers:
+        total += nbytes([layer["qkv"], layer["o"]])
+        if "moe" not in layer:
+            total += nbytes([layer["gate_up"], layer["down"]])
+            continue
+        m = layer["moe"]
+        experts = [nbytes(list(pair)) for pair in m.experts]
+        total += nbytes([m.router, *(m.shared or ())])
+        total += round(m.arch.top_k * sum(experts) / len(experts))
+        moe += 1
+    how = (f"lm_head + attention + MLP; {moe} MoE layers at top_k of {len(m.experts)} experts"
+           if moe else "lm_head + attention + MLP")
+    return total, how
+
+
+def read_rate_gbs(mib: int = 1024, repeats: int = 7) -> float:
+    """This machine's memory read rate (GB/s, 1e9 bytes): the best of ``repeats`` fp32 sums
+    (``torch.sum``, vectorised, on ``torch.get_num_threads()`` threads) over ``mib`` MiB on
+    huge pages (as the packed weights live), far beyond any cache."""
+    from tokenserve.ops.host_memory import zeros_on_huge_pages
+
+    x = zeros_on_huge_pages(((mib << 20) // 4,), torch.float32)
+    x.add_(1.0)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
 
 
 class Timers:
@@ -100,6 +148,8 @@ def main() -> None:
     ap.add_argument("--no-c", action="store_true", help="torch references only")
     ap.add_argument("--quantization", default="none", choices=["none", "gguf", "auto"],
                     help="gguf: the default GGUF's own Q4_1/Q8_0 blocks (csrc/quant.cpp)")
+    ap.add_argument("--bound", action="store_true",
+                    help="at batch 1: the step against the memory-bandwidth bound")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "model"],
                     help="the KV cache's rows (CausalLM.kv_cache_dtype; auto as the "
                          "server: int8 on a CPU with the C++ kernels at bfloat16)")
@@ -170,6 +220,15 @@ def main() -> None:
         if fused is not None:
             print(f"\n## batch {batch}, context {args.context}, {kind}, csrc/decoder.cpp: "
                   f"{fused:.1f} ms/step, {toks / fused * 1e3:.0f} tok/s")
+        if args.bound and batch == 1 and not args.prefill:
+            nbytes, how = decode_weight_bytes(model)
+            rate = read_rate_gbs()
+            bound = nbytes / rate / 1e6
+            step = fused if fused is not None else step_ms
+            print(f"\n## bandwidth bound, batch 1: {nbytes / 2**20:.0f} MiB of weights a token "
+                  f"({how}); read rate {rate:.1f} GB/s (fp32 sum of 1 GiB on huge pages, "
+                  f"{torch.get_num_threads()} threads, best of 7); bound {bound:.1f} ms/step; "
+                  f"the step {step:.1f} ms = {bound / step:.0%} of the bound's speed")
         print(f"\n## batch {batch}, context {args.context}, {kind}, Python layer loop "
               f"(timed per kernel): {step_ms:.1f} ms/step, {toks / step_ms * 1e3:.0f} tok/s")
         print("| part | ms/step | share |\n|---|---|---|")

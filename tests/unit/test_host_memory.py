@@ -103,6 +103,66 @@ def test_linear_keeps_a_large_quantised_weight_on_huge_pages():
     assert torch.equal(lin(x), _gemm(x, qw))
 
 
+def test_on_one_huge_region_lays_tensors_side_by_side_untouched():
+    """on_one_huge_region: zeroed views of one 2 MiB-aligned tensor, in order, each at a
+    64-byte boundary; its pages are not resident until written."""
+    from tokenserve.ops.host_memory import on_one_huge_region, process_rss
+
+    shapes = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((0, 4), torch.uint8),
+              ((64 << 20,), torch.uint8)]
+    rss0 = process_rss()[0]
+    views = on_one_huge_region(shapes)
+    assert process_rss()[0] - rss0 < (16 << 20)  # 64 MiB mapped, not faulted in
+    base = views[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base for v in views if v.numel())
+    assert all(v.is_contiguous() for v in views)
+    assert views[0].data_ptr() % HUGE_PAGE == 0
+    assert [(tuple(v.shape), v.dtype) for v in views] == shapes
+    offsets = [views[i].data_ptr() - views[0].data_ptr() for i in (0, 1, 3)]
+    assert offsets == [0, 64, 128]  # 60 bytes -> 64, 14 -> 64, the empty one 0
+    assert not any(v.float().abs().sum() for v in views[:3])
+    views[0].fill_(1.0)
+    views[1].fill_(2.0)
+    assert float(views[0].sum()) == 15.0 and float(views[1].float().sum()) == 14.0
+    with pytest.raises(ValueError):
+        on_one_huge_region([((2, -1), torch.float32)])
+    with pytest.raises(ValueError):
+        on_one_huge_region([((2,), torch.float32)], align=2)
+
+
+def test_colocate_moves_small_packed_weights_and_keeps_results():
+    """colocate_on_huge_pages: the small packed weights (Q4_K and bf16 panels) of a list of
+    projections end up side by side on one huge-page region, in order; a large one (on
+    huge pages of its own already) and the torch backend stay; every GEMM gives the same
+    bits as before."""
+    from tests.unit.test_kernel_quant_k import HAVE_C, _weight
+    from tokenserve.ops.linear import Linear, SplitLinear, colocate_on_huge_pages
+
+    if not HAVE_C:
+        pytest.skip("tokenserve._C not built")
+    g = torch.Generator().manual_seed(0)
+    lins = [Linear(_weight(1024, 2048, "q4_k"), out_dtype=torch.float32),
+            SplitLinear([Linear(_weight(512, 2048, "q4_k")), Linear(_weight(256, 2048, "q6_k"))]),
+            Linear(torch.randn(1024, 2048, generator=g).bfloat16()),
+            Linear(_weight(16384, 2048, "q4_k"), out_dtype=torch.float32)]
+    x = torch.randn(5, 2048, generator=g)
+    want = [lin(x) for lin in lins]
+    big = lins[3].packed
+    small = [lins[0], *lins[1].parts, lins[2]]
+    nbytes = sum(lin.packed.numel() * lin.packed.element_size() for lin in small)
+    assert colocate_on_huge_pages(lins) == nbytes
+    base = small[0].packed.untyped_storage().data_ptr()
+    assert all(lin.packed.untyped_storage().data_ptr() == base for lin in small)
+    ptrs = [lin.packed.data_ptr() for lin in small]
+    assert ptrs == sorted(ptrs) and ptrs[0] % HUGE_PAGE == 0
+    assert lins[3].packed is big
+    assert all(torch.equal(lin(x), w) for lin, w in zip(lins, want))
+    # under one huge page's worth in all: nothing moves
+    tiny = [Linear(_weight(64, 256, "q4_k"))]
+    before = tiny[0].packed
+    assert colocate_on_huge_pages(tiny) == 0 and tiny[0].packed is before
+
+
 def test_returned_to_os_after_load_restores_and_trims():
     """The load context runs its body and leaves (glibc: threshold pinned, then trimmed)."""
     from tokenserve.ops.host_memory import process_rss, returned_to_os_after_load

@@ -57,7 +57,7 @@ from tokenserve.models.tensor_parallel import TpContext, shard_config, shard_sta
 from tokenserve.ops.dispatch import Kernels
 from tokenserve.ops.host_memory import zeros_on_huge_pages
 from tokenserve.ops.layer_ref import KV_SCALE_BYTES
-from tokenserve.ops.linear import Linear, fused_linear, leaf_linears
+from tokenserve.ops.linear import Linear, colocate_on_huge_pages, fused_linear, leaf_linears
 from tokenserve.ops.quant import dequantize_ref, repack_x8
 from tokenserve.ops.quant_blocks import QuantWeight
 
@@ -84,6 +84,13 @@ class _Checkpoint:
                 return t
             t = dequantize_ref(t)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _layer_linears(layer: dict) -> list:
+    """A prepared layer's projections in the order a step runs them: qkv, o, then the MLP's
+    gate_up and down or the MoE's router, experts and shared expert."""
+    out = [layer["qkv"], layer["o"]]
+    return out + (layer["moe"].linears() if "moe" in layer else [layer["gate_up"], layer["down"]])
 
 
 class CausalLM:
@@ -153,6 +160,7 @@ class CausalLM:
         else:
             layer["gate_up"] = fused_linear(lw.gate_up, None, dt)
             layer["down"] = Linear(lw.down, out_dtype=partial, fallback_dtype=dt)
+        colocate_on_huge_pages(_layer_linears(layer))  # qkv, o, experts: on huge pages together
         return layer
 
     def _rope_table(self, spec: RopeSpec) -> torch.Tensor:
@@ -239,8 +247,7 @@ class CausalLM:
         experts'); a fused projection run per part (:class:`SplitLinear`) as its parts."""
         out = [self.lm_head]
         for layer in self.layers:
-            out += [layer["qkv"], layer["o"]]
-            out += layer["moe"].linears() if "moe" in layer else [layer["gate_up"], layer["down"]]
+            out += _layer_linears(layer)
         return leaf_linears(out)
 
     def _weight_stats(self) -> tuple[int, str]:

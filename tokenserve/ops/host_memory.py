@@ -18,16 +18,19 @@ import torch
 HUGE_PAGE = 2 << 20  # bytes (x86-64 PMD size)
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
+                        touch: bool = True) -> torch.Tensor:
     """A zeroed contiguous CPU tensor on 2 MiB-aligned anonymous memory advised for huge pages.
 
     Args:
         shape: the tensor's shape (elements).
         dtype: its dtype.
+        touch: fault every page in now (False: each page becomes resident when first
+            written, so filling the region piece by piece never holds it all at once).
 
     Returns:
-        the tensor (not a view: ``._base`` is None), every page touched (resident, like
-        ``torch.zeros``); its storage keeps the mapping alive. Where ``mmap.MADV_HUGEPAGE``
+        the tensor (not a view: ``._base`` is None), with ``touch`` every page touched
+        (resident, like ``torch.zeros``); its storage keeps the mapping alive. Where ``mmap.MADV_HUGEPAGE``
         does not exist (not Linux) or the kernel refuses the advice, the same zeroed memory
         on normal pages. Batch results do not depend on it: only where the bytes live.
 
@@ -53,8 +56,37 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     # the region of their views through ._base)
     t = torch.empty(0, dtype=dtype).set_(storage, start // itemsize, tuple(shape),
                                          torch.empty(tuple(shape), device="meta").stride())
-    t.zero_()  # fault every page in now (anonymous memory reads as zero already)
+    if touch:
+        t.zero_()  # fault every page in now (anonymous memory reads as zero already)
     return t
+
+
+def on_one_huge_region(shapes: list[tuple[tuple[int, ...], torch.dtype]],
+                       align: int = 64) -> list[torch.Tensor]:
+    """Zeroed contiguous tensors of these shapes and dtypes side by side, in the order given,
+    in one region on huge pages (each at an ``align``-byte boundary): views of one tensor of
+    :func:`zeros_on_huge_pages` made with ``touch=False``, so a page becomes resident when
+    it is first written (a caller moving tensors in one at a time, each original freed
+    after its copy, never holds two copies of more than one).
+
+    Args:
+        shapes: ``(shape, dtype)`` per tensor.
+        align: bytes (a multiple of every dtype's size; 64: a cache line).
+
+    Raises:
+        ValueError: a negative dimension, or ``align`` not a multiple of a dtype's size.
+    """
+    offsets, total = [], 0
+    for shape, dtype in shapes:
+        if any(int(d) < 0 for d in shape):
+            raise ValueError(f"negative dimension in {tuple(shape)}")
+        if align % dtype.itemsize:
+            raise ValueError(f"align={align} is not a multiple of {dtype}'s size")
+        offsets.append(total)
+        total += -(-torch.Size(shape).numel() * dtype.itemsize // align) * align
+    region = zeros_on_huge_pages((total,), torch.uint8, touch=False)
+    return [region[off:off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), off in zip(shapes, offsets)]
 
 
 
