@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -17,13 +22,16 @@ from safetensors.torch import save_file as save_torch
 from tokenizers import pre_tokenizers
 
 from tokenserve.models import gguf_convert, loader
+from tokenserve.models.config import rope_inv_freq
 from tokenserve.models.gguf_convert import (
     COMPLETE_MARKER,
+    WEIGHTS_FILE,
     convert_gguf,
     is_complete_conversion,
+    read_quantized_tensors,
     unpermute_qk,
+    write_float_weights,
 )
-from tokenserve.models.config import rope_inv_freq
 from tokenserve.models.loader import load_config, load_weights, resolve_model
 from tokenserve.models.tokenizer import Tokenizer
 
@@ -357,6 +365,119 @@ def test_concurrent_converters_share_one_result(tmp_path: Path, monkeypatch) -> 
     assert not errors and results == [tmp_path / "hf"] * 2
     assert is_complete_conversion(tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
+
+
+# --------------------------------------------------------------------------- truncated files
+
+TRUNCATED = "is not a complete GGUF file (truncated or corrupt)"
+
+
+def _cut(path: Path, where: str) -> tuple[int, str]:
+    """How many bytes of ``path`` (a complete GGUF) to keep to cut it ``where``, and the
+    detail the error must then give (the part cut, the bytes it needs, the file's size)."""
+    reader = gguf.GGUFReader(path)
+    size = path.stat().st_size
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+    last = reader.tensors[-1]
+    assert last.data_offset + last.n_bytes == size  # cutting the last bytes cuts a tensor
+    cut = {
+        "header": 10,
+        "header-end": 24,
+        "metadata": reader.fields["tokenizer.ggml.tokens"].offset + 100,
+        "tensor-index": reader.tensors[3].field.offset + 5,
+        "tensor-data": reader.tensors[0].data_offset + 10,
+        "last-100-bytes": size - 100,
+        "last-byte": size - 1,
+    }[where]
+    if where == "header":
+        return cut, "the file has 10 bytes, fewer than a GGUF header's 24"
+    if where == "header-end":
+        return cut, f"its metadata (key-value pair 1 of {len(keys)}) needs bytes 24 to 32 "
+    if where == "metadata":
+        return cut, (f"its metadata (key-value pair {keys.index('tokenizer.ggml.tokens') + 1}"
+                     f" of {len(keys)}) needs bytes ")
+    if where == "tensor-index":
+        return cut, f"its tensor index ({len(reader.tensors)} tensors) needs bytes "
+    t = next(t for t in reader.tensors if t.data_offset + t.n_bytes > cut)  # the first cut
+    return cut, (f"tensor {t.name!r} needs bytes {t.data_offset} to "
+                 f"{t.data_offset + t.n_bytes} but the file has {cut} bytes")
+
+
+def _truncated(tiny, tmp_path: Path, where: str, name: str = "bad.gguf") -> tuple[Path, str]:
+    """A copy of the tiny GGUF cut ``where``, and the regex its error must match."""
+    cut, detail = _cut(tiny[0], where)
+    bad = tmp_path / name
+    bad.write_bytes(tiny[0].read_bytes()[:cut])
+    return bad, re.escape(f"{bad} {TRUNCATED}: {detail}")
+
+
+@pytest.mark.parametrize("where", ["header", "header-end", "metadata", "tensor-index",
+                                   "tensor-data", "last-100-bytes", "last-byte"])
+def test_truncated_gguf_is_one_clear_value_error(tiny, tmp_path: Path, where: str) -> None:
+    """Wherever a GGUF is cut, converting or reading its tensors names the file, says it is
+    not complete and what the cut part needed; nothing is written."""
+    bad, match = _truncated(tiny, tmp_path, where)
+    with pytest.raises(ValueError, match=match):
+        convert_gguf(bad, tmp_path / "hf", progress=False, weights=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.gguf"]  # no (temporary) directory
+    with pytest.raises(ValueError, match=match):
+        read_quantized_tensors(bad, frozenset({"Q8_0"}))
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"", "is empty"),
+    (b"GGML" + bytes(60), "cannot be read as a GGUF file: GGUF magic invalid"),
+    (b"GGUF" + (9).to_bytes(4, "little") + bytes(56), "cannot be read as a GGUF file: .*version 9"),
+], ids=["empty", "no-magic", "version-9"])
+def test_what_is_not_a_gguf_is_a_value_error_naming_the_file(tmp_path: Path, content: bytes,
+                                                              match: str) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))} {match}"):
+        convert_gguf(bad, tmp_path / "hf", progress=False)
+
+
+def test_resolve_model_caches_nothing_for_a_truncated_gguf(tiny, tmp_path: Path) -> None:
+    """The cache is keyed by the file's hash, so a cut file has its own entry: a failed
+    conversion leaves none, and the next start fails the same way rather than using it."""
+    bad, match = _truncated(tiny, tmp_path, "last-byte")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=match):
+            resolve_model(str(bad), cache_dir=tmp_path / "cache")
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".lock"]
+
+
+def test_float_weights_of_a_gguf_cut_after_its_conversion(tiny, tmp_path: Path) -> None:
+    """A conversion made without weights whose source is cut afterwards (the same path,
+    e.g. an interrupted re-download): writing the weights fails clearly and writes none."""
+    src = tmp_path / "m.gguf"
+    src.write_bytes(tiny[0].read_bytes())
+    out = convert_gguf(src, tmp_path / "hf", progress=False, weights=False)
+    _, match = _truncated(tiny, tmp_path, "tensor-data", name="m.gguf")
+    with pytest.raises(ValueError, match=match):
+        write_float_weights(out, progress=False)
+    assert is_complete_conversion(out)
+    assert not [p.name for p in out.iterdir() if WEIGHTS_FILE in p.name]
+
+
+@pytest.mark.parametrize("where", ["metadata", "last-100-bytes"])
+def test_serve_a_truncated_gguf_is_one_line_and_exit_2(tiny, tmp_path: Path, where: str) -> None:
+    """``tokenserve serve --model cut.gguf``: one line naming the file, exit status 2."""
+    bad, match = _truncated(tiny, tmp_path, where, name="cut-short.gguf")
+    with socket.socket() as s:  # should the model load after all, not on a taken port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenserve.cli", "serve", "--model", str(bad), "--port",
+         str(port), "--log-level", "warning"],
+        check=False, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TOKENSERVE_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(f"tokenserve serve: {match}.*", lines[0]), lines[0]
+    assert "truncated" in lines[0] and str(bad) in lines[0]
 
 
 # --------------------------------------------------------------------------- resolve_model

@@ -49,6 +49,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from tokenserve.models.gguf_arch import ARCHS, GgufArch, fit_llama3
+from tokenserve.models.gguf_reader import open_gguf
 
 logger = logging.getLogger("tokenserve.models")
 
@@ -157,14 +158,16 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         ``out_dir`` as a :class:`Path`.
 
     Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
         FileExistsError: ``out_dir`` already exists (or an incomplete one appeared meanwhile).
-        ValueError: not a GGUF file, or one using an architecture, tokenizer, RoPE variant or
-            tensor this converter does not handle.
+        ValueError: not a GGUF file, not a complete one (truncated or corrupt, as
+            :func:`open_gguf` says; nothing is written), or one using an architecture,
+            tokenizer, RoPE variant or tensor this converter does not handle.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
-    reader = GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = _hf_config(meta, reader, name=gguf_path.stem)
     tokenizer = _build_tokenizer(meta)
@@ -208,7 +211,8 @@ def write_float_weights(model_dir: str | Path, progress: bool = True) -> Path:
         The weights file's path.
 
     Raises:
-        ValueError: ``model_dir`` is not a complete conversion.
+        ValueError: ``model_dir`` is not a complete conversion, or its source GGUF is no longer
+            a complete GGUF file (:func:`open_gguf`).
         FileNotFoundError: its source GGUF is gone.
     """
     model_dir = Path(model_dir)
@@ -221,7 +225,7 @@ def write_float_weights(model_dir: str | Path, progress: bool = True) -> Path:
     if not source.is_file():
         raise FileNotFoundError(f"{model_dir}'s source GGUF {source} is gone")
     logger.info("writing the float32 weights of %s into %s", source, out)
-    reader = GGUFReader(source)
+    reader = open_gguf(source)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = json.loads((model_dir / "config.json").read_text())
     tensors = _convert_tensors(reader, config, gguf_arch(meta), progress)
@@ -482,9 +486,12 @@ def read_quantized_tensors(gguf_path: str | Path, formats: frozenset[str],
             what a later start needs to map the same bytes without parsing the file again.
 
     Raises:
-        ValueError: an architecture or tensor :func:`convert_gguf` would refuse.
+        FileNotFoundError: ``gguf_path`` does not exist.
+        ValueError: not a complete GGUF file (truncated or corrupt: the message names the file
+            and, for a tensor cut short, the tensor, the bytes it needs and the file's size;
+            :func:`open_gguf`), or an architecture or tensor :func:`convert_gguf` would refuse.
     """
-    reader = GGUFReader(Path(gguf_path), mode="c")
+    reader = open_gguf(gguf_path, mode="c")
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = _hf_config(meta, reader, name=Path(gguf_path).stem)
     arch = gguf_arch(meta)

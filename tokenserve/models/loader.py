@@ -101,7 +101,10 @@ def resolve_model(path: str | None, cache_dir: Path | None = None) -> Path:
     Raises:
         FileNotFoundError: ``path`` (or the default GGUF) does not exist.
         ValueError: ``path`` is neither a ``.gguf`` file nor a directory with ``config.json``,
-            or the GGUF cannot be converted.
+            the GGUF is not a complete GGUF file (truncated or corrupt, e.g. an interrupted
+            download: the message names the file and what is missing;
+            :func:`tokenserve.models.gguf_reader.open_gguf`), or it cannot be converted.
+            Nothing is left in the cache that a later call would take as converted.
     """
     if path is None:
         gguf_path = default_gguf_path()
@@ -171,6 +174,7 @@ def ensure_float_weights(model_dir: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: the conversion's source GGUF is gone.
+        ValueError: that GGUF is no longer a complete GGUF file.
     """
     model_dir = Path(model_dir)
     if not (model_dir / COMPLETE_MARKER).is_file() or any(model_dir.glob("*.safetensors")):
@@ -295,8 +299,9 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, quantization: str = 
     tied embedding becomes the int8 lm_head with the ``dtype`` table kept for lookups.
 
     Raises:
-        FileNotFoundError: no safetensors file.
-        ValueError: a tensor name appears in two shards; a bad ``quantization``.
+        FileNotFoundError: no safetensors file; the GGUF file is gone.
+        ValueError: a tensor name appears in two shards; a bad ``quantization``; the GGUF
+            file the weights come from is not a complete GGUF file (truncated or corrupt).
     """
     resolved = resolve_quantization(quantization, model, dtype, max_batch_size)
     if resolved == "gguf":
