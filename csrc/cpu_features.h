@@ -15,7 +15,7 @@ struct CpuFeatures {
   bool avx2_fma = false;     // AVX2 + FMA: the vector path of every kernel
   bool avx512f = false;      // AVX-512 foundation
   bool avx512bf16 = false;   // AVX-512 BF16 (vdpbf16ps)
-  bool avx512vnni = false;   // AVX-512 F + BW + VNNI (vpdpwssd: the block-quantised GEMMs)
+  bool avx512vnni = false;   // AVX-512 F + BW + VL + VNNI (vpdpwssd: the block-quantised GEMMs)
   bool amx_bf16 = false;     // AMX tiles with bf16
   bool amx_int8 = false;     // AMX tiles with int8 (and AVX-512 VBMI, which its kernels use)
 };
@@ -28,7 +28,7 @@ inline const CpuFeatures& cpu_features() {
     c.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     c.avx512f = __builtin_cpu_supports("avx512f");
     c.avx512vnni = c.avx512f && c.avx2_fma && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vnni");
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #if defined(__GNUC__) && __GNUC__ >= 12
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     c.amx_bf16 = __builtin_cpu_supports("amx-bf16");

@@ -76,6 +76,7 @@ using namespace kquant;  // QKK, KType, group_bytes, sub_bytes (QB, RG: csrc/til
 std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
 std::atomic<bool> g_no_int8{false};    // test hook: the int16 tiles instead of the int8 ones
+std::atomic<bool> g_no_row_tile{false};  // test hook: a one-row GEMM on the AVX2 tiles, not the one-row ones
 
 using qact::fp16_to_f32;
 #ifdef TS_X86
@@ -161,6 +162,56 @@ float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const u
 }
 
 #ifdef TS_X86
+// A Q4_K / Q5_K group's super-block header on AVX2 (8 lanes, one per row): d, dmin and row
+// r's 6-bit scales / mins as bytes of lane r (ggml's kmask trick): sc[0] / mn[0] sub-blocks
+// 0..3, sc[1] / mn[1] 4..7.
+struct Q45Header256 {
+  __m256 d, dmin;
+  __m256i sc[2], mn[2];
+};
+
+TS_TARGET_AVX2_F16C inline Q45Header256 q45k_header256(const uint8_t* gb) {
+  const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
+                k3 = _mm256_set1_epi32(0x03030303);
+  const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32));
+  const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 64));
+  const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 96));
+  Q45Header256 h;
+  h.d = load8_fp16(gb);
+  h.dmin = load8_fp16(gb + 16);
+  h.sc[0] = _mm256_and_si256(u0, k1);
+  h.sc[1] = _mm256_or_si256(_mm256_and_si256(u2, k2),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+  h.mn[0] = _mm256_and_si256(u1, k1);
+  h.mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+  return h;
+}
+
+// The one-group tiles' prefetch (AVX2, one-row): a sub-block's (Q6_K: a 32-block's) bytes
+// two super-blocks ahead in the group's stream, which the tile reads in order.
+template <int QT>
+TS_TARGET_AVX2_F16C inline void prefetch_ahead(const uint8_t* p) {
+  constexpr int64_t GB = group_bytes(QT);
+  _mm_prefetch(reinterpret_cast<const char*>(p + 2 * GB), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + 2 * GB + 64), _MM_HINT_T0);
+  if constexpr (QT != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * GB + 128), _MM_HINT_T0);
+}
+
+// byte k of each 32-bit lane -> the lane's low byte, zero above (vpshufb selectors, k = j % 4)
+alignas(32) constexpr int8_t kScaleSel256[4][32] = {
+    {0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1, 0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1},
+    {1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1, 1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1},
+    {2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1, 2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1},
+    {3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1, 3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1}};
+
+// Sub-block j's fp32 scales for the 8 rows: dw = d * sc_j, dm = dmin * m_j.
+TS_TARGET_AVX2_F16C inline void q45k_scales256(const Q45Header256& h, int j, __m256& dw, __m256& dm) {
+  const __m256i sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaleSel256[j % 4]));
+  dw = _mm256_mul_ps(h.d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h.sc[j / 4], sel)));
+  dm = _mm256_mul_ps(h.dmin, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h.mn[j / 4], sel)));
+}
+
 // Q4_K / Q5_K: MR activation rows x one group of 8 weight rows over all super-blocks:
 // out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
 // A = int16_t: xq [K], vpmaddwd on widened weight pairs; int8_t: q8 [K] in the AVX-512 int8
@@ -177,38 +228,13 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), summ[r] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
   const __m256i bit4x4 = _mm256_set1_epi32(0x10101010);  // int8 lanes (Q5_K)
-  const __m256i k1 = _mm256_set1_epi32(0x3f3f3f3f), k2 = _mm256_set1_epi32(0x0f0f0f0f),
-                k3 = _mm256_set1_epi32(0x03030303);
-  // byte k of each 32-bit lane -> the lane's low byte, zero above
-  const __m256i sel[4] = {
-      _mm256_setr_epi8(0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1, 0, -1, -1, -1, 4, -1, -1, -1,
-                       8, -1, -1, -1, 12, -1, -1, -1),
-      _mm256_setr_epi8(1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1, 1, -1, -1, -1, 5, -1, -1, -1,
-                       9, -1, -1, -1, 13, -1, -1, -1),
-      _mm256_setr_epi8(2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1, 2, -1, -1, -1, 6, -1, -1, -1,
-                       10, -1, -1, -1, 14, -1, -1, -1),
-      _mm256_setr_epi8(3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1, 3, -1, -1, -1, 7, -1, -1, -1,
-                       11, -1, -1, -1, 15, -1, -1, -1)};
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
-    const __m256 d = load8_fp16(gb), dmin = load8_fp16(gb + 16);
-    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32));
-    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 64));
-    const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 96));
-    // lane r: scales 0..3 / 4..7 and mins 0..3 / 4..7 of row r as bytes (ggml's kmask trick)
-    const __m256i sc[2] = {
-        _mm256_and_si256(u0, k1),
-        _mm256_or_si256(_mm256_and_si256(u2, k2), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4))};
-    const __m256i mn[2] = {
-        _mm256_and_si256(u1, k1),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4))};
+    const Q45Header256 h = q45k_header256(gb);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sub = gb + 128 + SB * j;
-      _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 64), _MM_HINT_T0);
-      if constexpr (QT == Q5_K) _mm_prefetch(reinterpret_cast<const char*>(sub + 2 * GB + 128), _MM_HINT_T0);
+      prefetch_ahead<QT>(sub);
       __m256i isum[MR];
       if constexpr (I8) {
         const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1);
@@ -264,10 +290,8 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
           }
         }
       }
-      const __m256i scj = _mm256_shuffle_epi8(sc[j / 4], sel[j % 4]);
-      const __m256i mj = _mm256_shuffle_epi8(mn[j / 4], sel[j % 4]);
-      const __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scj));
-      const __m256 dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mj));
+      __m256 dw, dm;
+      q45k_scales256(h, j, dw, dm);
       const int64_t b = B * 8 + j;
       for (int r = 0; r < MR; ++r) {
         const float* xp = xds + (r * nb + b) * 2;
@@ -297,9 +321,7 @@ TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __r
 #pragma GCC unroll 1
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* blk = gb + 144 + 192 * bl;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * GB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * GB + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * GB + 128), _MM_HINT_T0);
+      prefetch_ahead<Q6_K>(blk);
       const int64_t xo = B * QKK + QB * bl;
       __m256i ia[MR], ib[MR];
       for (int r = 0; r < MR; ++r) ia[r] = _mm256_setzero_si256(), ib[r] = _mm256_setzero_si256();
@@ -625,6 +647,115 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_setzero_ps()));
 }
 
+// The one-row tiles (a batch-1 GEMM) on AVX-512 VNNI CPUs: the int8 tiles' lanes and
+// vpdpbusd on 256-bit vectors, one group of 8 weight rows per tile, so each thread reads one
+// stream of weights (the two-group tiles' two streams read DRAM slower at one row), with
+// about two thirds of the AVX2 int8 tile's instructions per weight (no int16 sums to
+// widen): when the memory is fast, the one-row GEMM is bound by its instructions. The
+// integer sums are those of every tile, the fp32 steps tile_q45k's / tile_q6k's lane for
+// lane: the same bits. q8: one row in reorder_q8's lane order.
+template <int QT>
+TS_TARGET_AVX512VNNI void tile_q45k_row256(const int8_t* __restrict q8, const float* __restrict xds, int64_t K,
+                                           const uint8_t* __restrict wg, float* __restrict out) {
+  const int64_t nsb = K / QKK;
+  constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
+  __m256 acc = _mm256_setzero_ps(), summ = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), bit4 = _mm256_set1_epi32(0x10101010);
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* gb = wg + B * GB;
+    const Q45Header256 h = q45k_header256(gb);
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sub = gb + 128 + SB * j;
+      prefetch_ahead<QT>(sub);
+      const int8_t* xb = q8 + QB * (B * 8 + j);
+      __m256i is[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                       _mm256_setzero_si256()};
+      __m256i hb = _mm256_setzero_si256();  // lane bytes: fifth bits of [2p + j] (low) and [16 + 2p + j]
+      if constexpr (QT == Q5_K)
+        hb = _mm256_or_si256(_mm256_cvtepu16_epi32(load16(sub + 128)),
+                             _mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(sub + 144)), 16));
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        // lane [b0, b1, 0, 0] -> [b0 & 15, b1 & 15, b0 >> 4, b1 >> 4]
+        const __m256i t = _mm256_cvtepu16_epi32(load16(sub + 16 * p));
+        __m256i w = _mm256_ternarylogic_epi32(t, _mm256_slli_epi32(t, 12), nib, 0xA8);  // (a | b) & c
+        if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4 (one shift)
+          const __m256i hp = p < 4 ? _mm256_slli_epi32(hb, 4 - p) : p > 4 ? _mm256_srli_epi32(hb, p - 4) : hb;
+          w = _mm256_ternarylogic_epi32(w, hp, bit4, 0xF8);  // a | (b & c)
+        }
+        int32_t v;
+        std::memcpy(&v, xb + 4 * p, 4);
+        is[p % 4] = _mm256_dpbusd_epi32(is[p % 4], w, _mm256_set1_epi32(v));
+      }
+      const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(is[0], is[1]), _mm256_add_epi32(is[2], is[3]));
+      __m256 dw, dm;
+      q45k_scales256(h, j, dw, dm);
+      const float* xp = xds + (B * 8 + j) * 2;
+      acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xp)), _mm256_cvtepi32_ps(isum), acc);
+      summ = _mm256_fnmadd_ps(dm, _mm256_broadcast_ss(xp + 1), summ);  // fma(-dm, s, summ)
+    }
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, summ));
+}
+
+// Q6_K's one-row tile (tile_q6k_512's int8 lanes on one group); xs16: the row's 16-element
+// activation sums.
+TS_TARGET_AVX512VNNI void tile_q6k_row256(const int8_t* __restrict q8, const float* __restrict xds,
+                                          const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
+                                          float* __restrict out) {
+  const int64_t nsb = K / QKK;
+  constexpr int64_t GB = group_bytes(Q6_K);
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), ma = _mm256_set1_epi32(0x0c0c0303),
+                mb = _mm256_set1_epi32(int32_t(0xc0c03030u)), sha = _mm256_set1_epi32(0x00020004),
+                shb = _mm256_set1_epi32(0x00020000);
+  // word indices: lane r = [a word r, b word r] (two sources), [word r, word r] (one source)
+  const __m256i pab = _mm256_setr_epi16(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m256i pdup = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* gb = wg + B * GB;
+    const __m256 d = load8_fp16(gb);
+#pragma GCC unroll 1
+    for (int bl = 0; bl < 8; ++bl) {
+      const uint8_t* blk = gb + 144 + 192 * bl;
+      prefetch_ahead<Q6_K>(blk);
+      const int64_t b = B * 8 + bl;
+      const int8_t* xb = q8 + QB * b;
+      // Q6_K's "- 32": the chains start at -32 x the row's 16-element sums (exact integers)
+      __m256i ia[2] = {_mm256_set1_epi32(-32 * xs16[2 * b]), _mm256_setzero_si256()};
+      __m256i ib[2] = {_mm256_set1_epi32(-32 * xs16[2 * b + 1]), _mm256_setzero_si256()};
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        // lane [ta0, ta1, tb0, tb1] (low chunks c, c + 4) and [h0, h1, h0, h1] (high chunk c)
+        const __m256i t = _mm256_permutex2var_epi16(_mm256_castsi128_si256(load16(blk + 16 * c)), pab,
+                                                    _mm256_castsi128_si256(load16(blk + 16 * (c + 4))));
+        const __m256i h = _mm256_permutexvar_epi16(pdup, _mm256_castsi128_si256(load16(blk + 128 + 16 * c)));
+        // A: low nibbles | high bits t = 0 (bytes 0, 1: << 4) and t = 1 (bytes 2, 3: << 2)
+        const __m256i wa =
+            _mm256_ternarylogic_epi32(t, nib, _mm256_sllv_epi16(_mm256_and_si256(h, ma), sha), 0xEA);
+        // B: high nibbles | high bits t = 2 (in place) and t = 3 (bytes 2, 3: >> 2)
+        const __m256i wb = _mm256_ternarylogic_epi32(_mm256_srli_epi32(t, 4), nib,
+                                                     _mm256_srlv_epi16(_mm256_and_si256(h, mb), shb), 0xEA);
+        int32_t va, vb;
+        std::memcpy(&va, xb + 4 * c, 4);
+        std::memcpy(&vb, xb + 16 + 4 * c, 4);
+        ia[c % 2] = _mm256_dpbusd_epi32(ia[c % 2], wa, _mm256_set1_epi32(va));
+        ib[c % 2] = _mm256_dpbusd_epi32(ib[c % 2], wb, _mm256_set1_epi32(vb));
+      }
+      const __m256 dwa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 16 + 16 * bl)))));
+      const __m256 dwb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 24 + 16 * bl)))));
+      const __m256 dx = _mm256_broadcast_ss(xds + 2 * b);
+      acc = _mm256_fmadd_ps(_mm256_mul_ps(dwa, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(ia[0], ia[1])), acc);
+      acc = _mm256_fmadd_ps(_mm256_mul_ps(dwb, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(ib[0], ib[1])), acc);
+    }
+  }
+  // + 0 (no mins): the same final add as the other formats and the portable code
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, _mm256_setzero_ps()));
+}
+
 // One row's quants q [K] (int16, values in -127..127) -> q8 [K] in the int8 tiles' lane
 // order (above): 32-block b, lane L at q8[32 b + 4 L ..].
 inline void reorder_q8(int qt, const int16_t* q, int64_t K, int8_t* q8) {
@@ -732,13 +863,20 @@ void compute_block_avx512(int qt, const int16_t* xq, const int8_t* q8, const flo
 
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
 // q8: the int8 activations in lane order (AVX2 Q4_K / Q5_K int8 tiles), or null (int16 tiles).
-void compute_block(int qt, bool avx2, const int16_t* xq, const int8_t* q8, const float* xds, const int32_t* xs16,
-                   int64_t K, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1, const float* bias,
-                   void* y, bool y_bf16, int64_t N) {
+// row256: a one-row GEMM on an AVX-512 VNNI CPU, on the one-row tiles (q8 given).
+void compute_block(int qt, bool avx2, bool row256, const int16_t* xq, const int8_t* q8, const float* xds,
+                   const int32_t* xs16, int64_t K, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0,
+                   int64_t g1, const float* bias, void* y, bool y_bf16, int64_t N) {
   const int64_t nb = K / QB, gstride = (K / QKK) * group_bytes(qt);
   qact::compute_groups(m0, rows, kQuantMr, w, gstride, g0, g1, bias, y, y_bf16, N,
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
+    if (row256) {
+      assert(m == 0 && mr == 1 && q8);
+      if (qt == Q6_K) tile_q6k_row256(q8, xds, xs16, K, wg, tile);
+      else (qt == Q4_K ? &tile_q45k_row256<Q4_K> : &tile_q45k_row256<Q5_K>)(q8, xds, K, wg, tile);
+      return;
+    }
     if (avx2 && q8) {  // Q4_K / Q5_K (quant_k_gemm passes no q8 for an AVX2 Q6_K)
       assert(qt != Q6_K);
       (qt == Q4_K ? pick_tile_i8<Q4_K>(mr) : pick_tile_i8<Q5_K>(mr))(q8 + m * K, xds + m * nb * 2, nullptr, K, wg,
@@ -831,15 +969,19 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const int64_t n16 = K / 16;
   const bool avx2 = avx2_enabled(g_force_portable);
   // AVX-512 VNNI tiles (two groups, up to 8 rows; vpdpbusd, or vpdpwssd under the test hook):
-  // the same bits as the AVX2 ones. A one-row GEMM streams its weights from memory, and the
-  // AVX2 tiles' one group stream per thread reads them faster than the two-group tiles'
-  // two: a Llama-3.2-1B Q4_K_M batch-1 step 28.9 vs 32.5 ms (four alternations each,
-  // bench/README.md "K-quants on int8 activations").
-  const bool avx512 = avx2 && cpu_features().avx512vnni && !g_no_avx512.load() && M > 1;
+  // the same bits as the AVX2 ones. A one-row GEMM streams its weights from memory, and one
+  // group stream per thread reads them faster than the two-group tiles' two (a Llama-3.2-1B
+  // Q4_K_M batch-1 step 28.9 vs 32.5 ms on the AVX2 tiles, bench/README.md "K-quants on
+  // int8 activations"), so it takes the one-row tiles (one group, vpdpbusd on 256 bits):
+  // 21.5 vs 24.5 ms against the AVX2 tiles (medians, one process, alternated; "One-row
+  // tiles" there).
+  const bool vnni = avx2 && cpu_features().avx512vnni && !g_no_avx512.load();
+  const bool avx512 = vnni && M > 1;
+  const bool row256 = vnni && M == 1 && !g_no_int8.load() && !g_no_row_tile.load();
   const bool q6 = qtype == Q6_K;
   // The int8 tiles (test hook: the int16 ones); Q6_K has no AVX2 int8 tile, so off the
   // AVX-512 tiles its activations are read as int16 only (no lane-order copy made).
-  const bool i8 = avx2 && !g_no_int8.load() && (avx512 || !q6);
+  const bool i8 = avx2 && !g_no_int8.load() && (avx512 || row256 || !q6);
   qact::ActBuffers& act = qact::act_buffers(M, K, q6, i8);
   const int16_t* qp = act.q.data();
   int8_t* q8p = i8 ? act.q8.data() : nullptr;
@@ -867,7 +1009,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
       return;
     }
 #endif
-    compute_block(int(qtype), avx2, qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+    compute_block(int(qtype), avx2, row256, qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   }, i8 ? 1 : 2);  // the int8 tiles read one byte per activation: row chunks twice as tall
   return y;
 }
@@ -892,4 +1034,7 @@ TOKENSERVE_REGISTER(quant_k) {
         "(vpdpbusd, vpmaddubsw); the same bits. Returns the old value.");
   m.def("_quant_k_force_avx2", [](bool on) { return tokenserve::g_no_avx512.exchange(on); },
         "Test hook: True keeps quant_k_gemm on its AVX2 tiles on an AVX-512 VNNI CPU; returns the old value.");
+  m.def("_quant_k_no_row_tile", [](bool on) { return tokenserve::g_no_row_tile.exchange(on); },
+        "Test hook: True runs a one-row quant_k_gemm on an AVX-512 VNNI CPU on the AVX2 tiles instead of the "
+        "one-row tiles (tile_q45k_row256, tile_q6k_row256); the same bits. Returns the old value.");
 }

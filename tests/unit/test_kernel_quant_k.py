@@ -305,6 +305,30 @@ def test_avx512_tiles_same_bits_as_avx2(qtype):
 
 
 @needs_c
+@pytest.mark.skipif(not (HAVE_C and C.cpu_features().get("avx512vnni")),
+                    reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_one_row_tiles_same_bits(qtype):
+    """A one-row GEMM on an AVX-512 VNNI CPU runs on the one-row tiles (vpdpbusd on one
+    group of 8 weight rows: one stream of weights per thread): the bits of the AVX2 tile it
+    replaced (test hook), of the reference, and of the same row inside a batch; full and
+    partial groups, K of one to sixteen super-blocks."""
+    for N, K in ((8, 256), (37, 1024), (203, 4096)):
+        qw = _weight(N, K, qtype)
+        bias = torch.randn(N)
+        x = _x(6, K)
+        got = _gemm(x[:1], qw, bias)
+        old = C._quant_k_no_row_tile(True)
+        try:
+            replaced = _gemm(x[:1], qw, bias)
+        finally:
+            C._quant_k_no_row_tile(old)
+        assert torch.equal(got, replaced), (N, K)
+        assert torch.equal(got, quant_k_linear_ref(x[:1], qw, bias, torch.float32)), (N, K)
+        assert torch.equal(got, _gemm(x, qw, bias)[:1]), (N, K)
+
+
+@needs_c
 def test_vocab_49152_lm_head_q6_k_fp32_logits():
     """Q4_K_M files keep the lm_head (or a tied embedding) in Q6_K."""
     qw = _weight(49152, 256, "q6_k")
