@@ -161,6 +161,16 @@ def drop_file_pages(t: torch.Tensor) -> int:
         return 0
     return hi - lo
 
+def trim_heap() -> None:
+    """Return the C heap's free memory to the OS now (glibc's ``malloc_trim(0)``): blocks
+    under the mmap threshold freed by a load step stay in glibc's arena otherwise. A no-op
+    where glibc is not the C library."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def process_rss(pid: int | str = "self") -> tuple[int, int] | None:
     """(resident bytes now, peak resident bytes) of a process (this one by default), from
     ``/proc/PID/status`` (``VmRSS``, ``VmHWM``); None where that file cannot be read (the
