@@ -207,4 +207,4 @@ def returned_to_os_after_load():
         yield
     finally:
         libc.mallopt(_M_MMAP_THRESHOLD, _SERVE_MMAP_THRESHOLD)
-        libc.malloc_trim(0)
+        trim_heap()

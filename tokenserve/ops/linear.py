@@ -428,8 +428,8 @@ def colocate_on_huge_pages(linears) -> int:
     order given, into one region on huge pages: a one-row step streams them from memory, and
     on 4 KiB pages the hardware prefetchers stop at every page boundary. Measured on Zen 4 (2
     threads): a Qwen3-30B-A3B-shaped Q4_K MoE layer (128 experts of 0.9-1.8 MB) at one token
-    0.82 -> 0.72 ms, at 16 tokens 8.1 -> 7.3 ms (bench/README.md "Small weights on huge
-    pages"). Each copy replaces its original before the next is made, and the heap is trimmed
+    0.86-0.91 -> 0.81-0.82 ms, at 16 tokens 9.1-9.4 -> 8.3-8.6 ms (bench/README.md "Small
+    weights on huge pages"). Each copy replaces its original before the next is made, and the heap is trimmed
     as they go (a MoE layer's 0.9 MB experts are freed into glibc's heap, under the load's
     mmap threshold). Same bytes, so the same results.
 
