@@ -11,13 +11,14 @@ Weights are random valid blocks (timing does not depend on values; gguf-py canno
 to k-quants). Per (shape, M): milliseconds for all layers (best of several runs: the host
 may be shared) and the weight-read rate in GB/s, for q4_k, q5_k, q6_k, q4_1, q8_0, bf16.
 
-    python -m bench.kernels_quant_k --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k]
+    python -m bench.kernels_quant_k --isa-ab [--ms 1,16,64] [--qtypes q4_k,q6_k] [--isas ...]
 
-times the k-quant GEMM's x86 inner loops, the same bits each (the AVX-512 VNNI int8 tiles,
-``vpdpbusd``, the default; the AVX-512 VNNI int16 tiles, ``vpdpwssd``; the AVX2 int8 tiles,
+times the k-quant GEMM's x86 inner loops, the same bits each (the AMX-INT8 tiles, the
+default from 16 rows on Intel AMX, here forced at every M; the AVX-512 VNNI int8 tiles,
+``vpdpbusd``, the default below; the AVX-512 VNNI int16 tiles, ``vpdpwssd``; the AVX2 int8 tiles,
 ``vpmaddubsw``, Q6_K excepted; the AVX2 int16 tiles, ``vpmaddwd``) on Llama-3.2-1B's layer shapes (qkv [3072, 2048], o [2048, 2048], gate_up [16384,
 2048], down [2048, 8192]), alternating them, best of 5 (needs an AVX-512 VNNI CPU). At one
-row the default ("avx512vnni") takes the AVX2 tiles (``csrc/quant_k.cpp``).
+row "avx512vnni" takes the one-row tiles (``csrc/quant_k.cpp``).
 """
 
 from __future__ import annotations
@@ -90,14 +91,19 @@ def bench(ms: tuple[int, ...] = (1, 16, 64), layers: int = 8) -> list[dict]:
 L32_1B = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192))
 
 
-ISAS = ("avx512vnni", "avx512vnni-int16", "avx2", "avx2-int16")
+ISAS = ("amx-int8", "avx512vnni", "avx512vnni-int16", "avx2", "avx2-int16")
+NEVER = 1 << 40
 
 
-def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> list[dict]:
-    """One row per (qtype, M, shape): ms per GEMM on each of ``ISAS``."""
+def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6,
+              isas: tuple[str, ...] = ISAS) -> list[dict]:
+    """One row per (qtype, M, shape): ms per GEMM on each of ``isas`` (``amx-int8`` only
+    where the CPU and OS allow the tiles)."""
     c = load_kernels()
     if c is None or not c.cpu_features().get("avx512vnni"):
         raise RuntimeError("--isa-ab needs tokenserve._C on an AVX-512 VNNI CPU")
+    if not c.quant_amx_int_available():
+        isas = tuple(i for i in isas if i != "amx-int8")
     g = torch.Generator().manual_seed(0)
     rows = []
     for qt in qtypes:
@@ -106,9 +112,10 @@ def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> 
         for m in ms:
             best: dict[tuple[str, str], float] = {}
             for _ in range(5):
-                for isa in ISAS:
+                for isa in isas:
                     old = c._quant_k_force_avx2(isa.startswith("avx2"))
                     old_w = c._quant_k_force_int16(isa.endswith("-int16"))
+                    old_a = c._quant_k_amx_rows(1 if isa == "amx-int8" else NEVER)
                     try:
                         for name, n, k in L32_1B:
                             x = torch.randn(m, k, generator=g).bfloat16()
@@ -121,11 +128,12 @@ def bench_isa(ms: tuple[int, ...], qtypes: tuple[str, ...], layers: int = 6) -> 
                     finally:
                         c._quant_k_force_avx2(old)
                         c._quant_k_force_int16(old_w)
+                        c._quant_k_amx_rows(old_a)
             for name, n, k in L32_1B:
                 nbytes = ws[name][0].numel()
                 rows.append({"format": qt, "M": m, "shape": name, "N": n, "K": k,
-                             **{f"ms_{isa}": round(best[(isa, name)], 3) for isa in ISAS},
-                             "gbs_avx512vnni": round(nbytes / best[("avx512vnni", name)] / 1e6, 1)})
+                             **{f"ms_{isa}": round(best[(isa, name)], 3) for isa in isas},
+                             "gbs": round(nbytes / best[(isas[0], name)] / 1e6, 1)})
     return rows
 
 
@@ -137,16 +145,20 @@ def main() -> None:
     ap.add_argument("--isa-ab", action="store_true",
                     help="AVX-512 VNNI vs AVX2 tiles on Llama-3.2-1B's shapes")
     ap.add_argument("--qtypes", default="q4_k,q6_k", help="with --isa-ab")
+    ap.add_argument("--isas", default=",".join(ISAS), help="with --isa-ab: the inner loops to time")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.isa_ab:
-        print(f"threads={torch.get_num_threads()}; ms per GEMM, " + " / ".join(ISAS))
-        for r in bench_isa(tuple(int(v) for v in args.ms.split(",")),
-                           tuple(args.qtypes.split(","))):
-            times = " / ".join(f"{r['ms_' + isa]:.3f}" for isa in ISAS)
+        isas = tuple(args.isas.split(","))
+        rows = bench_isa(tuple(int(v) for v in args.ms.split(",")), tuple(args.qtypes.split(",")),
+                         isas=isas)
+        isas = tuple(i for i in isas if rows and f"ms_{i}" in rows[0])
+        print(f"threads={torch.get_num_threads()}; ms per GEMM, " + " / ".join(isas))
+        for r in rows:
+            times = " / ".join(f"{r['ms_' + isa]:.3f}" for isa in isas)
             print(f"{r['format']} M={r['M']:<3} {r['shape']:<8} {times} ms "
-                  f"({r['gbs_avx512vnni']} GB/s)")
+                  f"({r['gbs']} GB/s on {isas[0]})")
         return
     rows = bench(tuple(int(v) for v in args.ms.split(",")), args.layers)
     print(f"threads={torch.get_num_threads()}; ms for {args.layers} layers (GB/s of weights)")

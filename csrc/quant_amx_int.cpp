@@ -51,16 +51,11 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_int.h"
 #include "cpu_features.h"
 #include "parallel.h"
 #include "simd.h"
 
-#if defined(TS_X86) && defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 12
-#define TS_HAVE_AMX_INT 1
-#define TS_TARGET_AMX_INT                                                                     \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,"      \
-                        "amx-tile,amx-int8")))
-#endif
 
 namespace tokenserve {
 
@@ -201,31 +196,6 @@ struct Problem {
   bool y_bf16;
 };
 
-// 16 fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN -> 0x7FC0
-// (simd.h's f32_to_bf16, lane for lane).
-TS_TARGET_AMX_INT inline __m256i bf16_16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// out [16 rows][16] fp32 (+ bias) -> y rows m0 .. m0 + rows - 1, columns n0 .. n0 + ncols - 1
-// (csrc/quant.cpp's store_tile16: the same additions and roundings).
-TS_TARGET_AMX_INT void store_out(const Problem& p, const float* out, int64_t rows, int64_t m0, int64_t n0) {
-  const int64_t ncols = std::min<int64_t>(16, p.N - n0);
-  const __mmask16 k = __mmask16((1u << ncols) - 1);
-  const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(k, p.bias + n0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 v = _mm512_load_ps(out + r * 16);
-    if (p.bias) v = _mm512_add_ps(v, bv);
-    const int64_t i = (m0 + r) * p.N + n0;
-    if (p.y_bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.y) + i, k, bf16_16(v));
-    else _mm512_mask_storeu_ps(static_cast<float*>(p.y) + i, k, v);
-  }
-}
-
 // The tile products of block b of 16-row slice mt into C tiles (b & 1): Q4 one, Q8_0 two.
 TS_TARGET_AMX_INT inline void tile_block(const Problem& p, const int8_t* xm, const uint8_t* bbuf, int64_t b) {
   const int8_t* a = xm + 1024 * b;
@@ -332,7 +302,7 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, const BTables& t, int64_t nt, 
     }
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, _mm512_add_ps(_mm512_load_ps(out + 16 * r), summ[r]));
-    store_out(p, out, rows, 16 * mt, 16 * nt);
+    amx::store_out16(out, rows, 16 * mt, 16 * nt, p.N, p.bias, p.y, p.y_bf16);
   }
 }
 

@@ -62,7 +62,10 @@
 
 #include "cpu_features.h"
 #include "quant_act.h"
+#include "quant_amx_int.h"
+#include "quant_k_amx.h"
 #include "quant_k_layout.h"
+#include "quant_k_lanes.h"
 #include "kernels.h"
 #include "registry.h"
 #include "simd.h"
@@ -77,6 +80,8 @@ std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
 std::atomic<bool> g_no_int8{false};    // test hook: the int16 tiles instead of the int8 ones
 std::atomic<bool> g_no_row_tile{false};  // test hook: a one-row GEMM on the AVX2 tiles, not the one-row ones
+std::atomic<int64_t> g_amx_min_rows{kAmxKMinRows};  // test hook: rows from which AMX-INT8 runs
+std::atomic<int64_t> g_amx_calls{0};  // GEMMs run on the AMX-INT8 tiles (read by the tests)
 
 using qact::fp16_to_f32;
 #ifdef TS_X86
@@ -386,55 +391,6 @@ TS_TARGET_AVX512VNNI inline void prefetch_next_pair(const uint8_t* wg, int64_t g
   for (int i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
 }
 
-// 32 bytes at a and 32 at c as one zmm.
-TS_TARGET_AVX512VNNI inline __m512i load2x32(const uint8_t* a, const uint8_t* c) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), 1);
-}
-
-// A pair of Q4_K / Q5_K groups' super-block header (ga, gc: the two groups' bytes): d, dmin
-// (16 lanes) and lane r's 6-bit scales / mins as bytes (ggml's kmask trick): sc[0] / mn[0]
-// sub-blocks 0..3, sc[1] / mn[1] sub-blocks 4..7.
-struct Q45Header512 {
-  __m512 d, dmin;
-  __m512i sc[2], mn[2];
-};
-
-TS_TARGET_AVX512VNNI inline Q45Header512 q45k_header512(const uint8_t* ga, const uint8_t* gc) {
-  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f),
-                k3 = _mm512_set1_epi32(0x03030303);
-  Q45Header512 h;
-  h.d = _mm512_cvtph_ps(pair16(ga, gc));
-  h.dmin = _mm512_cvtph_ps(pair16(ga + 16, gc + 16));
-  const __m512i u0 = load2x32(ga + 32, gc + 32), u1 = load2x32(ga + 64, gc + 64), u2 = load2x32(ga + 96, gc + 96);
-  h.sc[0] = _mm512_and_si512(u0, k1);
-  h.sc[1] = _mm512_or_si512(_mm512_and_si512(u2, k2),
-                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
-  h.mn[0] = _mm512_and_si512(u1, k1);
-  h.mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
-                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4));
-  return h;
-}
-
-// A Q4_K / Q5_K super-block's per-sub-block fp32 scales for 16 lanes (two groups):
-// dw[j] = d * sc_j, dm[j] = dmin * m_j (the header's arithmetic), made once per super-block
-// with the byte selectors as constants (a sub-block loop that built them from j spent ~30
-// scalar and shuffle ops a sub-block on it).
-struct Q45Scales512 {
-  __m512 dw[8], dm[8];
-};
-
-TS_TARGET_AVX512VNNI inline void q45k_scales512(const Q45Header512& h, Q45Scales512& s) {
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    // byte j % 4 of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
-    const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(j % 4, -1, -1, -1, 4 + j % 4, -1, -1, -1, 8 + j % 4,
-                                                             -1, -1, -1, 12 + j % 4, -1, -1, -1));
-    s.dw[j] = _mm512_mul_ps(h.d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.sc[j / 4], sel)));
-    s.dm[j] = _mm512_mul_ps(h.dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.mn[j / 4], sel)));
-  }
-}
-
 // The fp32 step of sub-block j (b: its activation block) for MR rows: per row acc =
 // fma(dw_j * dx, float(isum), acc), summ = fma(-dm_j, sx, summ) (isum: CH partial int32
 // sums per row).
@@ -483,7 +439,6 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
   __m512 acc[MR], summ[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), summ[r] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), bit4 = _mm512_set1_epi32(0x10101010);
   const __m512i lo4w = _mm512_set1_epi16(0x0f), bit4w = _mm512_set1_epi16(0x10);  // int16 lanes
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* ga = wg + B * GB;
@@ -500,19 +455,10 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
       for (int r = 0; r < MR; ++r)
         for (int c = 0; c < CH; ++c) isum[r][c] = _mm512_setzero_si512();
       if constexpr (I8) {
-        __m512i hb = _mm512_setzero_si512();  // lane bytes: fifth bits of [2p + j] (low) and [16 + 2p + j]
-        if constexpr (QT == Q5_K)
-          hb = _mm512_or_si512(_mm512_cvtepu16_epi32(pair16(sa + 128, sc_ + 128)),
-                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(pair16(sa + 144, sc_ + 144)), 16));
+        const __m512i hb = QT == Q5_K ? q5k_fifth512(sa, sc_) : _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int p = 0; p < 8; ++p) {
-          // lane [b0, b1, 0, 0] -> [b0 & 15, b1 & 15, b0 >> 4, b1 >> 4]
-          const __m512i t = _mm512_cvtepu16_epi32(pair16(sa + 16 * p, sc_ + 16 * p));
-          __m512i w = _mm512_ternarylogic_epi32(t, _mm512_slli_epi32(t, 12), nib, 0xA8);  // (a | b) & c
-          if constexpr (QT == Q5_K) {  // bit p of each fifth-bit byte, moved to bit 4 (one shift)
-            const __m512i hp = p < 4 ? _mm512_slli_epi32(hb, 4 - p) : p > 4 ? _mm512_srli_epi32(hb, p - 4) : hb;
-            w = _mm512_ternarylogic_epi32(w, hp, bit4, 0xF8);  // a | (b & c)
-          }
+          const __m512i w = q45k_lane512<QT>(sa, sc_, hb, p);
           const int ch = p % CH;
           for (int r = 0; r < MR; ++r)
             isum[r][ch] = _mm512_dpbusd_epi32(isum[r][ch], w, xquad512(xa + r * K, b, p));
@@ -560,14 +506,7 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
   constexpr int64_t GB = group_bytes(Q6_K);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), ma = _mm512_set1_epi32(0x0c0c0303),
-                mb = _mm512_set1_epi32(int32_t(0xc0c03030u)), sha = _mm512_set1_epi32(0x00020004),
-                shb = _mm512_set1_epi32(0x00020000);
-  // word indices: lane r = [a word r, b word r] (two-source), [word r, word r] (one source)
-  const __m512i pab = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i pdup = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5,
-                                        5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const Q6Lanes512 lanes = q6k_lane_consts512();
   const __m512i lo4 = _mm512_set1_epi16(0x0f), m03 = _mm512_set1_epi16(0x03), m0c = _mm512_set1_epi16(0x0c),
                 m30 = _mm512_set1_epi16(0x30), mc0 = _mm512_set1_epi16(0xc0);  // int16 lanes
   for (int64_t B = 0; B < nsb; ++B) {
@@ -590,18 +529,8 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
       if constexpr (I8) {
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
-          // lane [ta0, ta1, tb0, tb1] (low chunks c, c + 4) and [h0, h1, h0, h1] (high chunk c)
-          const __m512i t = _mm512_permutex2var_epi16(_mm512_castsi256_si512(pair16(ba + 16 * c, bc + 16 * c)), pab,
-                                                      _mm512_castsi256_si512(pair16(ba + 16 * (c + 4),
-                                                                                    bc + 16 * (c + 4))));
-          const __m512i h =
-              _mm512_permutexvar_epi16(pdup, _mm512_castsi256_si512(pair16(ba + 128 + 16 * c, bc + 128 + 16 * c)));
-          // A: low nibbles | high bits t = 0 (bytes 0, 1: << 4) and t = 1 (bytes 2, 3: << 2)
-          const __m512i wa = _mm512_ternarylogic_epi32(t, nib, _mm512_sllv_epi16(_mm512_and_si512(h, ma), sha),
-                                                       0xEA);  // (a & b) | c
-          // B: high nibbles | high bits t = 2 (in place) and t = 3 (bytes 2, 3: >> 2)
-          const __m512i wb = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 4), nib,
-                                                       _mm512_srlv_epi16(_mm512_and_si512(h, mb), shb), 0xEA);
+          __m512i wa, wb;
+          q6k_lanes512(lanes, ba, bc, c, wa, wb);
           const int ch = c % CH;
           for (int r = 0; r < MR; ++r) {
             ia[r][ch] = _mm512_dpbusd_epi32(ia[r][ch], wa, xquad512(xa + r * K, b, c));
@@ -628,12 +557,8 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
           }
         }
       }
-      const __m128i sa = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 16 + 16 * bl)),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 16 + 16 * bl)));
-      const __m128i sb = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 24 + 16 * bl)),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 24 + 16 * bl)));
-      const __m512 dwa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sa)));
-      const __m512 dwb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sb)));
+      __m512 dwa, dwb;
+      q6k_scales512(d, ga, gc, bl, dwa, dwb);
       for (int r = 0; r < MR; ++r) {
         __m512i a = ia[r][0], bb = ib[r][0];
         for (int c = 1; c < CH; ++c) a = _mm512_add_epi32(a, ia[r][c]), bb = _mm512_add_epi32(bb, ib[r][c]);
@@ -982,15 +907,18 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   // The int8 tiles (test hook: the int16 ones); Q6_K has no AVX2 int8 tile, so off the
   // AVX-512 tiles its activations are read as int16 only (no lane-order copy made).
   const bool i8 = avx2 && !g_no_int8.load() && (avx512 || row256 || !q6);
-  qact::ActBuffers& act = qact::act_buffers(M, K, q6, i8);
+  // From kAmxKMinRows rows on Intel AMX: the AMX-INT8 tiles (csrc/quant_k_amx.cpp), the same
+  // bits, reading q8 and the scales of whole 16-row slices (the rows past M never stored).
+  const bool amx = vnni && i8 && M >= g_amx_min_rows.load() && quant_amx_int_available();
+  qact::ActBuffers& act = qact::act_buffers(amx ? (M + 15) / 16 * 16 : M, K, q6 && !amx, i8);
   const int16_t* qp = act.q.data();
   int8_t* q8p = i8 ? act.q8.data() : nullptr;
   const float* dp = act.ds.data();
-  int32_t* sp = q6 ? act.sums.data() : nullptr;
+  int32_t* sp = q6 && !amx ? act.sums.data() : nullptr;  // AMX: the "- 32" is in the tile product
   qact::quantize_act(x.contiguous(), avx2, act, qact::kActQMax8, [&](int64_t m) {
     const int16_t* qm = qp + m * K;
     if (q8p) reorder_q8(int(qtype), qm, K, q8p + m * K);
-    if (!q6) return;  // Q6_K's "-32": the sums of 16-element runs
+    if (!sp) return;  // Q6_K's "-32": the sums of 16-element runs
     for (int64_t i = 0; i < n16; ++i) {
       int32_t s = 0;
       for (int e = 0; e < 16; ++e) s += qm[16 * i + e];
@@ -1001,6 +929,11 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const bool ybf = odt == at::kBFloat16;
+  if (amx) {
+    g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+    quant_k_amx_gemm(int(qtype), q8p, dp, M, K, wp, N, bp, yp, ybf);
+    return y;
+  }
   qact::run_units(M, N, K, avx512 ? kQuantMrAvx512 : kQuantMr,
                   [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
 #ifdef TS_X86
@@ -1034,6 +967,11 @@ TOKENSERVE_REGISTER(quant_k) {
         "(vpdpbusd, vpmaddubsw); the same bits. Returns the old value.");
   m.def("_quant_k_force_avx2", [](bool on) { return tokenserve::g_no_avx512.exchange(on); },
         "Test hook: True keeps quant_k_gemm on its AVX2 tiles on an AVX-512 VNNI CPU; returns the old value.");
+  m.def("_quant_k_amx_rows", [](int64_t rows) { return tokenserve::g_amx_min_rows.exchange(rows); },
+        "Test hook: quant_k_gemm runs on the AMX-INT8 tiles (where available) from this many rows "
+        "(default kAmxKMinRows); returns the old value.");
+  m.def("_quant_k_amx_calls", [] { return tokenserve::g_amx_calls.load(); },
+        "Test hook: how many quant_k_gemm calls ran on the AMX-INT8 tiles so far.");
   m.def("_quant_k_no_row_tile", [](bool on) { return tokenserve::g_no_row_tile.exchange(on); },
         "Test hook: True runs a one-row quant_k_gemm on an AVX-512 VNNI CPU on the AVX2 tiles instead of the "
         "one-row tiles (tile_q45k_row256, tile_q6k_row256); the same bits. Returns the old value.");
