@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
+from tokenserve.models.gguf_reader import open_gguf
 from tokenserve.models.loader import default_gguf_path
 
 
@@ -106,7 +107,7 @@ def add_default_tokenizer(w: GGUFWriter, vocab: int | None = None) -> None:
     """The default model's tokenizer (SmolLM2's byte-level BPE, its ids, merges and chat
     template) into ``w``, padded with ``<|reserved_N|>`` control tokens up to ``vocab``
     entries (None: as it is, 49152)."""
-    src = GGUFReader(default_gguf_path())
+    src = open_gguf(default_gguf_path())
     f = src.fields
     tokens = [bytes(f["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
               for i in f["tokenizer.ggml.tokens"].data]

@@ -245,7 +245,9 @@ def write_kquant_gguf(src: Path, dst: Path) -> None:
     import gguf
     from gguf.quants import dequantize
 
-    r = gguf.GGUFReader(src)
+    from tokenserve.models.gguf_reader import open_gguf
+
+    r = open_gguf(src)
     w = gguf.GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
     for f in r.fields.values():
         if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):

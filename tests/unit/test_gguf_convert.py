@@ -372,6 +372,30 @@ def test_concurrent_converters_share_one_result(tmp_path: Path, monkeypatch) -> 
 TRUNCATED = "is not a complete GGUF file (truncated or corrupt)"
 
 
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_reader_reads_what_gguf_py_reads(tiny, which: str) -> None:
+    """open_gguf reads on a plain array view of the mapping instead of gguf-py's np.memmap
+    slices: every field (name, types, parts with their dtypes and byte order, data indices)
+    and every tensor (name, type, shape, offset, bytes) is what gguf-py's own reader gives,
+    on a tiny Q8_0 file and on the default model's (49,152 tokens, their merges)."""
+    from tokenserve.models.gguf_reader import open_gguf
+
+    path = tiny[0] if which == "tiny" else loader.default_gguf_path()
+    ref, ours = gguf.GGUFReader(path), open_gguf(path)
+    assert list(ours.fields) == list(ref.fields)
+    for name, f in ref.fields.items():
+        g = ours.fields[name]
+        assert (g.offset, g.types, g.data) == (f.offset, f.types, f.data), name
+        assert len(g.parts) == len(f.parts), name
+        for a, b in zip(g.parts, f.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for t, r in zip(ours.tensors, ref.tensors):
+        assert (t.tensor_type, t.data_offset, t.n_bytes) == (r.tensor_type, r.data_offset, r.n_bytes)
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape
+        assert np.array_equal(t.data, r.data), t.name
+
+
 def _cut(path: Path, where: str) -> tuple[int, str]:
     """How many bytes of ``path`` (a complete GGUF) to keep to cut it ``where``, and the
     detail the error must then give (the part cut, the bytes it needs, the file's size)."""

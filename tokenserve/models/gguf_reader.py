@@ -25,17 +25,28 @@ class _BoundedReader(GGUFReader):
     later on an empty or short slice (an ``IndexError``, a numpy view or reshape error) that
     does not say what is wrong; here the first such read raises :class:`_ShortRead` naming
     the part of the file it needed. Every read of the reader goes through ``_get`` (one
-    comparison more per read: not measurable next to the parse). ``_get``, ``_build_tensors``
+    comparison more per read), here on a plain array view of the mapping (4-5x faster
+    metadata parse than on the ``np.memmap``). ``_get``, ``_build_tensors``
     and a tensor field's parts (its offset last) are gguf-py's internals (as of 0.19);
     tests/unit/test_gguf_convert.py's truncated-file tests notice if they change.
     """
 
     def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
              override_order: Literal["I", "S", "<"] | None = None) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > self.data.size:
-            raise _ShortRead(self._short_read(int(offset), end))
-        return super()._get(offset, dtype, count, override_order)
+        # gguf-py's _get (0.19), on a plain ndarray view of the mapping: slicing the
+        # np.memmap itself runs memmap's Python __getitem__ / __array_finalize__ on every
+        # read, and the metadata is read one string at a time (Llama 3's 128,256 tokens and
+        # 280,147 merges: ~1.2 M reads); the view shares the mapping, nothing is copied
+        dt = np.dtype(dtype)
+        offset, count = int(offset), int(count)
+        end = offset + dt.itemsize * count
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        if end > plain.size:
+            raise _ShortRead(self._short_read(offset, end))
+        arr = plain[offset:end].view(dt)
+        return arr.view(dt.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
         self._tensor_infos = (int(start_offs), fields)  # to name a tensor whose data is cut
