@@ -27,8 +27,9 @@ class _BoundedReader(GGUFReader):
     the part of the file it needed. Every read of the reader goes through ``_get`` (one
     comparison more per read), here on a plain array view of the mapping (4-5x faster
     metadata parse than on the ``np.memmap``). ``_get``, ``_build_tensors``
-    and a tensor field's parts (its offset last) are gguf-py's internals (as of 0.19);
-    tests/unit/test_gguf_convert.py's truncated-file tests notice if they change.
+    and a tensor field's parts (its offset last) are gguf-py's internals (as of 0.19), and
+    ``_get`` no longer calls gguf-py's: tests/unit/test_gguf_convert.py's truncated-file
+    tests and its field-for-field comparison with gguf-py's own reader notice if they change.
     """
 
     def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
