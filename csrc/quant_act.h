@@ -1,6 +1,7 @@
-// Shared helpers of the block-quantised GEMMs: fp16 decoding and the activation quantiser
-// (per row and 32-element block, stored as int16; int12 for csrc/quant.cpp, int8 for
-// csrc/quant_k.cpp). Pure-torch oracle: tokenserve.ops.quant.quantize_act_ref.
+// Shared helpers of the block-quantised GEMMs: fp16 decoding and the activation quantisers
+// (per row, stored as int16): int12 per 32-element block for csrc/quant.cpp (below), int8
+// per 256-element super-block for csrc/quant_k.cpp (quantize_row_k_*, llama.cpp's Q8_K).
+// Pure-torch oracles: tokenserve.ops.quant.quantize_act_ref, quantize_act_k_ref.
 //
 // Per 32-block of a row: d = amax / qmax (fp32; qmax 2047 or 127), q = round_half_even(x *
 // (1 / d)) (0 where d = 0; |q| <= qmax), s = d * float(sum q). The scalar and AVX2 versions
@@ -131,6 +132,62 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool avx2, int16_t* q, floa
   });
 }
 
+// The k-quants' activations (csrc/quant_k.cpp; llama.cpp's Q8_K): x [K] (K a multiple of
+// 256) -> q int16 [K] (values -127..127), d fp32 [K / 256] (amax / 127 per super-block) and
+// bs int16 [K / 32] (exact sums of each 32 quants). q = round_half_even(x * (1 / d)), 0
+// where d = 0. Pure-torch oracle: tokenserve.ops.quant.quantize_act_k_ref. The scalar and
+// AVX2 versions give the same bits.
+constexpr int64_t QKA = 256;  // activation elements per k-quant scale
+
+template <class T>
+inline void quantize_row_k_scalar(const T* x, int64_t K, int16_t* q, float* d, int16_t* bs) {
+  for (int64_t B = 0; B < K / QKA; ++B) {
+    const T* xb = x + B * QKA;
+    float amax = 0.f;
+    for (int i = 0; i < QKA; ++i) amax = std::max(amax, std::fabs(load1(xb + i)));
+    const float db = amax / float(kActQMax8), inv = db > 0.f ? 1.f / db : 0.f;
+    for (int b = 0; b < QKA / QB; ++b) {
+      int sum = 0;
+      for (int i = 0; i < QB; ++i) {
+        const int v = int(std::nearbyint(load1(xb + b * QB + i) * inv));  // round half to even
+        q[B * QKA + b * QB + i] = int16_t(v);
+        sum += v;
+      }
+      bs[B * (QKA / QB) + b] = int16_t(sum);
+    }
+    d[B] = db;
+  }
+}
+
+#ifdef TS_X86
+template <class T>
+TS_TARGET_AVX2_F16C inline void quantize_row_k_avx2(const T* x, int64_t K, int16_t* q, float* d, int16_t* bs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t B = 0; B < K / QKA; ++B) {
+    const T* xb = x + B * QKA;
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < QKA; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xb + i), abs_mask));
+    const float amax = hmax8(mx);
+    const float db = amax / float(kActQMax8), inv = db > 0.f ? 1.f / db : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int b = 0; b < QKA / QB; ++b) {
+      __m256i iv[4];
+      for (int i = 0; i < 4; ++i)
+        iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(xb + b * QB + 8 * i), vinv),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+      const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
+      const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
+      int16_t* qb = q + B * QKA + b * QB;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p01);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), p23);
+      bs[B * (QKA / QB) + b] = int16_t(hsum8_epi32(sum4));
+    }
+    d[B] = db;
+  }
+}
+#endif
+
 // A GEMM's quantised activations, per calling thread, grown as needed and reused: a
 // batch-1 step makes ~120 projections, and three tensor allocations (plus a bf16 -> fp32
 // copy) each cost a few microseconds of a ~15 us GEMV.
@@ -139,6 +196,7 @@ struct ActBuffers {
   std::vector<float> ds;      // [M, K / 32, 2]
   std::vector<int32_t> sums;  // [M, K / 16] (Q6_K)
   std::vector<int8_t> q8;     // [M, K]: q as int8 in the k-quant int8 tiles' lane order (csrc/quant_k.cpp)
+  std::vector<int16_t> bs;    // [M, K / 32]: the k-quant activations' 32-element sums
 };
 
 inline ActBuffers& act_buffers(int64_t M, int64_t K, bool sums, bool q8 = false) {
@@ -148,6 +206,7 @@ inline ActBuffers& act_buffers(int64_t M, int64_t K, bool sums, bool q8 = false)
   if (b.ds.size() < n / QB * 2 + 2) b.ds.resize(n / QB * 2 + 2);
   if (sums && b.sums.size() < n / 16 + 1) b.sums.resize(n / 16 + 1);
   if (q8 && b.q8.size() < n) b.q8.resize(n);
+  if (b.bs.size() < n / QB + 1) b.bs.resize(n / QB + 1);
   return b;
 }
 
@@ -160,6 +219,26 @@ void quantize_act(const at::Tensor& x, bool avx2, ActBuffers& b, int qmax, After
     quantize_rows(x.data_ptr<at::BFloat16>(), M, K, avx2, b.q.data(), b.ds.data(), qmax, after_row);
   else
     quantize_rows(x.data_ptr<float>(), M, K, avx2, b.q.data(), b.ds.data(), qmax, after_row);
+}
+
+// quantize_act for the k-quants (quantize_row_k_*: b.q, d in b.ds [M, K / 256], b.bs).
+template <class AfterRow>
+void quantize_act_k(const at::Tensor& x, bool avx2, ActBuffers& b, AfterRow&& after_row) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto rows = [&](const auto* xp) {
+    parallel_units(M, M * K >= (int64_t{1} << 14) ? at::get_num_threads() : 1, [&](int64_t m) {
+#ifdef TS_X86
+      if (avx2) quantize_row_k_avx2(xp + m * K, K, b.q.data() + m * K, b.ds.data() + m * (K / QKA),
+                                    b.bs.data() + m * (K / QB));
+      else
+#endif
+        quantize_row_k_scalar(xp + m * K, K, b.q.data() + m * K, b.ds.data() + m * (K / QKA),
+                              b.bs.data() + m * (K / QB));
+      after_row(m);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) rows(x.data_ptr<at::BFloat16>());
+  else rows(x.data_ptr<float>());
 }
 
 // Runs fn(m_lo, m_hi, g0, g1) (activation rows [m_lo, m_hi), groups [g0, g1) of 8

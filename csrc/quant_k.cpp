@@ -22,31 +22,32 @@
 //       bits 2t..2t+1 = hi2(q[2c + j + 8t]), t = 0..3.
 // Rows past N are zero (d = 0).
 //
-// Activations: int8 per row and 32-block (csrc/quant_act.h with qmax 127: d = amax / 127,
-// q = round_half_even(x / d), s = d * sum q), llama.cpp's activation width on blocks an
-// eighth of its Q8_K's. The 32-block is the Q4_K / Q5_K sub-block; a Q6_K 32-block holds two
-// 16-weight sub-blocks (their own scales, the same activation d). Q6_K's "q - 32" is
-// applied as isum - 32 * sum16(qx) (exact integers; sum16 per row and 16-block, computed
-// once per row). Int8, not csrc/quant.cpp's int12: the weights' quants are unsigned, so
-// vpdpbusd (u8 x s8, four products a lane) does what two vpdpwssd do, and on AVX2 vpmaddubsw
-// sums eight chunks in int16 before one vpmaddwd widens them (Q4_K / Q5_K; Q6_K's AVX2 tile
-// stays on int16); the GEMM at 4-64 rows ran 1.4-1.7x faster on both (bench/README.md,
-// "K-quants on int8 activations"), and the mean KL on real weights stays below llama.cpp's
-// on the same file.
+// Activations: int8 per row and 256-element super-block (csrc/quant_act.h quantize_row_k:
+// d = amax / 127, q = round_half_even(x / d), plus the exact sums bs of each 32 quants),
+// llama.cpp's Q8_K. Q6_K's "q - 32" is applied as isum - 32 * sum16(qx) (exact integers;
+// sum16 per row and 16-block, computed once per row). Int8, not csrc/quant.cpp's int12: the
+// weights' quants are unsigned, so vpdpbusd (u8 x s8, four products a lane) does what two
+// vpdpwssd do, and on AVX2 vpmaddubsw sums eight chunks in int16 before one vpmaddwd widens
+// them (Q4_K / Q5_K; Q6_K's AVX2 tile stays on int16).
 //
 // Per output element y[m, n], in every path (AVX2, AVX-512 VNNI int16 and int8 tiles of any
-// shape, the portable code),
-// whatever the batch and thread partition (batch invariance), sub-blocks s in k order:
+// shape, the one-row tiles, the AMX-INT8 tiles of csrc/quant_k_amx.cpp, the portable code),
+// whatever the batch and thread partition (batch invariance), super-blocks B in k order:
 //
-//     dw_s = d * sc_s  (exact in fp32: 11-bit x <= 8-bit)     mw_s = -(dmin * m_s) (Q4/5_K)
-//     acc = 0; summ = 0
-//     for s:  isum = sum qw * qx   (32 weights; Q6_K: 16, qw - 32)      exact int32
-//             acc  = fma(fl(dw_s * dx_b), float(isum), acc)           (b: s's 32-block)
-//             summ = fma(mw_s, sx_b, summ)                             (Q4_K / Q5_K only)
-//     y = round(acc + summ (+ b[n]))
+//     isum = sum_s sc_s * dot_s     dot_s = sum qw * qx over sub-block s (32 weights;
+//                                   Q6_K: 16, qw - 32); sc_s its 6-bit (Q6_K: int8) scale
+//     msum = sum_s m_s * bs_s       (Q4_K / Q5_K: the 6-bit mins, bs_s the activations'
+//                                   32-element sums)                      both exact int32
+//     acc  = fma(fl(d * dx_B), float(isum), acc)
+//     acc  = fma(-fl(dmin * dx_B), float(msum), acc)                      (Q4_K / Q5_K)
+//     y = round(acc (+ b[n]))
 //
-// float(isum) is exact (|isum| <= 32 * 31 * 127 < 2^24); a fixed function of the row's data.
-// The AVX2 and int16 AVX-512 tiles read the int8 quants as int16 (csrc/quant.cpp's loops).
+// (ggml's vec_dot_q4_K_q8_K has this shape.) One fp32 step per super-block, the scales
+// applied in integers: the AMX tiles fold the 6-bit scales into their B operand (two 3-bit
+// halves) and sum a super-block's sub-blocks in the C tile. |isum| < 2^31 (Q5_K: 8 x 63 x 32
+// x 31 x 127; Q6_K: 16 x 128 x 16 x 32 x 127); float(isum) is correctly rounded, a fixed
+// function of the row's data. The AVX2 and int16 AVX-512 tiles read the int8 quants as
+// int16 (csrc/quant.cpp's loops). Pure-torch oracle: tokenserve.ops.quant.quant_k_linear_ref.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -101,15 +102,20 @@ inline void scale_min_k4(int j, const uint8_t* b, int& sc, int& m) {
   }
 }
 
-// Row r (0..7) of a group-super-block: per sub-block dw, mw, and the quants in element order
-// (Q4_K / Q5_K unsigned, 8 x 32; Q6_K signed q - 32, 16 x 16).
-void unpack_row(int qt, const uint8_t* gb, int r, float* dw, float* mw, int32_t* q) {
-  const float d = fp16_to_f32(gb + 2 * r);
+// Row r (0..7) of a group-super-block in integers: d, dmin (0 for Q6_K), the sub-block
+// scales sc (Q4_K / Q5_K 8 x 6-bit; Q6_K 16 x int8), mins m (Q4_K / Q5_K) and the quants in
+// element order (Q4_K / Q5_K unsigned, 8 x 32; Q6_K signed q - 32, 16 x 16).
+struct RowSuper {
+  float d, dmin;
+  int32_t sc[16], m[8], q[QKK];
+};
+
+void unpack_row(int qt, const uint8_t* gb, int r, RowSuper& o) {
+  o.d = fp16_to_f32(gb + 2 * r);
   if (qt == Q6_K) {
-    for (int s = 0; s < 16; ++s) {
-      dw[s] = d * float(int8_t(gb[16 + 8 * s + r]));
-      mw[s] = 0.f;
-    }
+    o.dmin = 0.f;
+    for (int s = 0; s < 16; ++s) o.sc[s] = int8_t(gb[16 + 8 * s + r]);
+    for (int s = 0; s < 8; ++s) o.m[s] = 0;
     for (int b = 0; b < 8; ++b) {
       const uint8_t* blk = gb + 144 + 192 * b;
       for (int e = 0; e < 32; ++e) {
@@ -117,20 +123,17 @@ void unpack_row(int qt, const uint8_t* gb, int r, float* dw, float* mw, int32_t*
         const int lo = (blk[16 * p + 2 * r + j] >> (4 * half)) & 15;
         const int c = (e % 8) / 2, t = e / 8;  // e = 2c + j + 8t
         const int hi = (blk[128 + 16 * c + 2 * r + j] >> (2 * t)) & 3;
-        q[32 * b + e] = (lo | hi << 4) - 32;
+        o.q[32 * b + e] = (lo | hi << 4) - 32;
       }
     }
     return;
   }
-  const float dmin = fp16_to_f32(gb + 16 + 2 * r);
+  o.dmin = fp16_to_f32(gb + 16 + 2 * r);
   uint8_t sc12[12];
   for (int w = 0; w < 3; ++w) std::memcpy(sc12 + 4 * w, gb + 32 + 32 * w + 4 * r, 4);
   const int64_t SB = sub_bytes(qt);
   for (int s = 0; s < 8; ++s) {
-    int sc, m;
-    scale_min_k4(s, sc12, sc, m);
-    dw[s] = d * float(sc);
-    mw[s] = -(dmin * float(m));
+    scale_min_k4(s, sc12, o.sc[s], o.m[s]);
     const uint8_t* sub = gb + 128 + SB * s;
     for (int i = 0; i < 16; ++i) {
       const uint8_t byte = sub[16 * (i / 2) + 2 * r + i % 2];
@@ -139,31 +142,36 @@ void unpack_row(int qt, const uint8_t* gb, int r, float* dw, float* mw, int32_t*
         lo |= ((sub[128 + 2 * r + i % 2] >> (i / 2)) & 1) << 4;
         hi |= ((sub[144 + 2 * r + i % 2] >> (i / 2)) & 1) << 4;
       }
-      q[32 * s + i] = lo;
-      q[32 * s + 16 + i] = hi;
+      o.q[32 * s + i] = lo;
+      o.q[32 * s + 16 + i] = hi;
     }
   }
 }
 
 // Portable: one output element (row n = lane r of a group), the header's arithmetic.
-float dot_scalar(int qt, const int16_t* xq, const float* xds, int64_t K, const uint8_t* wg, int r) {
+// xq [K], xd [K / 256], xbs [K / 32]: one activation row.
+float dot_scalar(int qt, const int16_t* xq, const float* xd, const int16_t* xbs, int64_t K, const uint8_t* wg,
+                 int r) {
   const int64_t nsb = K / QKK, GB = group_bytes(qt);
   const int L = qt == Q6_K ? 16 : 32, S = qt == Q6_K ? 16 : 8;
-  float acc = 0.f, summ = 0.f;
-  float dw[16], mw[16];
-  int32_t q[QKK];
+  float acc = 0.f;
+  RowSuper w;
   for (int64_t B = 0; B < nsb; ++B) {
-    unpack_row(qt, wg + B * GB, r, dw, mw, q);
+    unpack_row(qt, wg + B * GB, r, w);
+    int32_t isum = 0, msum = 0;
     for (int s = 0; s < S; ++s) {
-      const int64_t b = B * 8 + s * L / QB;
       const int16_t* xs = xq + B * QKK + s * L;
-      int32_t isum = 0;
-      for (int i = 0; i < L; ++i) isum += q[s * L + i] * int32_t(xs[i]);
-      acc = std::fma(dw[s] * xds[2 * b], float(isum), acc);
-      if (qt != Q6_K) summ = std::fma(mw[s], xds[2 * b + 1], summ);
+      int32_t dot = 0;
+      for (int i = 0; i < L; ++i) dot += w.q[s * L + i] * int32_t(xs[i]);
+      isum += w.sc[s] * dot;
+    }
+    acc = std::fma(w.d * xd[B], float(isum), acc);
+    if (qt != Q6_K) {
+      for (int s = 0; s < 8; ++s) msum += w.m[s] * int32_t(xbs[B * 8 + s]);
+      acc = std::fma(-(w.dmin * xd[B]), float(msum), acc);
     }
   }
-  return acc + summ;
+  return acc;
 }
 
 #ifdef TS_X86
@@ -209,43 +217,76 @@ alignas(32) constexpr int8_t kScaleSel256[4][32] = {
     {1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1, 1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1},
     {2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1, 2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1},
     {3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1, 3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1}};
+// bytes 2k, 2k + 1 of each 32-bit lane -> its two 16-bit words (k = 0, 1)
+alignas(32) constexpr int8_t kPairSel256[2][32] = {
+    {0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1},
+    {2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1}};
 
-// Sub-block j's fp32 scales for the 8 rows: dw = d * sc_j, dm = dmin * m_j.
-TS_TARGET_AVX2_F16C inline void q45k_scales256(const Q45Header256& h, int j, __m256& dw, __m256& dm) {
-  const __m256i sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaleSel256[j % 4]));
-  dw = _mm256_mul_ps(h.d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h.sc[j / 4], sel)));
-  dm = _mm256_mul_ps(h.dmin, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h.mn[j / 4], sel)));
+// Sub-block j's 6-bit scales for the 8 rows as int32 lanes.
+TS_TARGET_AVX2_F16C inline __m256i q45k_iscale256(const Q45Header256& h, int j) {
+  return _mm256_shuffle_epi8(h.sc[j / 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaleSel256[j % 4])));
+}
+
+// The super-block's mins of sub-blocks 2i, 2i + 1 as int16 pairs per lane (vpmaddwd against
+// the activations' 32-element sums bs[2i], bs[2i + 1]).
+TS_TARGET_AVX2_F16C inline __m256i q45k_mpair256(const Q45Header256& h, int i) {
+  return _mm256_shuffle_epi8(h.mn[i / 2], _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairSel256[i % 2])));
+}
+
+// An int16 pair (bs[e], bs[e + 1]) in all 8 int32 lanes.
+TS_TARGET_AVX2 inline __m256i bspair256(const int16_t* bs) {
+  int32_t v;
+  std::memcpy(&v, bs, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The fp32 step of a Q4_K / Q5_K super-block (the header's, 8 lanes): msum from the mins and
+// the row's 32-element sums xbs (8 for this super-block), then the two fmas.
+TS_TARGET_AVX2_F16C inline __m256 q45k_fp32_step256(const Q45Header256& h, const __m256i* mp, __m256i isum,
+                                                     float dx, const int16_t* xbs, __m256 acc) {
+  __m256i ms = _mm256_madd_epi16(mp[0], bspair256(xbs));
+  for (int i = 1; i < 4; ++i) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[i], bspair256(xbs + 2 * i)));
+  const __m256 vdx = _mm256_set1_ps(dx);
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(h.d, vdx), _mm256_cvtepi32_ps(isum), acc);
+  return _mm256_fnmadd_ps(_mm256_mul_ps(h.dmin, vdx), _mm256_cvtepi32_ps(ms), acc);  // fma(-dm dx, msum, acc)
 }
 
 // Q4_K / Q5_K: MR activation rows x one group of 8 weight rows over all super-blocks:
-// out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias).
-// A = int16_t: xq [K], vpmaddwd on widened weight pairs; int8_t: q8 [K] in the AVX-512 int8
-// tiles' lane order (reorder_q8), vpmaddubsw on the u8 quants' four-element lanes (u8 x s8
-// pairs <= 2 * 31 * 127, no saturation), summed in int16 for up to 8 chunks (Q4_K: 8 x 3810;
-// Q5_K: 4 x 7874 < 2^15) and widened with vpmaddwd against ones: exact, the same bits.
+// out[r * ldo + j] for rows r < MR, weight rows j < 8 (fp32, no bias). xd [., K / 256], xbs
+// [., K / 32]: the rows' scales and 32-element sums (row strides K / 256, K / 32).
+// A = int16_t: xq [K], vpmaddwd on widened weight pairs, the dots scaled with vpmulld;
+// int8_t: q8 [K] in the AVX-512 int8 tiles' lane order (reorder_q8), vpmaddubsw on the u8
+// quants' four-element lanes (u8 x s8 pairs <= 2 * 31 * 127, no saturation), summed in int16
+// for up to 8 chunks (Q4_K: 8 x 3810; Q5_K: 4 x 7874 < 2^15) and widened with vpmaddwd
+// against the sub-block's scale pair (sc, sc) (<= 2 x 32767 x 63): the scaled dot in one
+// instruction. Exact either way: the same bits.
 template <int QT, int MR, class A = int16_t>
-TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restrict xds, const int32_t*,
-                                   int64_t K, const uint8_t* __restrict wg, float* __restrict out, int64_t ldo) {
+TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restrict xd, const int16_t* __restrict xbs,
+                                   const int32_t*, int64_t K, const uint8_t* __restrict wg, float* __restrict out,
+                                   int64_t ldo) {
   constexpr bool I8 = std::is_same_v<A, int8_t>;
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
-  __m256 acc[MR], summ[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), summ[r] = _mm256_setzero_ps();
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi16(0x0f), bit4 = _mm256_set1_epi16(0x10);
   const __m256i bit4x4 = _mm256_set1_epi32(0x10101010);  // int8 lanes (Q5_K)
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
     const Q45Header256 h = q45k_header256(gb);
+    __m256i isb[MR];
+    for (int r = 0; r < MR; ++r) isb[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sub = gb + 128 + SB * j;
       prefetch_ahead<QT>(sub);
-      __m256i isum[MR];
+      const __m256i scj = q45k_iscale256(h, j);
       if constexpr (I8) {
-        const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1);
+        const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f);
+        const __m256i scp = _mm256_or_si256(scj, _mm256_slli_epi32(scj, 16));  // (sc, sc) int16 pairs
         constexpr int WIDEN = QT == Q5_K ? 4 : 8;  // chunks summed in int16 before widening
         __m256i s16[MR];
-        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256(), s16[r] = _mm256_setzero_si256();
+        for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
         __m256i hb = _mm256_setzero_si256();  // lane bytes: fifth bits of [2p + j] and [16 + 2p + j]
         if constexpr (QT == Q5_K)
           hb = _mm256_or_si256(_mm256_cvtepu16_epi32(load16(sub + 128)),
@@ -267,11 +308,12 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
           }
           if ((p + 1) % WIDEN == 0)
             for (int r = 0; r < MR; ++r) {
-              isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], ones));
+              isb[r] = _mm256_add_epi32(isb[r], _mm256_madd_epi16(s16[r], scp));
               s16[r] = _mm256_setzero_si256();
             }
         }
       } else {
+        __m256i isum[MR];
         for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
         __m256i hl = _mm256_setzero_si256(), hh = _mm256_setzero_si256();
         if constexpr (QT == Q5_K) {
@@ -294,27 +336,29 @@ TS_TARGET_AVX2_F16C void tile_q45k(const A* __restrict xa, const float* __restri
                                                                  _mm256_madd_epi16(wh, xpair(xb, 16 + 2 * p))));
           }
         }
-      }
-      __m256 dw, dm;
-      q45k_scales256(h, j, dw, dm);
-      const int64_t b = B * 8 + j;
-      for (int r = 0; r < MR; ++r) {
-        const float* xp = xds + (r * nb + b) * 2;
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xp)), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-        summ[r] = _mm256_fnmadd_ps(dm, _mm256_broadcast_ss(xp + 1), summ[r]);  // fma(-dm, s, summ)
+        for (int r = 0; r < MR; ++r) isb[r] = _mm256_add_epi32(isb[r], _mm256_mullo_epi32(isum[r], scj));
       }
     }
+    __m256i mp[4];
+    for (int i = 0; i < 4; ++i) mp[i] = q45k_mpair256(h, i);
+    for (int r = 0; r < MR; ++r) acc[r] = q45k_fp32_step256(h, mp, isb[r], xd[r * nsb + B], xbs + r * nb + 8 * B, acc[r]);
   }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], summ[r]));
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// Q6_K 32-block bl's sub-block scales (2 bl, 2 bl + 1) of a group's 8 rows as int32 lanes.
+TS_TARGET_AVX2 inline void q6k_iscales256(const uint8_t* gb, int bl, __m256i& sa, __m256i& sb) {
+  sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 16 + 16 * bl)));
+  sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 24 + 16 * bl)));
 }
 
 // Q6_K: as tile_q45k; xs16 = int32 [M, K / 16] sums of 16 activation quants.
 template <int QT, int MR>
-TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __restrict xds,
+TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __restrict xd, const int16_t*,
                                   const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
                                   float* __restrict out, int64_t ldo) {
   static_assert(QT == Q6_K);
-  const int64_t nsb = K / QKK, nb = K / QB;
+  const int64_t nsb = K / QKK;
   constexpr int64_t GB = group_bytes(Q6_K);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
@@ -323,6 +367,8 @@ TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __r
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
     const __m256 d = load8_fp16(gb);
+    __m256i isb[MR];
+    for (int r = 0; r < MR; ++r) isb[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* blk = gb + 144 + 192 * bl;
@@ -348,24 +394,20 @@ TS_TARGET_AVX2_F16C void tile_q6k(const int16_t* __restrict xq, const float* __r
                                                            _mm256_madd_epi16(wb1, xpair(xb, 24 + 2 * c))));
         }
       }
-      const __m256 dwa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 16 + 16 * bl)))));
-      const __m256 dwb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 24 + 16 * bl)))));
+      __m256i sa, sb;
+      q6k_iscales256(gb, bl, sa, sb);
       const int64_t b = B * 8 + bl;
       for (int r = 0; r < MR; ++r) {
-        const float* xp = xds + (r * nb + b) * 2;
         const int32_t* s16 = xs16 + r * (K / 16) + 2 * b;
         const __m256i a = _mm256_sub_epi32(ia[r], _mm256_set1_epi32(32 * s16[0]));
         const __m256i bb = _mm256_sub_epi32(ib[r], _mm256_set1_epi32(32 * s16[1]));
-        const __m256 dx = _mm256_broadcast_ss(xp);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dwa, dx), _mm256_cvtepi32_ps(a), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dwb, dx), _mm256_cvtepi32_ps(bb), acc[r]);
+        isb[r] = _mm256_add_epi32(isb[r], _mm256_add_epi32(_mm256_mullo_epi32(a, sa), _mm256_mullo_epi32(bb, sb)));
       }
     }
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[r * nsb + B])), _mm256_cvtepi32_ps(isb[r]), acc[r]);
   }
-  // + 0 (no mins): the same final add as the other formats and the portable code
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(acc[r], _mm256_setzero_ps()));
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
 // The AVX-512 VNNI tiles: MR activation rows x TWO groups (16 weight rows, the groups at wg
@@ -391,22 +433,6 @@ TS_TARGET_AVX512VNNI inline void prefetch_next_pair(const uint8_t* wg, int64_t g
   for (int i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
 }
 
-// The fp32 step of sub-block j (b: its activation block) for MR rows: per row acc =
-// fma(dw_j * dx, float(isum), acc), summ = fma(-dm_j, sx, summ) (isum: CH partial int32
-// sums per row).
-template <int MR, int CH>
-TS_TARGET_AVX512VNNI inline void q45k_step512(const __m512 dw, const __m512 dm, const __m512i (&isum)[MR][CH],
-                                              const float* xds, int64_t nb, int64_t b, __m512 (&acc)[MR],
-                                              __m512 (&summ)[MR]) {
-  for (int r = 0; r < MR; ++r) {
-    __m512i is = isum[r][0];
-    for (int c = 1; c < CH; ++c) is = _mm512_add_epi32(is, isum[r][c]);
-    const float* xp = xds + (r * nb + b) * 2;
-    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xp[0])), _mm512_cvtepi32_ps(is), acc[r]);
-    summ[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xp[1]), summ[r]);
-  }
-}
-
 // The int8 tiles (vpdpbusd: a 32-bit lane adds four u8 x s8 products): the weights' quants
 // are unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), the activations int8 (|q| <= 127), so
 // one instruction does what two vpdpwssd do. A lane holds four elements of one weight row
@@ -427,24 +453,36 @@ TS_TARGET_AVX512VNNI inline __m512i xquad512(const int8_t* q8, int64_t b, int la
   return _mm512_set1_epi32(v);
 }
 
+// An int16 pair (bs[e], bs[e + 1]) in all 16 int32 lanes.
+TS_TARGET_AVX512VNNI inline __m512i bspair512(const int16_t* bs) {
+  int32_t v;
+  std::memcpy(&v, bs, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // Q4_K / Q5_K, both activation widths: A = int16_t (xq [K], vpdpwssd, two per chunk) or
-// int8_t (q8 [K] in lane order, vpdpbusd, one per chunk).
+// int8_t (q8 [K] in lane order, vpdpbusd, one per chunk). A sub-block's dot is scaled
+// (vpmulld) into the super-block's int32 sum; the fp32 step runs once per super-block.
 template <int QT, int MR, class A>
-TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __restrict xds, const int32_t*,
-                                        int64_t K, const uint8_t* __restrict wg, int64_t gstride,
-                                        float* __restrict out, int64_t ldo) {
+TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __restrict xd,
+                                        const int16_t* __restrict xbs, const int32_t*, int64_t K,
+                                        const uint8_t* __restrict wg, int64_t gstride, float* __restrict out,
+                                        int64_t ldo) {
   constexpr bool I8 = std::is_same_v<A, int8_t>;
   constexpr int CH = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
   const int64_t nsb = K / QKK, nb = K / QB;
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
-  __m512 acc[MR], summ[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), summ[r] = _mm512_setzero_ps();
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i lo4w = _mm512_set1_epi16(0x0f), bit4w = _mm512_set1_epi16(0x10);  // int16 lanes
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* ga = wg + B * GB;
     const uint8_t* gc = ga + gstride;
-    Q45Scales512 scl;
-    q45k_scales512(q45k_header512(ga, gc), scl);
+    const Q45Header512 h = q45k_header512(ga, gc);
+    Q45Ints512 in;
+    q45k_ints512(h, in);
+    __m512i isb[MR];
+    for (int r = 0; r < MR; ++r) isb[r] = _mm512_setzero_si512();
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sa = ga + 128 + SB * j;
@@ -487,22 +525,35 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
           }
         }
       }
-      q45k_step512<MR, CH>(scl.dw[j], scl.dm[j], isum, xds, nb, b, acc, summ);
+      const __m512i scj = _mm512_load_si512(in.sc[j]);
+      for (int r = 0; r < MR; ++r) {
+        __m512i is = isum[r][0];
+        for (int c = 1; c < CH; ++c) is = _mm512_add_epi32(is, isum[r][c]);
+        isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(is, scj));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int16_t* bs = xbs + r * nb + 8 * B;
+      __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), in.mp[0], bspair512(bs));
+      for (int i = 1; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, in.mp[i], bspair512(bs + 2 * i));
+      const __m512 dx = _mm512_set1_ps(xd[r * nsb + B]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(h.d, dx), _mm512_cvtepi32_ps(isb[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(h.dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], summ[r]));
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
 // Q6_K, both activation widths (A as tile_q45k_512; int16: four vpdpwssd per chunk
 // c, int8: two vpdpbusd).
 template <int QT, int MR, class A>
-TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __restrict xds,
+TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __restrict xd, const int16_t*,
                                        const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
                                        int64_t gstride, float* __restrict out, int64_t ldo) {
   static_assert(QT == Q6_K);
   constexpr bool I8 = std::is_same_v<A, int8_t>;
   constexpr int CH = I8 ? (MR <= 2 ? 4 : MR <= 4 ? 2 : 1) : (MR <= 2 ? 2 : 1);
-  const int64_t nsb = K / QKK, nb = K / QB;
+  const int64_t nsb = K / QKK;
   constexpr int64_t GB = group_bytes(Q6_K);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -513,6 +564,8 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
     const uint8_t* ga = wg + B * GB;
     const uint8_t* gc = ga + gstride;
     const __m512 d = _mm512_cvtph_ps(pair16(ga, gc));
+    __m512i isb[MR];
+    for (int r = 0; r < MR; ++r) isb[r] = _mm512_setzero_si512();
 #pragma GCC unroll 1
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* ba = ga + 144 + 192 * bl;
@@ -557,19 +610,18 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
           }
         }
       }
-      __m512 dwa, dwb;
-      q6k_scales512(d, ga, gc, bl, dwa, dwb);
+      __m512i sa, sb;
+      q6k_iscales512(ga, gc, bl, sa, sb);
       for (int r = 0; r < MR; ++r) {
         __m512i a = ia[r][0], bb = ib[r][0];
         for (int c = 1; c < CH; ++c) a = _mm512_add_epi32(a, ia[r][c]), bb = _mm512_add_epi32(bb, ib[r][c]);
-        const float* xp = xds + (r * nb + b) * 2;
-        const __m512 dx = _mm512_set1_ps(xp[0]);
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dwa, dx), _mm512_cvtepi32_ps(a), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dwb, dx), _mm512_cvtepi32_ps(bb), acc[r]);
+        isb[r] = _mm512_add_epi32(isb[r], _mm512_add_epi32(_mm512_mullo_epi32(a, sa), _mm512_mullo_epi32(bb, sb)));
       }
     }
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])), _mm512_cvtepi32_ps(isb[r]), acc[r]);
   }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_setzero_ps()));
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
 // The one-row tiles (a batch-1 GEMM) on AVX-512 VNNI CPUs: the int8 tiles' lanes and
@@ -578,17 +630,20 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
 // about two thirds of the AVX2 int8 tile's instructions per weight (no int16 sums to
 // widen): when the memory is fast, the one-row GEMM is bound by its instructions. The
 // integer sums are those of every tile, the fp32 steps tile_q45k's / tile_q6k's lane for
-// lane: the same bits. q8: one row in reorder_q8's lane order.
+// lane: the same bits. q8: one row in reorder_q8's lane order; xd, xbs: its scales and
+// 32-element sums.
 template <int QT>
-TS_TARGET_AVX512VNNI void tile_q45k_row256(const int8_t* __restrict q8, const float* __restrict xds, int64_t K,
-                                           const uint8_t* __restrict wg, float* __restrict out) {
+TS_TARGET_AVX512VNNI void tile_q45k_row256(const int8_t* __restrict q8, const float* __restrict xd,
+                                           const int16_t* __restrict xbs, int64_t K, const uint8_t* __restrict wg,
+                                           float* __restrict out) {
   const int64_t nsb = K / QKK;
   constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
-  __m256 acc = _mm256_setzero_ps(), summ = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
   const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), bit4 = _mm256_set1_epi32(0x10101010);
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
     const Q45Header256 h = q45k_header256(gb);
+    __m256i isb = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sub = gb + 128 + SB * j;
@@ -614,19 +669,18 @@ TS_TARGET_AVX512VNNI void tile_q45k_row256(const int8_t* __restrict q8, const fl
         is[p % 4] = _mm256_dpbusd_epi32(is[p % 4], w, _mm256_set1_epi32(v));
       }
       const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(is[0], is[1]), _mm256_add_epi32(is[2], is[3]));
-      __m256 dw, dm;
-      q45k_scales256(h, j, dw, dm);
-      const float* xp = xds + (B * 8 + j) * 2;
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xp)), _mm256_cvtepi32_ps(isum), acc);
-      summ = _mm256_fnmadd_ps(dm, _mm256_broadcast_ss(xp + 1), summ);  // fma(-dm, s, summ)
+      isb = _mm256_add_epi32(isb, _mm256_mullo_epi32(isum, q45k_iscale256(h, j)));
     }
+    __m256i mp[4];
+    for (int i = 0; i < 4; ++i) mp[i] = q45k_mpair256(h, i);
+    acc = q45k_fp32_step256(h, mp, isb, xd[B], xbs + 8 * B, acc);
   }
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, summ));
+  _mm256_storeu_ps(out, acc);
 }
 
 // Q6_K's one-row tile (tile_q6k_512's int8 lanes on one group); xs16: the row's 16-element
 // activation sums.
-TS_TARGET_AVX512VNNI void tile_q6k_row256(const int8_t* __restrict q8, const float* __restrict xds,
+TS_TARGET_AVX512VNNI void tile_q6k_row256(const int8_t* __restrict q8, const float* __restrict xd,
                                           const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
                                           float* __restrict out) {
   const int64_t nsb = K / QKK;
@@ -641,6 +695,7 @@ TS_TARGET_AVX512VNNI void tile_q6k_row256(const int8_t* __restrict q8, const flo
   for (int64_t B = 0; B < nsb; ++B) {
     const uint8_t* gb = wg + B * GB;
     const __m256 d = load8_fp16(gb);
+    __m256i isb = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* blk = gb + 144 + 192 * bl;
@@ -668,17 +723,14 @@ TS_TARGET_AVX512VNNI void tile_q6k_row256(const int8_t* __restrict q8, const flo
         ia[c % 2] = _mm256_dpbusd_epi32(ia[c % 2], wa, _mm256_set1_epi32(va));
         ib[c % 2] = _mm256_dpbusd_epi32(ib[c % 2], wb, _mm256_set1_epi32(vb));
       }
-      const __m256 dwa = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 16 + 16 * bl)))));
-      const __m256 dwb = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 24 + 16 * bl)))));
-      const __m256 dx = _mm256_broadcast_ss(xds + 2 * b);
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(dwa, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(ia[0], ia[1])), acc);
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(dwb, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(ib[0], ib[1])), acc);
+      __m256i sa, sb;
+      q6k_iscales256(gb, bl, sa, sb);
+      isb = _mm256_add_epi32(isb, _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(ia[0], ia[1]), sa),
+                                                   _mm256_mullo_epi32(_mm256_add_epi32(ib[0], ib[1]), sb)));
     }
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[B])), _mm256_cvtepi32_ps(isb), acc);
   }
-  // + 0 (no mins): the same final add as the other formats and the portable code
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, _mm256_setzero_ps()));
+  _mm256_storeu_ps(out, acc);
 }
 
 // One row's quants q [K] (int16, values in -127..127) -> q8 [K] in the int8 tiles' lane
@@ -700,7 +752,8 @@ inline void reorder_q8(int qt, const int16_t* q, int64_t K, int8_t* q8) {
 // The AVX-512 VNNI tiles' signature for activations of type A (int16_t: vpdpwssd, int8_t:
 // vpdpbusd), and their tables by qtype and row count.
 template <class A>
-using Tile512Fn = void (*)(const A*, const float*, const int32_t*, int64_t, const uint8_t*, int64_t, float*, int64_t);
+using Tile512Fn = void (*)(const A*, const float*, const int16_t*, const int32_t*, int64_t, const uint8_t*, int64_t,
+                           float*, int64_t);
 
 template <int QT, class A, size_t... I>
 constexpr std::array<Tile512Fn<A>, sizeof...(I)> avx512_tiles(std::index_sequence<I...>) {
@@ -725,9 +778,11 @@ inline Tile512Fn<int8_t> pick_tile8(int qt, int mr) {
   return kAvx512Tiles8[qt - Q4_K][std::clamp<int>(mr, 1, kQuantMrAvx512) - 1];
 }
 
-using TileFn = void (*)(const int16_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
+using TileFn = void (*)(const int16_t*, const float*, const int16_t*, const int32_t*, int64_t, const uint8_t*, float*,
+                       int64_t);
 
-using Tile8Fn = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t);
+using Tile8Fn = void (*)(const int8_t*, const float*, const int16_t*, const int32_t*, int64_t, const uint8_t*, float*,
+                        int64_t);
 
 // The AVX2 int8 tile (vpmaddubsw) of Q4_K / Q5_K for mr rows (1..kQuantMr).
 template <int QT>
@@ -760,63 +815,76 @@ TileFn pick_tile(int mr) {
 }
 #endif  // TS_X86
 
+// A GEMM's quantised activations (all [M, .] row-major): xq int16 [K], q8 int8 [K] in the
+// int8 tiles' lane order (or null: the int16 tiles), xd fp32 [K / 256], xbs int16 [K / 32],
+// xs16 int32 [K / 16] (Q6_K's 16-element sums, else null).
+struct Act {
+  const int16_t* xq;
+  const int8_t* q8;
+  const float* xd;
+  const int16_t* xbs;
+  const int32_t* xs16;
+  int64_t K;
+  const int16_t* q(int64_t m) const { return xq + m * K; }
+  const int8_t* q8r(int64_t m) const { return q8 + m * K; }
+  const float* d(int64_t m) const { return xd + m * (K / QKK); }
+  const int16_t* bs(int64_t m) const { return xbs + m * (K / QB); }
+  const int32_t* s16(int64_t m) const { return xs16 ? xs16 + m * (K / 16) : nullptr; }
+};
+
 #ifdef TS_X86
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias) on AVX-512 VNNI: two
 // groups per tile (an odd last group: the AVX2 tile, whose lanes give the same bits), rows
 // in balanced blocks of at most kQuantMrAvx512 (any split gives the same bits).
-void compute_block_avx512(int qt, const int16_t* xq, const int8_t* q8, const float* xds, const int32_t* xs16,
-                          int64_t K, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1,
+void compute_block_avx512(int qt, const Act& a, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1,
                           const float* bias, void* y, bool y_bf16, int64_t N) {
-  const int64_t nb = K / QB, n16 = K / 16, gstride = (K / QKK) * group_bytes(qt);
-  auto s16 = [&](int64_t m) { return xs16 ? xs16 + m * n16 : nullptr; };
+  const int64_t K = a.K, gstride = (K / QKK) * group_bytes(qt);
   qact::compute_group_pairs(
       m0, rows, w, gstride, g0, g1, bias, y, y_bf16, N,
       [&](int64_t m, int mr, const uint8_t* wg, float* out) {
-        if (q8) pick_tile8(qt, mr)(q8 + m * K, xds + m * nb * 2, s16(m), K, wg, gstride, out, 2 * RG);
-        else pick_tile2(qt, mr)(xq + m * K, xds + m * nb * 2, s16(m), K, wg, gstride, out, 2 * RG);
+        if (a.q8) pick_tile8(qt, mr)(a.q8r(m), a.d(m), a.bs(m), a.s16(m), K, wg, gstride, out, 2 * RG);
+        else pick_tile2(qt, mr)(a.q(m), a.d(m), a.bs(m), a.s16(m), K, wg, gstride, out, 2 * RG);
       },
       [&](int64_t m, int mr, const uint8_t* wg, float* out) {
         for (int r0 = 0; r0 < mr; r0 += int(kQuantMr)) {  // AVX2 tiles of <= 4 rows
           const int r1 = std::min(mr, r0 + int(kQuantMr));
           TileFn fn = qt == Q4_K ? pick_tile<Q4_K>(r1 - r0) : qt == Q5_K ? pick_tile<Q5_K>(r1 - r0)
                                                                           : pick_tile<Q6_K>(r1 - r0);
-          fn(xq + (m + r0) * K, xds + (m + r0) * nb * 2, s16(m + r0), K, wg, out + r0 * 2 * RG, 2 * RG);
+          fn(a.q(m + r0), a.d(m + r0), a.bs(m + r0), a.s16(m + r0), K, wg, out + r0 * 2 * RG, 2 * RG);
         }
       });
 }
 #endif  // TS_X86
 
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias).
-// q8: the int8 activations in lane order (AVX2 Q4_K / Q5_K int8 tiles), or null (int16 tiles).
-// row256: a one-row GEMM on an AVX-512 VNNI CPU, on the one-row tiles (q8 given).
-void compute_block(int qt, bool avx2, bool row256, const int16_t* xq, const int8_t* q8, const float* xds,
-                   const int32_t* xs16, int64_t K, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0,
-                   int64_t g1, const float* bias, void* y, bool y_bf16, int64_t N) {
-  const int64_t nb = K / QB, gstride = (K / QKK) * group_bytes(qt);
+// a.q8: the int8 activations in lane order (AVX2 Q4_K / Q5_K int8 tiles), or null (int16 tiles).
+// row256: a one-row GEMM on an AVX-512 VNNI CPU, on the one-row tiles (a.q8 given).
+void compute_block(int qt, bool avx2, bool row256, const Act& a, int64_t m0, int64_t rows, const uint8_t* w,
+                   int64_t g0, int64_t g1, const float* bias, void* y, bool y_bf16, int64_t N) {
+  const int64_t K = a.K, gstride = (K / QKK) * group_bytes(qt);
   qact::compute_groups(m0, rows, kQuantMr, w, gstride, g0, g1, bias, y, y_bf16, N,
                        [&](int64_t m, int mr, int64_t ncols, const uint8_t* wg, float* tile) {
 #ifdef TS_X86
     if (row256) {
-      assert(m == 0 && mr == 1 && q8);
-      if (qt == Q6_K) tile_q6k_row256(q8, xds, xs16, K, wg, tile);
-      else (qt == Q4_K ? &tile_q45k_row256<Q4_K> : &tile_q45k_row256<Q5_K>)(q8, xds, K, wg, tile);
+      assert(m == 0 && mr == 1 && a.q8);
+      if (qt == Q6_K) tile_q6k_row256(a.q8, a.xd, a.xs16, K, wg, tile);
+      else (qt == Q4_K ? &tile_q45k_row256<Q4_K> : &tile_q45k_row256<Q5_K>)(a.q8, a.xd, a.xbs, K, wg, tile);
       return;
     }
-    if (avx2 && q8) {  // Q4_K / Q5_K (quant_k_gemm passes no q8 for an AVX2 Q6_K)
+    if (avx2 && a.q8) {  // Q4_K / Q5_K (quant_k_gemm passes no q8 for an AVX2 Q6_K)
       assert(qt != Q6_K);
-      (qt == Q4_K ? pick_tile_i8<Q4_K>(mr) : pick_tile_i8<Q5_K>(mr))(q8 + m * K, xds + m * nb * 2, nullptr, K, wg,
+      (qt == Q4_K ? pick_tile_i8<Q4_K>(mr) : pick_tile_i8<Q5_K>(mr))(a.q8r(m), a.d(m), a.bs(m), nullptr, K, wg,
                                                                     tile, RG);
       return;
     }
     if (avx2) {
       TileFn fn = qt == Q4_K ? pick_tile<Q4_K>(mr) : qt == Q5_K ? pick_tile<Q5_K>(mr) : pick_tile<Q6_K>(mr);
-      fn(xq + m * K, xds + m * nb * 2, xs16 + m * (K / 16), K, wg, tile, RG);
+      fn(a.q(m), a.d(m), a.bs(m), a.s16(m), K, wg, tile, RG);
       return;
     }
 #endif
     for (int r = 0; r < mr; ++r)
-      for (int j = 0; j < ncols; ++j)
-        tile[r * RG + j] = dot_scalar(qt, xq + (m + r) * K, xds + (m + r) * nb * 2, K, wg, j);
+      for (int j = 0; j < ncols; ++j) tile[r * RG + j] = dot_scalar(qt, a.q(m + r), a.d(m + r), a.bs(m + r), K, wg, j);
   });
 }
 
@@ -856,16 +924,16 @@ torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor
   const bool bf = out_dtype == at::kBFloat16, q6 = qtype == Q6_K;
   void* yp = y.data_ptr();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    float dw[16], mw[16];
-    int32_t q[QKK];
+    RowSuper rs;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = ip[t] / RG, r = ip[t] % RG;
       for (int64_t B = 0; B < nsb; ++B) {
-        unpack_row(int(qtype), wp + (g * nsb + B) * GB, int(r), dw, mw, q);
+        unpack_row(int(qtype), wp + (g * nsb + B) * GB, int(r), rs);
         const int L = q6 ? 16 : 32;  // weights per sub-block
         for (int i = 0; i < QKK; ++i) {
-          const float v = dw[i / L] * float(q[i]);  // rounded, then the min added (no FMA)
-          store1(yp, t * K + B * QKK + i, q6 ? v : v + mw[i / L], bf);
+          const float dw = rs.d * float(rs.sc[i / L]);
+          const float v = dw * float(rs.q[i]);  // rounded, then the min added (no FMA)
+          store1(yp, t * K + B * QKK + i, q6 ? v : v + -(rs.dmin * float(rs.m[i / L])), bf);
         }
       }
     }
@@ -914,8 +982,9 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const int16_t* qp = act.q.data();
   int8_t* q8p = i8 ? act.q8.data() : nullptr;
   const float* dp = act.ds.data();
+  const int16_t* bsp = act.bs.data();
   int32_t* sp = q6 && !amx ? act.sums.data() : nullptr;  // AMX: the "- 32" is in the tile product
-  qact::quantize_act(x.contiguous(), avx2, act, qact::kActQMax8, [&](int64_t m) {
+  qact::quantize_act_k(x.contiguous(), avx2, act, [&](int64_t m) {
     const int16_t* qm = qp + m * K;
     if (q8p) reorder_q8(int(qtype), qm, K, q8p + m * K);
     if (!sp) return;  // Q6_K's "-32": the sums of 16-element runs
@@ -931,18 +1000,19 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   const bool ybf = odt == at::kBFloat16;
   if (amx) {
     g_amx_calls.fetch_add(1, std::memory_order_relaxed);
-    quant_k_amx_gemm(int(qtype), q8p, dp, M, K, wp, N, bp, yp, ybf);
+    quant_k_amx_gemm(int(qtype), q8p, dp, bsp, M, K, wp, N, bp, yp, ybf);
     return y;
   }
+  const Act a{qp, q8p, dp, bsp, sp, K};
   qact::run_units(M, N, K, avx512 ? kQuantMrAvx512 : kQuantMr,
                   [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
 #ifdef TS_X86
     if (avx512) {
-      compute_block_avx512(int(qtype), qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+      compute_block_avx512(int(qtype), a, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
       return;
     }
 #endif
-    compute_block(int(qtype), avx2, row256, qp, q8p, dp, sp, K, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+    compute_block(int(qtype), avx2, row256, a, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
   }, i8 ? 1 : 2);  // the int8 tiles read one byte per activation: row chunks twice as tall
   return y;
 }
@@ -954,7 +1024,8 @@ TOKENSERVE_REGISTER(quant_k) {
         pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_dtype") = pybind11::none(),
         "quant_k_gemm(x: Tensor[M, K] bf16|fp32, w: uint8 [ceil(N/8), K/256, group_bytes] k8-packed GGUF k-quant "
         "super-blocks, qtype: 12 Q4_K | 13 Q5_K | 14 Q6_K, N, bias=None, out_dtype=None) -> Tensor[M, N]: "
-        "x @ W^T (+ bias), int8 activations per 32-block, exact integer sub-block dots, fp32 accumulation, "
+        "x @ W^T (+ bias), int8 activations per 256-element super-block, exact integer super-block sums, one fp32 "
+        "step per super-block, "
         "row-invariant bits.");
   m.def("quant_k_dequant_rows", &tokenserve::quant_k_dequant_rows, pybind11::arg("ids"), pybind11::arg("w"),
         pybind11::arg("qtype"), pybind11::arg("V"), pybind11::arg("K"), pybind11::arg("out_dtype"),

@@ -1,29 +1,30 @@
 // The k-quant GEMM of csrc/quant_k.cpp (Q4_K, Q5_K, Q6_K) on Intel AMX-INT8 tiles, with its
 // bits (csrc/quant_k_amx.h).
 //
-// The sub-block formula (csrc/quant_k.cpp's header) needs, per output element and sub-block,
-// the exact integer dot isum; one tile product gives it for 16 activation rows x 16 weight
-// rows (two k8 groups):
-//   Q4_K / Q5_K (32-weight sub-blocks, quants unsigned 0..15 / 0..31): A (16 rows x 32
-//     bytes) = the sub-block's 32-block of the activations as the VNNI int8 tiles store them
-//     (reorder_q8: dword L holds lane L's four elements), read in place with stride K;
-//     B row L = weight lane L of the 16 rows, the vector those tiles feed vpdpbusd
-//     (csrc/quant_k_lanes.h); tdpbsud (signed activations x unsigned quants).
-//   Q6_K (16-weight sub-blocks): A = 16 bytes (lanes 0-3 the 32-block's sub-block A, 4-7 its
+// The super-block formula (csrc/quant_k.cpp's header) needs, per output element and
+// super-block, the exact integers isum = sum_s sc_s * dot_s and (Q4_K / Q5_K) msum =
+// sum_s m_s * bs_s, then two fp32 fmas.
+//   Q4_K / Q5_K: the 6-bit scales go into the B operand, so the tile unit sums a whole
+//     super-block: sc = 8 h + l (h, l = 0..7), and B_h = q * h, B_l = q * l are bytes
+//     (q <= 31: <= 217; vpmullw on the lane's 16-bit words gives them, no carry between
+//     bytes). Per pair of sub-blocks one A tile (16 activation rows x 64 bytes: two 32-blocks
+//     of the activations as the VNNI int8 tiles store them, reorder_q8, read in place with
+//     stride K) and two tdpbsud (signed activations x unsigned B) into C_h and C_l; after
+//     the super-block's four pairs isum = 8 C_h + C_l. msum (the mins against the
+//     activations' 32-element sums) is four vpdpwssd per row, then the fp32 step.
+//   Q6_K (16-weight sub-blocks, int8 scales of either sign, quants 0..63: no fold fits a
+//     byte): per sub-block A = 16 bytes (lanes 0-3 the 32-block's sub-block A, 4-7 its
 //     sub-block B), B the lanes with 32 subtracted from each byte (q - 32 in -32..31),
-//     tdpbssd: the "- 32" is in the product, the integer the VNNI tiles get by starting
-//     from -32 x the activations' 16-element sum.
-// The C tile (int32) of each sub-block is stored, and the vector units do the VNNI tiles'
-// fp32 steps lane for lane, sub-blocks in k order:
-//     acc = fma(fl(dw_s * dx_b), float(isum_s), acc);  summ = fnma(dm_s, sx_b, summ) (Q4/5_K)
-//     y = round(acc + summ (+ bias))                     (Q6_K: acc + 0)
-// A sub-block's tile product is issued a step before it is stored and two steps before its
-// sums are read back, so the tile unit works while the vector units scale. A work unit (one
-// 16-row weight tile x up to kMtChunk 16-row slices of x) builds its tile's B and scales
-// once, for all its slices, and while its products run prefetches the weight bytes of the
-// unit this thread runs next into L2 (csrc/quant_amx_int.cpp's scheme).
+//     tdpbssd; the C tile is stored and the vector units scale it into isum (vpmulld),
+//     the fp32 step once per super-block.
+// A (super-)block's tile products are issued a step before their C tiles are stored and two
+// steps before the stores are read back, so the tile unit works while the vector units
+// scale. A work unit (one 16-row weight tile x up to kMtChunk 16-row slices of x) builds its
+// tile's B and scales once, for all its slices, and while its products run prefetches the
+// weight bytes of the unit this thread runs next into L2 (csrc/quant_amx_int.cpp's scheme).
 //
-// Tiles: 0, 1: C (even, odd sub-blocks); 2, 3: A; 4, 5: B.
+// Tiles, Q4_K / Q5_K: 0, 1: C_h, C_l (even super-blocks); 2, 3: (odd); 4: A; 5, 6: B_h, B_l.
+// Q6_K: 0, 1: C (even, odd sub-blocks); 2, 3: A; 4, 5: B.
 #include "quant_k_amx.h"
 
 #include <ATen/Parallel.h>
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "amx_int.h"
@@ -48,30 +50,29 @@ namespace {
 using namespace kquant;
 constexpr int64_t kMtChunk = 8;  // 16-row slices of x per work unit (their B tiles built once)
 
-// Per qtype: sub-blocks per super-block, activation bytes per sub-block (an A tile row) and
-// bytes of a sub-block's B tile (KS / 4 dwords x 16 weight rows x 4 bytes).
-template <int QT>
-struct Sub {
-  static constexpr int64_t S = QT == Q6_K ? 16 : 8;
-  static constexpr int64_t KS = QKK / S;
-  static constexpr int64_t BS = KS / 4 * 64;
-};
-
-TS_TARGET_AMX_INT void tiles_configure(int qt) {
-  const int ks = qt == Q6_K ? 16 : 32;
+// fold: Q4_K / Q5_K with the scales in B (K = 64 products); else one product per sub-block
+// (Q6_K: 16 weights, Q4_K / Q5_K: 32).
+TS_TARGET_AMX_INT void tiles_configure(int qt, bool fold) {
   TileConfig c;
-  for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = 64;      // C: 16 x 16 int32
-  for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = ks;      // A: 16 rows x ks bytes
-  for (int t = 4; t < 6; ++t) c.rows[t] = ks / 4, c.colsb[t] = 64;  // B: ks / 4 dwords x 16 rows
+  if (!fold) {
+    const int ks = qt == Q6_K ? 16 : 32;
+    for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = 64;      // C: 16 x 16 int32
+    for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = ks;      // A: 16 rows x ks bytes
+    for (int t = 4; t < 6; ++t) c.rows[t] = ks / 4, c.colsb[t] = 64;  // B: ks / 4 dwords x 16 rows
+  } else {
+    for (int t = 0; t < 7; ++t) c.rows[t] = 16, c.colsb[t] = 64;  // C 16 x 16 int32; A 16 x 64; B 16 x 16 x 4
+  }
   asm volatile("" ::"r"(&c) : "memory");  // GCC may drop stores to a struct only ldtilecfg reads
   _tile_loadconfig(&c);
 }
 
 struct Problem {
   int qt;
-  const int8_t* q8;  // [nmt * 16, K]
-  const float* xds;  // [nmt * 16, nb, 2]
+  const int8_t* q8;    // [nmt * 16, K]
+  const float* xd;     // [nmt * 16, nsb]
+  const int16_t* xbs;  // [nmt * 16, nb]
   int64_t M, N, K, nsb, nb, nmt, nnt;
+  bool fold;  // Q4_K / Q5_K: the scales folded into B (from two 16-row slices; csrc/quant_k_amx.h)
   const uint8_t* w;
   int64_t gstride;  // bytes of one 8-row group
   const float* bias;
@@ -79,14 +80,27 @@ struct Problem {
   bool y_bf16;
 };
 
-// Super-block of the weight tile's two groups (ga, gc) -> its sub-blocks' B tiles at bb
-// (Sub::BS bytes each) and fp32 scales dw (16 per sub-block; Q4_K / Q5_K also dm).
+// Per super-block of a weight tile: the bytes of its B tiles, and of its scales (hdr).
+//   Q4_K / Q5_K, fold: B_h then B_l, each 8 sub-blocks x 8 lanes x 64 bytes (a pair's B
+//     tile: 1 KB at 1024 i); not fold: the lanes as they are, 8 sub-blocks x 512 bytes.
+//     hdr: d, dmin (16 fp32 each), the min pairs mp[4], the sub-block scales sc[8] (16 int32
+//     each).
+//   Q6_K: 16 sub-blocks x 256 bytes; hdr: the sub-block scales (16 x 16 int32), d (16 fp32).
 template <int QT>
-TS_TARGET_AMX_INT inline void build_b(const uint8_t* ga, const uint8_t* gc, uint8_t* bb, float* dw, float* dm,
-                                      const Q6Lanes512& lanes) {
+struct Super {
+  static constexpr int64_t kB = QT == Q6_K ? 16 * 256 : 2 * 4096;
+  static constexpr int64_t kHdr = QT == Q6_K ? (16 * 16 + 16) * 4 : (16 + 16 + 4 * 16 + 8 * 16) * 4;
+  static constexpr int64_t kSc = QT == Q6_K ? 0 : 384;   // hdr offset of sub-block 0's scales
+  static constexpr int64_t kD = QT == Q6_K ? 1024 : 0;  // hdr offset of d
+};
+
+// Super-block of the weight tile's two groups (ga, gc) -> its B tiles at bb and scales at hdr
+// (Super<QT>).
+template <int QT>
+TS_TARGET_AMX_INT inline void build_b(const uint8_t* ga, const uint8_t* gc, uint8_t* bb, uint8_t* hdr,
+                                      const Q6Lanes512& lanes, bool fold) {
   if constexpr (QT == Q6_K) {
     const __m512i k32 = _mm512_set1_epi8(32);
-    const __m512 d = _mm512_cvtph_ps(pair16(ga, gc));
 #pragma GCC unroll 2
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* ba = ga + 144 + 192 * bl;
@@ -98,30 +112,82 @@ TS_TARGET_AMX_INT inline void build_b(const uint8_t* ga, const uint8_t* gc, uint
         _mm512_store_si512(bb + 256 * (2 * bl) + 64 * c, _mm512_sub_epi8(wa, k32));
         _mm512_store_si512(bb + 256 * (2 * bl + 1) + 64 * c, _mm512_sub_epi8(wb, k32));
       }
-      __m512 dwa, dwb;
-      q6k_scales512(d, ga, gc, bl, dwa, dwb);
-      _mm512_store_ps(dw + 16 * (2 * bl), dwa);
-      _mm512_store_ps(dw + 16 * (2 * bl + 1), dwb);
+      __m512i sa, sb;
+      q6k_iscales512(ga, gc, bl, sa, sb);
+      _mm512_store_si512(hdr + 64 * (2 * bl), sa);
+      _mm512_store_si512(hdr + 64 * (2 * bl + 1), sb);
     }
+    _mm512_store_ps(reinterpret_cast<float*>(hdr + 1024), _mm512_cvtph_ps(pair16(ga, gc)));
   } else {
     (void)lanes;
     constexpr int64_t SB = sub_bytes(QT);
-    Q45Scales512 scl;
-    q45k_scales512(q45k_header512(ga, gc), scl);
+    static_assert(Super<QT>::kSc == 384);
+    const Q45Header512 h = q45k_header512(ga, gc);
+    Q45Ints512 in;
+    q45k_ints512(h, in);
+    const __m512i k7 = _mm512_set1_epi32(7);
 #pragma GCC unroll 1
     for (int j = 0; j < 8; ++j) {
       const uint8_t* sa = ga + 128 + SB * j;
       const uint8_t* sc_ = gc + 128 + SB * j;
       const __m512i hb = QT == Q5_K ? q5k_fifth512(sa, sc_) : _mm512_setzero_si512();
+      const __m512i sc = _mm512_load_si512(in.sc[j]);
+      _mm512_store_si512(hdr + 384 + 64 * j, sc);
+      if (!fold) {
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) _mm512_store_si512(bb + 512 * j + 64 * p, q45k_lane512<QT>(sa, sc_, hb, p));
-      _mm512_store_ps(dw + 16 * j, scl.dw[j]);
-      _mm512_store_ps(dm + 16 * j, scl.dm[j]);
+        for (int p = 0; p < 8; ++p) _mm512_store_si512(bb + 512 * j + 64 * p, q45k_lane512<QT>(sa, sc_, hb, p));
+        continue;
+      }
+      const __m512i hi = _mm512_srli_epi32(sc, 3), lo = _mm512_and_si512(sc, k7);
+      const __m512i hw = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));  // (h, h) 16-bit words
+      const __m512i lw = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16));
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m512i w = q45k_lane512<QT>(sa, sc_, hb, p);
+        _mm512_store_si512(bb + 512 * j + 64 * p, _mm512_mullo_epi16(w, hw));
+        _mm512_store_si512(bb + 4096 + 512 * j + 64 * p, _mm512_mullo_epi16(w, lw));
+      }
     }
+    _mm512_store_ps(reinterpret_cast<float*>(hdr), h.d);
+    _mm512_store_ps(reinterpret_cast<float*>(hdr + 64), h.dmin);
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(hdr + 128 + 64 * i, in.mp[i]);
   }
 }
 
-// Sub-block product into C tile (parity): A at a (stride lda bytes), B at b.
+// Q4_K / Q5_K: super-block sb's four pair products into C pair (parity): A at a (stride lda),
+// B_h at b, B_l at b + 4096.
+template <int QT>
+TS_TARGET_AMX_INT inline void tile_super(const int8_t* a, int64_t lda, const uint8_t* b, int64_t parity) {
+#define TS_KQ_PAIRS(CH, CL)                          \
+  _tile_zero(CH);                                    \
+  _tile_zero(CL);                                    \
+  for (int i = 0; i < 4; ++i) {                      \
+    _tile_loadd(4, a + 64 * i, lda);                 \
+    _tile_loadd(5, b + 1024 * i, 64);                \
+    _tile_loadd(6, b + 4096 + 1024 * i, 64);         \
+    _tile_dpbsud(CH, 4, 5);                          \
+    _tile_dpbsud(CL, 4, 6);                          \
+  }
+  if (parity) {
+    TS_KQ_PAIRS(2, 3)
+  } else {
+    TS_KQ_PAIRS(0, 1)
+  }
+#undef TS_KQ_PAIRS
+}
+
+TS_TARGET_AMX_INT inline void store_c2(int64_t parity, int32_t* cb) {
+  if (parity) {
+    _tile_stored(2, cb, 64);
+    _tile_stored(3, cb + 256, 64);
+  } else {
+    _tile_stored(0, cb, 64);
+    _tile_stored(1, cb + 256, 64);
+  }
+}
+
+// One product per sub-block (not fold): sub-block product into C tile (parity): A at a
+// (stride lda bytes), B at b; Q6_K signed x signed (q - 32), Q4_K / Q5_K signed x unsigned.
 template <int QT>
 TS_TARGET_AMX_INT inline void tile_sub(const int8_t* a, int64_t lda, const uint8_t* b, int64_t parity) {
   if (parity) {
@@ -139,19 +205,38 @@ TS_TARGET_AMX_INT inline void tile_sub(const int8_t* a, int64_t lda, const uint8
   }
 }
 
-TS_TARGET_AMX_INT inline void store_c(int64_t parity, int32_t* cb) {
+TS_TARGET_AMX_INT inline void store_c1(int64_t parity, int32_t* cb) {
   if (parity) _tile_stored(1, cb, 64);
   else _tile_stored(0, cb, 64);
 }
 
+// An int16 pair (bs[e], bs[e + 1]) in all 16 int32 lanes.
+TS_TARGET_AMX_INT inline __m512i bspair(const int16_t* bs) {
+  int32_t v;
+  std::memcpy(&v, bs, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// A Q4_K / Q5_K super-block's fp32 step for one activation row (hd: its hdr, bs: the row's
+// 8 32-element sums, dx: its scale): msum from the min pairs, then the two fmas onto acc.
+TS_TARGET_AMX_INT inline __m512 q45_step(const uint8_t* hd, __m512i isum, const int16_t* bs, float dx, __m512 acc) {
+  __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_load_si512(hd + 128), bspair(bs));
+  for (int k = 1; k < 4; ++k) ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(hd + 128 + 64 * k), bspair(bs + 2 * k));
+  const __m512 vdx = _mm512_set1_ps(dx);
+  const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd));
+  const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(hd + 64));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, vdx), _mm512_cvtepi32_ps(isum), acc);
+  return _mm512_fnmadd_ps(_mm512_mul_ps(dmin, vdx), _mm512_cvtepi32_ps(ms), acc);
+}
+
 // Weight tile nt (16 rows: groups 2 nt, 2 nt + 1) x 16-row slices [mt0, mt1) of x.
-// scratch: B (Sub::BS per sub-block), dw (16 fp32 per sub-block), dm (16 per 32-block), two
-// C buffers (1 KB each). next, next_bytes: the weight bytes of the tile this thread runs
-// next (null: none), fetched into L2 while this tile's products run, a few lines per step.
+// scratch: B and hdr (Super<QT> per super-block), two C buffers (2 KB each). next,
+// next_bytes: the weight bytes of the tile this thread runs next (null: none), fetched into
+// L2 while this tile's products run, a few lines per step.
 template <int QT>
-TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64_t mt1, uint8_t* bbuf, float* dwv,
-                                float* dmv, int32_t* cbuf, const uint8_t* next, int64_t next_bytes) {
-  using S = Sub<QT>;
+TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64_t mt1, uint8_t* bbuf,
+                                uint8_t* hbuf, int32_t* cbuf, const uint8_t* next, int64_t next_bytes) {
+  using S = Super<QT>;
   constexpr int64_t GB = group_bytes(QT);
   alignas(64) static const uint8_t zero_group[group_bytes(Q6_K)] = {};  // a missing second group: d = 0
   const int64_t nsb = p.nsb, nb = p.nb, NG = (p.N + 7) / 8;
@@ -163,58 +248,92 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
       _mm_prefetch(reinterpret_cast<const char*>(g0 + (B + 2) * GB + o), _MM_HINT_T0);
       if (has_g1) _mm_prefetch(reinterpret_cast<const char*>(g0 + p.gstride + (B + 2) * GB + o), _MM_HINT_T0);
     }
-    build_b<QT>(g0 + B * GB, has_g1 ? g0 + p.gstride + B * GB : zero_group, bbuf + B * S::S * S::BS,
-                dwv + B * S::S * 16, dmv + B * 8 * 16, lanes);
+    build_b<QT>(g0 + B * GB, has_g1 ? g0 + p.gstride + B * GB : zero_group, bbuf + B * S::kB, hbuf + B * S::kHdr,
+                lanes, p.fold);
   }
-  const int64_t ns = nsb * S::S;  // sub-blocks in k order
+  const bool fold = QT != Q6_K && p.fold;
+  const int64_t per_super = fold ? 1 : QT == Q6_K ? 16 : 8;  // product steps per super-block
+  constexpr int64_t KS = QKK / (QT == Q6_K ? 16 : 8);        // weights per sub-block
+  const int64_t ns = nsb * per_super;
   const int64_t steps = (mt1 - mt0) * (ns + 2);
   const int64_t lines = next ? (next_bytes + 63) / 64 : 0, per_step = (lines + steps - 1) / steps;
   int64_t line = 0;
+  auto prefetch_next = [&] {  // this step's share of the next unit's lines
+    for (int64_t e = std::min(lines, line + per_step); line < e; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+  };
   for (int64_t i = 0; i < mt1 - mt0; ++i) {
     // odd weight tiles walk the slices backwards: the slice just done is still in cache
     const int64_t mt = (nt & 1) ? mt1 - 1 - i : mt0 + i;
     const int8_t* xm = p.q8 + 16 * mt * p.K;
-    const float* xds = p.xds + 16 * mt * nb * 2;
-    __m512 acc[16];
+    const float* xd = p.xd + 16 * mt * nsb;
+    const int16_t* xbs = p.xbs + 16 * mt * nb;
+    alignas(64) float out[256];
+    if (!fold) {
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, _mm512_setzero_ps());
+      __m512i isb[16];
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    // step s: sub-block s's tile product, s - 1's store, s - 2's fp32 steps
-    for (int64_t s = 0; s < ns + 2; ++s) {
-      for (int64_t e = std::min(lines, line + per_step); line < e; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
-      if (s < ns) tile_sub<QT>(xm + S::KS * s, p.K, bbuf + S::BS * s, s & 1);
-      if (s >= 1 && s <= ns) store_c((s - 1) & 1, cbuf + 256 * ((s - 1) & 1));
-      if (s >= 2) {
-        const int64_t sb = s - 2, b = QT == Q6_K ? sb / 2 : sb;
-        const int32_t* c = cbuf + 256 * (sb & 1);
-        const __m512 dw = _mm512_load_ps(dwv + 16 * sb);
-        const float* dx = xds + 2 * b;
+      for (int r = 0; r < 16; ++r) isb[r] = _mm512_setzero_si512();
+      // step s: sub-block s's tile product, s - 1's store, s - 2's scaling (and at the end of
+      // a super-block its fp32 step)
+      for (int64_t s = 0; s < ns + 2; ++s) {
+        prefetch_next();
+        if (s < ns)
+          tile_sub<QT>(xm + KS * s, p.K, bbuf + S::kB * (s / per_super) + KS * 16 * (s % per_super), s & 1);
+        if (s >= 1 && s <= ns) store_c1((s - 1) & 1, cbuf + 256 * ((s - 1) & 1));
+        if (s >= 2) {
+          const int64_t sb = s - 2, B = sb / per_super;
+          const int32_t* c = cbuf + 256 * (sb & 1);
+          const uint8_t* hd = hbuf + B * S::kHdr;
+          const __m512i sc = _mm512_load_si512(hd + S::kSc + 64 * (sb % per_super));
 #pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r) {
-          const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb * 2]));
-          acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), acc[r]);
+          for (int r = 0; r < 16; ++r)
+            isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(_mm512_load_si512(c + 16 * r), sc));
+          if (sb % per_super == per_super - 1) {  // the super-block's fp32 step
+            if constexpr (QT == Q6_K) {
+              const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd + S::kD));
+#pragma GCC unroll 16
+              for (int r = 0; r < 16; ++r) {
+                const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])),
+                                                 _mm512_cvtepi32_ps(isb[r]), _mm512_load_ps(out + 16 * r));
+                _mm512_store_ps(out + 16 * r, v);
+                isb[r] = _mm512_setzero_si512();
+              }
+            } else {
+#pragma GCC unroll 4
+              for (int r = 0; r < 16; ++r) {
+                _mm512_store_ps(out + 16 * r, q45_step(hd, isb[r], xbs + r * nb + 8 * B, xd[r * nsb + B],
+                                                       _mm512_load_ps(out + 16 * r)));
+                isb[r] = _mm512_setzero_si512();
+              }
+            }
+          }
         }
       }
-    }
-    alignas(64) float out[256];
-    if constexpr (QT == Q6_K) {
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, _mm512_add_ps(acc[r], _mm512_setzero_ps()));
     } else {
+      __m512 acc[16];
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, acc[r]);
-      __m512 summ[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      // step s: super-block s's tile products, s - 1's stores, s - 2's fp32 step
+      for (int64_t s = 0; s < ns + 2; ++s) {
+        prefetch_next();
+        if constexpr (QT != Q6_K)
+          if (s < ns) tile_super<QT>(xm + QKK * s, p.K, bbuf + S::kB * s, s & 1);
+        if (s >= 1 && s <= ns) store_c2((s - 1) & 1, cbuf + 512 * ((s - 1) & 1));
+        if (s >= 2) {
+          const int64_t B = s - 2;
+          const int32_t* c = cbuf + 512 * (B & 1);
+          const uint8_t* hd = hbuf + B * S::kHdr;
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) summ[r] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {  // 16 independent chains, b in order in each
-        const __m512 dm = _mm512_load_ps(dmv + 16 * b);
-        const float* sx = xds + 2 * b + 1;
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r) summ[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sx[r * nb * 2]), summ[r]);
+          for (int r = 0; r < 16; ++r) {
+            const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 3),
+                                                _mm512_load_si512(c + 256 + 16 * r));
+            acc[r] = q45_step(hd, is, xbs + r * nb + 8 * B, xd[r * nsb + B], acc[r]);
+          }
+        }
       }
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r)
-        _mm512_store_ps(out + 16 * r, _mm512_add_ps(_mm512_load_ps(out + 16 * r), summ[r]));
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, acc[r]);
     }
     amx::store_out16(out, std::min<int64_t>(16, p.M - 16 * mt), 16 * mt, 16 * nt, p.N, p.bias, p.y, p.y_bf16);
   }
@@ -225,14 +344,14 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
 // tiles configured for the call and released after it.
 TS_TARGET_AMX_INT void run_task(const Problem& p, StealingRanges& ranges, int64_t t) {
   thread_local std::vector<uint8_t> scratch;
-  // B: 16 bytes per weight (K x 16 rows); dw: 64 bytes per sub-block (<= K / 16); dm: 64 per 32-block
-  const size_t need = size_t(p.K) * 16 + size_t(p.K) * 4 + size_t(p.K) * 2 + 2048 + 128;
+  // B: 32 bytes per weight (Q4_K / Q5_K; Q6_K 16); hdr: <= 1088 bytes per super-block; C: 4 KB
+  const size_t bbytes = size_t(p.K) * 32, hbytes = size_t(p.nsb) * 1088;
+  const size_t need = bbytes + hbytes + 4096 + 128;
   if (scratch.size() < need) scratch.resize(need);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-  float* dwv = reinterpret_cast<float*>(base + p.K * 16);
-  float* dmv = dwv + p.K;  // K / 16 sub-blocks x 16
-  int32_t* cbuf = reinterpret_cast<int32_t*>(dmv + p.K / 2);
-  tiles_configure(p.qt);
+  uint8_t* hbuf = base + bbytes;
+  int32_t* cbuf = reinterpret_cast<int32_t*>(hbuf + (hbytes + 63) / 64 * 64);
+  tiles_configure(p.qt, p.fold);
   const int64_t NG = (p.N + 7) / 8;
   for (int64_t k = 0, u, end; (u = ranges.claim(t, k, &end)) >= 0;) {
     const int64_t chunk = u / p.nnt, nt = u % p.nnt;
@@ -245,9 +364,9 @@ TS_TARGET_AMX_INT void run_task(const Problem& p, StealingRanges& ranges, int64_
       next = p.w + g * p.gstride;
       next_bytes = (std::min<int64_t>(NG, g + 2) - g) * p.gstride;
     }
-    if (p.qt == Q4_K) run_tile<Q4_K>(p, nt, mt0, mt1, base, dwv, dmv, cbuf, next, next_bytes);
-    else if (p.qt == Q5_K) run_tile<Q5_K>(p, nt, mt0, mt1, base, dwv, dmv, cbuf, next, next_bytes);
-    else run_tile<Q6_K>(p, nt, mt0, mt1, base, dwv, dmv, cbuf, next, next_bytes);
+    if (p.qt == Q4_K) run_tile<Q4_K>(p, nt, mt0, mt1, base, hbuf, cbuf, next, next_bytes);
+    else if (p.qt == Q5_K) run_tile<Q5_K>(p, nt, mt0, mt1, base, hbuf, cbuf, next, next_bytes);
+    else run_tile<Q6_K>(p, nt, mt0, mt1, base, hbuf, cbuf, next, next_bytes);
   }
   _tile_release();  // back to the init state: a context switch saves no tile data
 }
@@ -255,12 +374,16 @@ TS_TARGET_AMX_INT void run_task(const Problem& p, StealingRanges& ranges, int64_
 }  // namespace
 #endif  // TS_HAVE_AMX_INT
 
-void quant_k_amx_gemm(int qt, const int8_t* q8, const float* xds, int64_t M, int64_t K, const uint8_t* w,
-                      int64_t N, const float* bias, void* y, bool y_bf16) {
+void quant_k_amx_gemm(int qt, const int8_t* q8, const float* xd, const int16_t* xbs, int64_t M, int64_t K,
+                      const uint8_t* w, int64_t N, const float* bias, void* y, bool y_bf16) {
   assert(quant_amx_int_available() && K % kquant::QKK == 0 && kquant::is_k_type(qt));
 #ifdef TS_HAVE_AMX_INT
   const int64_t nsb = K / kquant::QKK, nmt = (M + 15) / 16, nnt = (N + 15) / 16;
-  const Problem p{qt, q8, xds, M, N, K, nsb, K / 32, nmt, nnt, w, nsb * kquant::group_bytes(qt), bias, y, y_bf16};
+  // one 16-row slice: each weight tile's B is built for one product step, and the unscaled
+  // lanes (one product per sub-block, the scales applied to its C tile) cost less to build
+  const bool fold = qt != kquant::Q6_K && nmt >= kAmxKFoldSlices;
+  const Problem p{qt,   q8,   xd, xbs, M, N, K, nsb, K / 32, nmt, nnt, fold, w, nsb * kquant::group_bytes(qt),
+                  bias, y,    y_bf16};
   // work units: (chunk of up to kMtChunk 16-row slices, weight tile), weight tiles inner; a
   // range per thread, the idle one taking the others' units (csrc/parallel.h)
   const int64_t units = (nmt + kMtChunk - 1) / kMtChunk * nnt;
@@ -268,7 +391,7 @@ void quant_k_amx_gemm(int qt, const int8_t* q8, const float* xds, int64_t M, int
   parallel_tasks(units, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain),
                  [&](int64_t t, StealingRanges& ranges) { run_task(p, ranges, t); });
 #else
-  (void)q8; (void)xds; (void)M; (void)w; (void)N; (void)bias; (void)y; (void)y_bf16;
+  (void)q8; (void)xd; (void)xbs; (void)M; (void)w; (void)N; (void)bias; (void)y; (void)y_bf16;
 #endif
 }
 

@@ -1,6 +1,6 @@
 // The AVX-512 building blocks of the k-quant GEMM shared by csrc/quant_k.cpp's VNNI int8
 // tiles and csrc/quant_k_amx.cpp's AMX-INT8 tiles, so both read the k8 layout (drawn in
-// csrc/quant_k.cpp's header) into the same four-element weight lanes and the same fp32
+// csrc/quant_k.cpp's header) into the same four-element weight lanes and the same integer
 // scales: a pair of 8-row groups' super-block header and scales, and a sub-block chunk's
 // lanes (16 weight rows, lanes 0-7 group a, 8-15 group c; lane L of a 32-block pairs with
 // the activations' lane L, csrc/quant_k.cpp reorder_q8).
@@ -47,22 +47,28 @@ TS_TARGET_AVX512VNNI inline Q45Header512 q45k_header512(const uint8_t* ga, const
   return h;
 }
 
-// A Q4_K / Q5_K super-block's per-sub-block fp32 scales for 16 lanes (two groups):
-// dw[j] = d * sc_j, dm[j] = dmin * m_j (the header's arithmetic), made once per super-block
-// with the byte selectors as constants (a sub-block loop that built them from j spent ~30
-// scalar and shuffle ops a sub-block on it).
-struct Q45Scales512 {
-  __m512 dw[8], dm[8];
+// A Q4_K / Q5_K super-block's integer scales for 16 lanes (two groups): sc[j] = sub-block
+// j's 6-bit scale as int32 lanes (stored: the tiles read them once per sub-block), mp[i] =
+// the mins of sub-blocks 2i, 2i + 1 as int16 pairs per lane (vpdpwssd against the
+// activations' 32-element sums bs[2i], bs[2i + 1]: the super-block's msum in 4 instructions).
+struct Q45Ints512 {
+  alignas(64) int32_t sc[8][16];
+  __m512i mp[4];
 };
 
-TS_TARGET_AVX512VNNI inline void q45k_scales512(const Q45Header512& h, Q45Scales512& s) {
+TS_TARGET_AVX512VNNI inline void q45k_ints512(const Q45Header512& h, Q45Ints512& s) {
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
-    // byte j % 4 of each 32-bit lane -> the lane's low byte, zero above (per 128-bit lane)
     const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(j % 4, -1, -1, -1, 4 + j % 4, -1, -1, -1, 8 + j % 4,
                                                              -1, -1, -1, 12 + j % 4, -1, -1, -1));
-    s.dw[j] = _mm512_mul_ps(h.d, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.sc[j / 4], sel)));
-    s.dm[j] = _mm512_mul_ps(h.dmin, _mm512_cvtepi32_ps(_mm512_shuffle_epi8(h.mn[j / 4], sel)));
+    _mm512_store_si512(s.sc[j], _mm512_shuffle_epi8(h.sc[j / 4], sel));
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * (i % 2);
+    const __m512i sel = _mm512_broadcast_i32x4(_mm_setr_epi8(k, -1, k + 1, -1, 4 + k, -1, 5 + k, -1, 8 + k, -1,
+                                                             9 + k, -1, 12 + k, -1, 13 + k, -1));
+    s.mp[i] = _mm512_shuffle_epi8(h.mn[i / 2], sel);
   }
 }
 
@@ -123,16 +129,13 @@ TS_TARGET_AVX512VNNI inline void q6k_lanes512(const Q6Lanes512& k, const uint8_t
                                  0xEA);
 }
 
-// Q6_K 32-block bl's two sub-block scale vectors (16 lanes): dw = d * sc (int8 scales of
-// sub-blocks 2 bl, 2 bl + 1 at 16 + 16 bl and 24 + 16 bl of each group's bytes).
-TS_TARGET_AVX512VNNI inline void q6k_scales512(const __m512 d, const uint8_t* ga, const uint8_t* gc, int bl,
-                                               __m512& dwa, __m512& dwb) {
-  const __m128i sa = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 16 + 16 * bl)),
-                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 16 + 16 * bl)));
-  const __m128i sb = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 24 + 16 * bl)),
-                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 24 + 16 * bl)));
-  dwa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sa)));
-  dwb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sb)));
+// Q6_K 32-block bl's two sub-block scales (2 bl, 2 bl + 1) as int32 lanes (16: two groups).
+TS_TARGET_AVX512VNNI inline void q6k_iscales512(const uint8_t* ga, const uint8_t* gc, int bl, __m512i& sa,
+                                                __m512i& sb) {
+  sa = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 16 + 16 * bl)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 16 + 16 * bl))));
+  sb = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ga + 24 + 16 * bl)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(gc + 24 + 16 * bl))));
 }
 
 }  // namespace tokenserve::kquant

@@ -33,15 +33,20 @@ def quant_weight(N: int, K: int, qtype: str, seed: int = 0):
     return quantize_ref(w, qtype)
 
 
-def act_rounding_bound(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
-    """[M, N] bound on |x_q @ w.T - x @ w.T| from quantising x's activations per 32-block
-    to ``qmax`` levels (``quantize_act_ref``): each element moves by at most d_b / 2, so a
-    block adds at most (d_b / 2) * sum_k |w_k|; times 1.01 for the fp32 accumulation.
+def act_rounding_bound(x: torch.Tensor, w: torch.Tensor, qmax: int, block: int = 32) -> torch.Tensor:
+    """[M, N] bound on |x_q @ w.T - x @ w.T| from quantising x's activations per ``block``
+    elements to ``qmax`` levels (``quantize_act_ref`` per 32-block; ``quantize_act_k_ref``,
+    block 256, qmax 127, for the k-quants): each element moves by at most d / 2, so a block
+    adds at most (d / 2) * sum_k |w_k|; times 1.01 for the fp32 accumulation.
     x: [M, K] float; w: [N, K] the dequantised weight. Callers add their output rounding."""
-    from tokenserve.ops.quant import quantize_act_ref
+    from tokenserve.ops.quant import quantize_act_k_ref, quantize_act_ref
 
-    _, dx, _ = quantize_act_ref(x, qmax)
-    wabs = w.float().abs().reshape(w.shape[0], -1, 32).sum(-1)  # [N, K / 32]
+    if block == 32:
+        _, dx, _ = quantize_act_ref(x, qmax)
+    else:
+        assert block == 256 and qmax == 127, (block, qmax)
+        _, dx, _ = quantize_act_k_ref(x)
+    wabs = w.float().abs().reshape(w.shape[0], -1, block).sum(-1)  # [N, K / block]
     return (dx / 2) @ wabs.T * 1.01
 
 

@@ -313,11 +313,11 @@ def test_loader_keeps_k_quant_blocks(kquant_gguf, monkeypatch):
         assert model.weight_formats == f"q4_1 x 90, q4_k x {n}, q5_k x {n}, q6_k x {n}, q8_0 x 1"
         assert model.weight_bytes < 100 * 2**20
         # the layer computes what the dequantised weight does, to the int8 activation
-        # rounding (|x - x_q| <= d_b / 2 per element of 32-block b) and the bf16 output
+        # rounding (|x - x_q| <= d_B / 2 per element of 256-block B) and the bf16 output
         x = torch.randn(4, cfg.intermediate_size).bfloat16()
         w = dequantize_ref(sd["model.layers.2.mlp.down_proj.weight"])
         exact = x.float() @ w.T
-        bound = act_rounding_bound(x, w, 127) + exact.abs() * 2.0**-8 + 1e-4
+        bound = act_rounding_bound(x, w, 127, 256) + exact.abs() * 2.0**-8 + 1e-4
         assert ((model.layers[2]["down"](x).float() - exact).abs() <= bound).all()
 
 

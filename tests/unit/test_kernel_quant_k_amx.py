@@ -6,11 +6,13 @@ the VNNI int8 tiles' bits.
 calls that took them). Checked here, bit for bit:
 
 * the AMX-INT8 tiles give the VNNI tiles' output for every k-quant type, N tail (one 8-row
-  group in the last 16-row tile, rows past N), M tail (slices of fewer than 16 rows), K of
+  group in the last 16-row tile, rows past N), M tail (slices of fewer than 16 rows), one
+  slice (one product per sub-block) and more (Q4_K / Q5_K: the scales folded into B), K of
   one to 32 super-blocks, bias and in / out dtype, also with activation outliers (the
   int8 quantiser's -127 and 127 against Q6_K's -32 and Q5_K's 31), and across the loop's
   slice chunks and thread splits;
-* both equal ``quant_k_linear_ref``, the pure-torch emulation of the sub-block formula;
+* both equal ``quant_k_linear_ref``, the pure-torch emulation of the super-block formula,
+  on one slice and on two;
 * with the default bound, a row's bits are the same alone (one-row tiles), in a small
   batch (VNNI tiles) and in any batch of 16+ (AMX), in reverse order and at 1 and 2
   threads;
@@ -46,7 +48,7 @@ def _x(M: int, K: int, dtype=torch.bfloat16) -> torch.Tensor:
     x = activations(M, K)
     x[:, 3] *= 50.0  # an outlier channel: its block's other values quantise small
     if M > 2:
-        x[2, 7] = -x[2, :32].abs().max() * 2  # the block's extreme is negative: q = -127
+        x[2, 7] = -x[2, :256].abs().max() * 2  # the super-block's extreme is negative: q = -127
     return x.to(dtype)
 
 
@@ -107,9 +109,11 @@ def test_same_bits_across_slice_chunks_and_threads(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_equals_the_reference(qtype):
+@pytest.mark.parametrize("M", [16, 20])
+def test_equals_the_reference(qtype, M):
+    """One 16-row slice (one product per sub-block) and two (Q4_K / Q5_K: scales in B)."""
     qw = _weight(40, 768, qtype)
-    x = _x(20, 768, torch.float32)
+    x = _x(M, 768, torch.float32)
     b = torch.randn(40)
     got = _on_amx(lambda: _gemm(x, repack_k8(qw).data, qtype, 40, b))
     assert torch.equal(got, quant_k_linear_ref(x, qw, b, torch.float32))

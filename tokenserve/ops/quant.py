@@ -13,8 +13,9 @@ The rest is the pure-torch oracle of ``csrc/quant.cpp`` and ``csrc/quant_k.cpp``
 
 * :func:`quantize_act_ref` quantises activations per row and 32-block to int12, as the kernel
   does before its integer dot products (llama.cpp's Q8_1 activations, with 12 bits instead of
-  8, see ``csrc/quant.cpp`` and bench/README.md "Quantised weights"), or to int8 for the
-  k-quants (``csrc/quant_k.cpp``, bench/README.md "K-quants on int8 activations");
+  8, see ``csrc/quant.cpp`` and bench/README.md "Quantised weights"); for the k-quants
+  :func:`quantize_act_k_ref` quantises to int8 per 256-element super-block (llama.cpp's Q8_K,
+  ``csrc/quant_k.cpp``, bench/README.md "K-quant scales folded into the AMX tiles");
 * :func:`quant_linear_ref` emulates the kernel's arithmetic (exact integer block dots, one
   fp32 fma per block) and :func:`quant_linear_fp32_ref` is the "true" product with the
   dequantised weight in fp32 (what the kernel approximates to the activation rounding);
@@ -127,12 +128,12 @@ def quantize_act_ref(x: torch.Tensor, qmax: int = 2047
     ``|q| <= qmax``), and ``s = d * sum(q)`` (as llama.cpp's Q8_1 ``s``, for the Q4 offset
     term). ``quant_gemm`` (Q4_0 / Q4_1 / Q8_0) uses 12 bits (qmax 2047) so that
     ``q = 16 h + l`` (``h`` a signed byte, ``l`` 0..15) and an AMX-INT8 tile product is the
-    exact block dot (``csrc/quant_amx_int.cpp``); ``quant_k_gemm`` uses 8 bits (qmax 127),
-    llama.cpp's activation width on 32-blocks instead of its 256-element Q8_K blocks.
+    exact block dot (``csrc/quant_amx_int.cpp``). (``quant_k_gemm`` quantises per 256-element
+    super-block instead: :func:`quantize_act_k_ref`.)
 
     Args:
         x: [M, K] any float dtype (used as fp32), K a multiple of 32.
-        qmax: 2047 (int12) or 127 (int8).
+        qmax: 2047 (int12) or 127 (int8: the rounding bound of tests/kernel_checks.py).
 
     Returns:
         (q int16 [M, K], d fp32 [M, K // 32], s fp32 [M, K // 32]).
@@ -329,22 +330,62 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return s.float()
 
 
+def quantize_act_k_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations -> int8 per row and 256-element super-block (llama.cpp's Q8_K), the first
+    step of ``quant_k_gemm`` (``csrc/quant_act.h`` quantize_rows_k).
+
+    ``d = amax / 127`` (fp32, per 256), ``q = round_half_even(x * (1/d))`` (0 where d = 0,
+    ``|q| <= 127``), and the exact integer sums of each 32 quants (the Q4_K / Q5_K min term).
+
+    Args:
+        x: [M, K] any float dtype (used as fp32), K a multiple of 256.
+
+    Returns:
+        (q int16 [M, K], d fp32 [M, K // 256], bsum int32 [M, K // 32]).
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK_K, QK_K)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int32).reshape(m, k)
+    bsum = q.reshape(m, k // QK, QK).sum(-1, dtype=torch.int32)
+    return q.to(torch.int16), d, bsum
+
+
+def _k_ints(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integer form of a k-quant weight, per super-block: (d fp32 [N, nsb], dmin fp32 [N, nsb]
+    (0 for Q6_K), sc int64 [N, nsb, S], m int64 [N, nsb, 8] (0 for Q6_K), q int64
+    [N, nsb, S, L]); Q4_K / Q5_K: S = 8 sub-blocks of L = 32, q unsigned; Q6_K: S = 16,
+    L = 16, sc signed, q = quant - 32."""
+    f = k_fields(_k_blocks(w), w.qtype)
+    n, k = w.shape
+    nsb = k // QK_K
+    d = _f16(f["d"]).reshape(n, nsb)
+    if w.qtype == "q6_k":
+        sc = f["scales"].contiguous().view(torch.int8).to(torch.int64).reshape(n, nsb, 16)
+        q = f["q"].to(torch.int64).reshape(n, nsb, 16, 16) - 32
+        return d, torch.zeros_like(d), sc, torch.zeros(n, nsb, 8, dtype=torch.int64), q
+    sc, m = _k_scales(f["scales"])
+    return (d, _f16(f["dmin"]).reshape(n, nsb), sc.to(torch.int64).reshape(n, nsb, 8),
+            m.to(torch.int64).reshape(n, nsb, 8), f["q"].to(torch.int64).reshape(n, nsb, 8, 32))
+
+
 def quant_k_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Bit-exact emulation of ``quant_k_gemm`` (``csrc/quant_k.cpp``): ``y = x @ W.T (+ b)``.
 
-    Activations as :func:`quantize_act_ref` with ``qmax = 127`` (int8 per 32-block: q, dx,
-    sx = dx * sum q).
-    Per output element, sub-blocks s in k order (Q4_K / Q5_K: 32 weights, activation block
-    b = s; Q6_K: 16 weights, b = s // 2)::
+    Activations as :func:`quantize_act_k_ref` (int8 per 256-element super-block: q, dx, and
+    the 32-element sums bsum). Per output element, super-blocks B in k order::
 
-        acc = 0; summ = 0
-        for s:  isum = sum_L qw * qx                          (exact integer; Q6_K: qw - 32)
-                acc  = fma(fl(dw_s * dx_b), float(isum), acc)  (dw_s = d * sc_s, exact)
-                summ = fma(mw_s, sx_b, summ)                   (Q4_K / Q5_K: mw_s = -dmin * m_s)
-        y = fl(acc + summ) (+ b, fp32), rounded to out_dtype
+        isum = sum_s sc_s * sum_L qw * qx       (exact int32; Q6_K: 16 sub-blocks, qw - 32)
+        msum = sum_s m_s * bsum_s               (exact int32; Q4_K / Q5_K)
+        acc  = fma(fl(d * dx_B), float(isum), acc)
+        acc  = fma(-fl(dmin * dx_B), float(msum), acc)   (Q4_K / Q5_K)
+        y = acc (+ b, fp32), rounded to out_dtype
 
-    ``float(isum)`` is exact for Q4_K / Q6_K (< 2^24) and correctly rounded for Q5_K.
+    llama.cpp's k-quant dot (ggml's vec_dot_q4_K_q8_K) has this shape: one fp32 step per
+    super-block, the 6-bit (Q6_K: 8-bit) sub-block scales applied to the integer dots.
+    ``float(isum)`` is correctly rounded (|isum| < 2^31).
 
     Args:
         x: [M, K] float (used as fp32). w: a k-quant weight [N, K] (either layout).
@@ -353,21 +394,20 @@ def quant_k_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
     Returns:
         [M, N] in ``out_dtype``.
     """
-    qx, dx, sx = quantize_act_ref(x, 127)
-    dw, mw, qw = _k_parts(w)  # [N, S], [N, S], [N, S, L]
-    m_rows, _ = x.shape
-    n, s_count, sub = qw.shape
-    isum = torch.einsum("mse,nse->mns", qx.reshape(m_rows, s_count, sub).to(torch.int64),
-                        qw.to(torch.int64)).to(torch.float32)
+    qx, dx, bsum = quantize_act_k_ref(x)
+    d, dmin, sc, mn, qw = _k_ints(w)
+    m_rows = x.shape[0]
+    n, nsb, s_count, sub = qw.shape
+    dots = torch.einsum("mbse,nbse->mnbs", qx.reshape(m_rows, nsb, s_count, sub).to(torch.int64), qw)
+    isum = (dots * sc[None]).sum(-1)  # [M, N, nsb]
+    msum = (bsum.to(torch.int64).reshape(m_rows, 1, nsb, 8) * mn[None]).sum(-1)
+    assert not isum.numel() or isum.abs().max().item() < 2 ** 31
     acc = torch.zeros(m_rows, n, dtype=torch.float32)
-    summ = torch.zeros(m_rows, n, dtype=torch.float32)
-    per = QK // sub  # sub-blocks per activation block
-    for s in range(s_count):
-        b = s // per
-        acc = fma32(dw[None, :, s] * dx[:, None, b], isum[:, :, s], acc)
+    for b in range(nsb):
+        acc = fma32(d[None, :, b] * dx[:, None, b], isum[:, :, b].to(torch.float32), acc)
         if w.qtype != "q6_k":
-            summ = fma32(mw[None, :, s], sx[:, None, b], summ)
-    y = acc + summ
+            acc = fma32(-(dmin[None, :, b] * dx[:, None, b]), msum[:, :, b].to(torch.float32), acc)
+    y = acc
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
