@@ -44,11 +44,11 @@ says which, for the start-up log):
     one of the two); row-invariant like it.
 ``"tokenserve.quant_k_gemm"``
     the same for the k-quants Q4_K / Q5_K / Q6_K (``csrc/quant_k.cpp``, layout ``repack_k8``:
-    8 rows interleaved per 256-weight super-block; one fp32 fma per 32- or 16-weight
-    sub-block) but on int8 activations per 32-block (llama.cpp's width, on blocks an eighth
-    of its Q8_K's): AVX-512 VNNI ``vpdpbusd`` tiles (two 8-row groups per zmm, up to 8
-    activation rows) where the CPU has them from two rows on, else AVX2 (``vpmaddubsw``) or
-    portable code, the same bits on each. A fused projection
+    8 rows interleaved per 256-weight super-block; the sub-block scales applied in integers,
+    one fp32 step per super-block) but on int8 activations per 256-element super-block
+    (llama.cpp's Q8_K): AVX-512 VNNI ``vpdpbusd`` tiles (two 8-row groups per zmm, up to 8
+    activation rows) where the CPU has them from two rows on, AMX-INT8 tiles from 16 rows,
+    else AVX2 (``vpmaddubsw``) or portable code, the same bits on each. A fused projection
     whose parts differ in format (a Q4_K_M layer's q|k in Q4_K, v in Q6_K) runs per part
     (:class:`SplitLinear`), never widened to bf16.
 ``"tokenserve.int8_gemm"``
