@@ -59,6 +59,18 @@ inline float fp16_to_f32(const uint8_t* p) {
   return f;
 }
 
+// One 32-block of a row: xb (32 values as fp32) -> q int16 [32], q = round_half_even(xb *
+// inv); returns sum q (both quantisers below, per 32-block and per super-block).
+inline int quantize32_scalar(const float* xb, float inv, int16_t* q) {
+  int sum = 0;
+  for (int i = 0; i < QB; ++i) {
+    const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
+    q[i] = int16_t(v);
+    sum += v;
+  }
+  return sum;
+}
+
 // x [K] fp32 or bf16 (T = float | at::BFloat16) -> q int16 [K], ds fp32 [K / 32][2] =
 // (d, s).  K a multiple of 32. A bf16 x is widened exactly, so both give the same bits.
 // qmax: kActQMax (int12) or kActQMax8 (int8), d = amax / qmax.
@@ -70,18 +82,28 @@ inline void quantize_row_scalar(const T* x, int64_t K, int16_t* q, float* ds, in
     float amax = 0.f;
     for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float db = amax / float(qmax), inv = db > 0.f ? 1.f / db : 0.f;
-    int sum = 0;
-    for (int i = 0; i < QB; ++i) {
-      const int v = int(std::nearbyint(xb[i] * inv));  // round half to even (default mode)
-      q[b * QB + i] = int16_t(v);
-      sum += v;
-    }
+    const int sum = quantize32_scalar(xb, inv, q + b * QB);
     ds[2 * b] = db;
     ds[2 * b + 1] = db * float(sum);
   }
 }
 
 #ifdef TS_X86
+// quantize32_scalar on AVX2: v the 32-block's 4 x 8 values, vinv the broadcast inverse scale.
+TS_TARGET_AVX2 inline int32_t quantize32_avx2(const __m256 (&v)[4], __m256 vinv, int16_t* q) {
+  __m256i iv[4];
+  for (int i = 0; i < 4; ++i)
+    iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+  // 32 x i32 -> 32 x i16 in element order (packs works per 128-bit lane: fix with a permute)
+  const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
+  const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p01);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), p23);
+  return hsum8_epi32(sum4);
+}
+
 template <class T>
 TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t* q, float* ds, int qmax) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -93,19 +115,9 @@ TS_TARGET_AVX2_F16C inline void quantize_row_avx2(const T* x, int64_t K, int16_t
                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
     const float amax = hmax8(mx);
     const float db = amax / float(qmax), inv = db > 0.f ? 1.f / db : 0.f;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    __m256i iv[4];
-    for (int i = 0; i < 4; ++i)
-      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    // 32 x i32 -> 32 x i16 in element order (packs works per 128-bit lane: fix with a permute)
-    const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
-    const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB), p01);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB + 16), p23);
+    const int32_t sum = quantize32_avx2(v, _mm256_set1_ps(inv), q + b * QB);
     ds[2 * b] = db;
-    ds[2 * b + 1] = db * float(hsum8_epi32(sum4));
+    ds[2 * b + 1] = db * float(sum);
   }
 }
 #endif
@@ -147,13 +159,9 @@ inline void quantize_row_k_scalar(const T* x, int64_t K, int16_t* q, float* d, i
     for (int i = 0; i < QKA; ++i) amax = std::max(amax, std::fabs(load1(xb + i)));
     const float db = amax / float(kActQMax8), inv = db > 0.f ? 1.f / db : 0.f;
     for (int b = 0; b < QKA / QB; ++b) {
-      int sum = 0;
-      for (int i = 0; i < QB; ++i) {
-        const int v = int(std::nearbyint(load1(xb + b * QB + i) * inv));  // round half to even
-        q[B * QKA + b * QB + i] = int16_t(v);
-        sum += v;
-      }
-      bs[B * (QKA / QB) + b] = int16_t(sum);
+      float xf[QB];
+      for (int i = 0; i < QB; ++i) xf[i] = load1(xb + b * QB + i);
+      bs[B * (QKA / QB) + b] = int16_t(quantize32_scalar(xf, inv, q + B * QKA + b * QB));
     }
     d[B] = db;
   }
@@ -171,17 +179,9 @@ TS_TARGET_AVX2_F16C inline void quantize_row_k_avx2(const T* x, int64_t K, int16
     const float db = amax / float(kActQMax8), inv = db > 0.f ? 1.f / db : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
     for (int b = 0; b < QKA / QB; ++b) {
-      __m256i iv[4];
-      for (int i = 0; i < 4; ++i)
-        iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(xb + b * QB + 8 * i), vinv),
-                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-      const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xd8);
-      const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xd8);
-      int16_t* qb = q + B * QKA + b * QB;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p01);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), p23);
-      bs[B * (QKA / QB) + b] = int16_t(hsum8_epi32(sum4));
+      const __m256 v[4] = {load8(xb + b * QB), load8(xb + b * QB + 8), load8(xb + b * QB + 16),
+                           load8(xb + b * QB + 24)};
+      bs[B * (QKA / QB) + b] = int16_t(quantize32_avx2(v, vinv, q + B * QKA + b * QB));
     }
     d[B] = db;
   }

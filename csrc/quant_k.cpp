@@ -233,19 +233,12 @@ TS_TARGET_AVX2_F16C inline __m256i q45k_mpair256(const Q45Header256& h, int i) {
   return _mm256_shuffle_epi8(h.mn[i / 2], _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairSel256[i % 2])));
 }
 
-// An int16 pair (bs[e], bs[e + 1]) in all 8 int32 lanes.
-TS_TARGET_AVX2 inline __m256i bspair256(const int16_t* bs) {
-  int32_t v;
-  std::memcpy(&v, bs, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // The fp32 step of a Q4_K / Q5_K super-block (the header's, 8 lanes): msum from the mins and
 // the row's 32-element sums xbs (8 for this super-block), then the two fmas.
 TS_TARGET_AVX2_F16C inline __m256 q45k_fp32_step256(const Q45Header256& h, const __m256i* mp, __m256i isum,
                                                      float dx, const int16_t* xbs, __m256 acc) {
-  __m256i ms = _mm256_madd_epi16(mp[0], bspair256(xbs));
-  for (int i = 1; i < 4; ++i) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[i], bspair256(xbs + 2 * i)));
+  __m256i ms = _mm256_madd_epi16(mp[0], xpair(xbs, 0));
+  for (int i = 1; i < 4; ++i) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[i], xpair(xbs, 2 * i)));
   const __m256 vdx = _mm256_set1_ps(dx);
   acc = _mm256_fmadd_ps(_mm256_mul_ps(h.d, vdx), _mm256_cvtepi32_ps(isum), acc);
   return _mm256_fnmadd_ps(_mm256_mul_ps(h.dmin, vdx), _mm256_cvtepi32_ps(ms), acc);  // fma(-dm dx, msum, acc)
@@ -453,13 +446,6 @@ TS_TARGET_AVX512VNNI inline __m512i xquad512(const int8_t* q8, int64_t b, int la
   return _mm512_set1_epi32(v);
 }
 
-// An int16 pair (bs[e], bs[e + 1]) in all 16 int32 lanes.
-TS_TARGET_AVX512VNNI inline __m512i bspair512(const int16_t* bs) {
-  int32_t v;
-  std::memcpy(&v, bs, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // Q4_K / Q5_K, both activation widths: A = int16_t (xq [K], vpdpwssd, two per chunk) or
 // int8_t (q8 [K] in lane order, vpdpbusd, one per chunk). A sub-block's dot is scaled
 // (vpmulld) into the super-block's int32 sum; the fp32 step runs once per super-block.
@@ -534,8 +520,8 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
     }
     for (int r = 0; r < MR; ++r) {
       const int16_t* bs = xbs + r * nb + 8 * B;
-      __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), in.mp[0], bspair512(bs));
-      for (int i = 1; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, in.mp[i], bspair512(bs + 2 * i));
+      __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), in.mp[0], xpair512(bs, 0));
+      for (int i = 1; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, in.mp[i], xpair512(bs, 2 * i));
       const __m512 dx = _mm512_set1_ps(xd[r * nsb + B]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(h.d, dx), _mm512_cvtepi32_ps(isb[r]), acc[r]);
       acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(h.dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
@@ -925,15 +911,17 @@ torch::Tensor quant_k_dequant_rows(const torch::Tensor& ids, const torch::Tensor
   void* yp = y.data_ptr();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     RowSuper rs;
+    float dw[16], mw[8];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = ip[t] / RG, r = ip[t] % RG;
       for (int64_t B = 0; B < nsb; ++B) {
         unpack_row(int(qtype), wp + (g * nsb + B) * GB, int(r), rs);
         const int L = q6 ? 16 : 32;  // weights per sub-block
+        for (int s = 0; s < QKK / L; ++s) dw[s] = rs.d * float(rs.sc[s]);
+        for (int s = 0; s < 8; ++s) mw[s] = -(rs.dmin * float(rs.m[s]));
         for (int i = 0; i < QKK; ++i) {
-          const float dw = rs.d * float(rs.sc[i / L]);
-          const float v = dw * float(rs.q[i]);  // rounded, then the min added (no FMA)
-          store1(yp, t * K + B * QKK + i, q6 ? v : v + -(rs.dmin * float(rs.m[i / L])), bf);
+          const float v = dw[i / L] * float(rs.q[i]);  // rounded, then the min added (no FMA)
+          store1(yp, t * K + B * QKK + i, q6 ? v : v + mw[i / L], bf);
         }
       }
     }

@@ -32,7 +32,6 @@
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "amx_int.h"
@@ -210,18 +209,12 @@ TS_TARGET_AMX_INT inline void store_c1(int64_t parity, int32_t* cb) {
   else _tile_stored(0, cb, 64);
 }
 
-// An int16 pair (bs[e], bs[e + 1]) in all 16 int32 lanes.
-TS_TARGET_AMX_INT inline __m512i bspair(const int16_t* bs) {
-  int32_t v;
-  std::memcpy(&v, bs, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // A Q4_K / Q5_K super-block's fp32 step for one activation row (hd: its hdr, bs: the row's
 // 8 32-element sums, dx: its scale): msum from the min pairs, then the two fmas onto acc.
 TS_TARGET_AMX_INT inline __m512 q45_step(const uint8_t* hd, __m512i isum, const int16_t* bs, float dx, __m512 acc) {
-  __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_load_si512(hd + 128), bspair(bs));
-  for (int k = 1; k < 4; ++k) ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(hd + 128 + 64 * k), bspair(bs + 2 * k));
+  __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_load_si512(hd + 128), qact::xpair512(bs, 0));
+  for (int k = 1; k < 4; ++k)
+    ms = _mm512_dpwssd_epi32(ms, _mm512_load_si512(hd + 128 + 64 * k), qact::xpair512(bs, 2 * k));
   const __m512 vdx = _mm512_set1_ps(dx);
   const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd));
   const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(hd + 64));
