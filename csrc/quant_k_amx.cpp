@@ -12,19 +12,24 @@
 //     stride K) and two tdpbsud (signed activations x unsigned B) into C_h and C_l; after
 //     the super-block's four pairs isum = 8 C_h + C_l. msum (the mins against the
 //     activations' 32-element sums) is four vpdpwssd per row, then the fp32 step.
-//   Q6_K (16-weight sub-blocks, int8 scales of either sign, quants 0..63: no fold fits a
-//     byte): per sub-block A = 16 bytes (lanes 0-3 the 32-block's sub-block A, 4-7 its
-//     sub-block B), B the lanes with 32 subtracted from each byte (q - 32 in -32..31),
-//     tdpbssd; the C tile is stored and the vector units scale it into isum (vpmulld),
-//     the fp32 step once per super-block.
+//   Q6_K (16-weight sub-blocks, int8 scales of either sign): the product p = (q - 32) * sc
+//     of a weight and its sub-block's scale is exact in int16 (|p| <= 4096), and p = 256 hi +
+//     lo splits into a signed byte hi (-16..15) and an unsigned lo: B_h = hi, B_l = lo
+//     (q6k_fold512), tdpbssd into C_h and tdpbsud into C_l per 64 deep, isum = 256 C_h + C_l,
+//     then the fp32 step (one fma: no mins).
+//   Not folded (Q4_K / Q5_K on one 16-row slice, where the folded B costs more to build than
+//     it saves): one tdpbsud per 32-weight sub-block, its C tile stored and scaled into isum
+//     by the vector units (vpmulld), the fp32 step once per super-block.
 // A (super-)block's tile products are issued a step before their C tiles are stored and two
 // steps before the stores are read back, so the tile unit works while the vector units
 // scale. A work unit (one 16-row weight tile x up to kMtChunk 16-row slices of x) builds its
-// tile's B and scales once, for all its slices, and while its products run prefetches the
-// weight bytes of the unit this thread runs next into L2 (csrc/quant_amx_int.cpp's scheme).
+// tile's B and scales once, for all its slices (one slice: a super-block at a time, while
+// the previous one's products run, in a ring of three that stays in L1), and while its
+// products run prefetches the weight bytes of the unit this thread runs next into L2
+// (csrc/quant_amx_int.cpp's scheme).
 //
-// Tiles, Q4_K / Q5_K: 0, 1: C_h, C_l (even super-blocks); 2, 3: (odd); 4: A; 5, 6: B_h, B_l.
-// Q6_K: 0, 1: C (even, odd sub-blocks); 2, 3: A; 4, 5: B.
+// Tiles, fold: 0, 1: C_h, C_l (even super-blocks); 2, 3: (odd); 4: A; 5, 6: B_h, B_l. Not
+// fold: 0, 1: C (even, odd sub-blocks); 2, 3: A; 4, 5: B.
 #include "quant_k_amx.h"
 
 #include <ATen/Parallel.h>
@@ -49,12 +54,12 @@ namespace {
 using namespace kquant;
 constexpr int64_t kMtChunk = 8;  // 16-row slices of x per work unit (their B tiles built once)
 
-// fold: Q4_K / Q5_K with the scales in B (K = 64 products); else one product per sub-block
-// (Q6_K: 16 weights, Q4_K / Q5_K: 32).
-TS_TARGET_AMX_INT void tiles_configure(int qt, bool fold) {
+// fold: the scales in B (K = 64 products); else one product per 32-weight sub-block
+// (Q4_K / Q5_K).
+TS_TARGET_AMX_INT void tiles_configure(bool fold) {
   TileConfig c;
   if (!fold) {
-    const int ks = qt == Q6_K ? 16 : 32;
+    const int ks = 32;
     for (int t = 0; t < 2; ++t) c.rows[t] = 16, c.colsb[t] = 64;      // C: 16 x 16 int32
     for (int t = 2; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = ks;      // A: 16 rows x ks bytes
     for (int t = 4; t < 6; ++t) c.rows[t] = ks / 4, c.colsb[t] = 64;  // B: ks / 4 dwords x 16 rows
@@ -67,11 +72,11 @@ TS_TARGET_AMX_INT void tiles_configure(int qt, bool fold) {
 
 struct Problem {
   int qt;
-  const int8_t* q8;    // [nmt * 16, K]
+  const int8_t* q8;    // tiled: [nmt, K / 64, 16, 64] (a_tile)
   const float* xd;     // [nmt * 16, nsb]
   const int16_t* xbs;  // [nmt * 16, nb]
   int64_t M, N, K, nsb, nb, nmt, nnt;
-  bool fold;  // Q4_K / Q5_K: the scales folded into B (from two 16-row slices; csrc/quant_k_amx.h)
+  bool fold;  // the scales folded into B (Q6_K always, Q4_K / Q5_K from two 16-row slices)
   const uint8_t* w;
   int64_t gstride;  // bytes of one 8-row group
   const float* bias;
@@ -84,14 +89,27 @@ struct Problem {
 //     tile: 1 KB at 1024 i); not fold: the lanes as they are, 8 sub-blocks x 512 bytes.
 //     hdr: d, dmin (16 fp32 each), the min pairs mp[4], the sub-block scales sc[8] (16 int32
 //     each).
-//   Q6_K: 16 sub-blocks x 256 bytes; hdr: the sub-block scales (16 x 16 int32), d (16 fp32).
+//   Q6_K (always folded): B_h then B_l, each 16 sub-blocks x 4 lanes x 64 bytes (a 64-deep B
+//     tile: 1 KB at 1024 i); hdr: d (16 fp32).
 template <int QT>
 struct Super {
-  static constexpr int64_t kB = QT == Q6_K ? 16 * 256 : 2 * 4096;
-  static constexpr int64_t kHdr = QT == Q6_K ? (16 * 16 + 16) * 4 : (16 + 16 + 4 * 16 + 8 * 16) * 4;
-  static constexpr int64_t kSc = QT == Q6_K ? 0 : 384;   // hdr offset of sub-block 0's scales
-  static constexpr int64_t kD = QT == Q6_K ? 1024 : 0;  // hdr offset of d
+  static constexpr int64_t kB = 2 * 4096;
+  static constexpr int64_t kHdr = QT == Q6_K ? 16 * 4 : (16 + 16 + 4 * 16 + 8 * 16) * 4;
+  static constexpr int64_t kSc = 384;  // Q4_K / Q5_K: hdr offset of sub-block 0's scales
 };
+
+// Q6_K's fold: a lane of weights v = q - 32 (signed bytes, -32..31) times its column's scale
+// (sc: int32 lanes, -128..127) is p = v * sc, |p| <= 4096, exact in int16 (vpmullw on the even
+// and the odd bytes as words); p = 256 hi + lo with hi = p >> 8 a signed byte (-16..15) and lo =
+// p & 255 an unsigned one, stored to bh and bl: the tiles' 256 C_h + C_l is sum_s sc_s * dot_s.
+TS_TARGET_AMX_INT inline void q6k_fold512(__m512i v, __m512i sc, uint8_t* bh, uint8_t* bl) {
+  const __m512i sw = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(sc, 16));
+  const __m512i pe = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), sw);  // even bytes
+  const __m512i po = _mm512_mullo_epi16(_mm512_srai_epi16(v, 8), sw);                        // odd bytes
+  const __m512i lo8 = _mm512_set1_epi16(0x00ff), hi8 = _mm512_set1_epi16(int16_t(0xff00));
+  _mm512_store_si512(bl, _mm512_ternarylogic_epi32(pe, _mm512_slli_epi16(po, 8), lo8, 0xEC));  // (a & c) | b
+  _mm512_store_si512(bh, _mm512_ternarylogic_epi32(_mm512_srli_epi16(pe, 8), po, hi8, 0xF8));  // a | (b & c)
+}
 
 // Super-block of the weight tile's two groups (ga, gc) -> its B tiles at bb and scales at hdr
 // (Super<QT>).
@@ -99,24 +117,25 @@ template <int QT>
 TS_TARGET_AMX_INT inline void build_b(const uint8_t* ga, const uint8_t* gc, uint8_t* bb, uint8_t* hdr,
                                       const Q6Lanes512& lanes, bool fold) {
   if constexpr (QT == Q6_K) {
+    assert(fold);
     const __m512i k32 = _mm512_set1_epi8(32);
 #pragma GCC unroll 2
     for (int bl = 0; bl < 8; ++bl) {
       const uint8_t* ba = ga + 144 + 192 * bl;
       const uint8_t* bc = gc + 144 + 192 * bl;
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        __m512i wa, wb;
-        q6k_lanes512(lanes, ba, bc, c, wa, wb);
-        _mm512_store_si512(bb + 256 * (2 * bl) + 64 * c, _mm512_sub_epi8(wa, k32));
-        _mm512_store_si512(bb + 256 * (2 * bl + 1) + 64 * c, _mm512_sub_epi8(wb, k32));
-      }
       __m512i sa, sb;
       q6k_iscales512(ga, gc, bl, sa, sb);
-      _mm512_store_si512(hdr + 64 * (2 * bl), sa);
-      _mm512_store_si512(hdr + 64 * (2 * bl + 1), sb);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {  // sub-blocks 2 bl, 2 bl + 1: 256 bytes each, a lane per c
+        __m512i wa, wb;
+        q6k_lanes512(lanes, ba, bc, c, wa, wb);
+        uint8_t* oa = bb + 256 * (2 * bl) + 64 * c;
+        uint8_t* ob = bb + 256 * (2 * bl + 1) + 64 * c;
+        q6k_fold512(_mm512_sub_epi8(wa, k32), sa, oa, oa + 4096);
+        q6k_fold512(_mm512_sub_epi8(wb, k32), sb, ob, ob + 4096);
+      }
     }
-    _mm512_store_ps(reinterpret_cast<float*>(hdr + 1024), _mm512_cvtph_ps(pair16(ga, gc)));
+    _mm512_store_ps(reinterpret_cast<float*>(hdr), _mm512_cvtph_ps(pair16(ga, gc)));
   } else {
     (void)lanes;
     constexpr int64_t SB = sub_bytes(QT);
@@ -153,19 +172,38 @@ TS_TARGET_AMX_INT inline void build_b(const uint8_t* ga, const uint8_t* gc, uint
   }
 }
 
-// Q4_K / Q5_K: super-block sb's four pair products into C pair (parity): A at a (stride lda),
-// B_h at b, B_l at b + 4096.
+// The activations' A tiles: 16 rows x 64 bytes contiguous, a slice's in depth order. Read in
+// place with stride K, the 16 rows of a tile fall in one or two L1 sets (K = 8192: one) and
+// evict each other; copied once per GEMM (M x K bytes) the products run 3-14 % faster
+// (bench/README.md "Q6_K's scales in the AMX tiles").
+TS_TARGET_AMX_INT void tile_rows_q8(const int8_t* q8, int64_t nmt, int64_t K, int8_t* out) {
+  for (int64_t mt = 0; mt < nmt; ++mt)
+    for (int64_t kb = 0; kb < K / 64; ++kb)
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r)
+        _mm512_store_si512(out + ((mt * (K / 64) + kb) * 16 + r) * 64,
+                           _mm512_loadu_si512(q8 + (16 * mt + r) * K + 64 * kb));
+}
+
+// The A tile of slice mt at depth k (a multiple of 32) in the tiled activations (stride 64).
+inline const int8_t* a_tile(const int8_t* q8, int64_t K, int64_t mt, int64_t k) {
+  return q8 + (mt * (K / 64) + k / 64) * 1024 + k % 64;
+}
+
+// fold: super-block sb's four 64-deep products into C pair (parity): A at a (tiled: the
+// next 64 deep 1 KB on), B_h at b, B_l at b + 4096 (Q6_K's B_h signed: tdpbssd).
 template <int QT>
-TS_TARGET_AMX_INT inline void tile_super(const int8_t* a, int64_t lda, const uint8_t* b, int64_t parity) {
-#define TS_KQ_PAIRS(CH, CL)                          \
-  _tile_zero(CH);                                    \
-  _tile_zero(CL);                                    \
-  for (int i = 0; i < 4; ++i) {                      \
-    _tile_loadd(4, a + 64 * i, lda);                 \
-    _tile_loadd(5, b + 1024 * i, 64);                \
-    _tile_loadd(6, b + 4096 + 1024 * i, 64);         \
-    _tile_dpbsud(CH, 4, 5);                          \
-    _tile_dpbsud(CL, 4, 6);                          \
+TS_TARGET_AMX_INT inline void tile_super(const int8_t* a, const uint8_t* b, int64_t parity) {
+#define TS_KQ_PAIRS(CH, CL)                                         \
+  _tile_zero(CH);                                                   \
+  _tile_zero(CL);                                                   \
+  for (int i = 0; i < 4; ++i) {                                     \
+    _tile_loadd(4, a + 1024 * i, 64);                               \
+    _tile_loadd(5, b + 1024 * i, 64);                               \
+    _tile_loadd(6, b + 4096 + 1024 * i, 64);                        \
+    if constexpr (QT == Q6_K) _tile_dpbssd(CH, 4, 5);               \
+    else _tile_dpbsud(CH, 4, 5);                                    \
+    _tile_dpbsud(CL, 4, 6);                                         \
   }
   if (parity) {
     TS_KQ_PAIRS(2, 3)
@@ -185,22 +223,19 @@ TS_TARGET_AMX_INT inline void store_c2(int64_t parity, int32_t* cb) {
   }
 }
 
-// One product per sub-block (not fold): sub-block product into C tile (parity): A at a
-// (stride lda bytes), B at b; Q6_K signed x signed (q - 32), Q4_K / Q5_K signed x unsigned.
-template <int QT>
-TS_TARGET_AMX_INT inline void tile_sub(const int8_t* a, int64_t lda, const uint8_t* b, int64_t parity) {
+// One product per sub-block (Q4_K / Q5_K, not fold): sub-block product into C tile (parity):
+// A at a (tiled, stride 64), B at b; signed activations x unsigned quants.
+TS_TARGET_AMX_INT inline void tile_sub(const int8_t* a, const uint8_t* b, int64_t parity) {
   if (parity) {
     _tile_zero(1);
-    _tile_loadd(3, a, lda);
+    _tile_loadd(3, a, 64);
     _tile_loadd(5, b, 64);
-    if constexpr (QT == Q6_K) _tile_dpbssd(1, 3, 5);
-    else _tile_dpbsud(1, 3, 5);
+    _tile_dpbsud(1, 3, 5);
   } else {
     _tile_zero(0);
-    _tile_loadd(2, a, lda);
+    _tile_loadd(2, a, 64);
     _tile_loadd(4, b, 64);
-    if constexpr (QT == Q6_K) _tile_dpbssd(0, 2, 4);
-    else _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(0, 2, 4);
   }
 }
 
@@ -236,17 +271,23 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
   const uint8_t* g0 = p.w + 2 * nt * p.gstride;
   const bool has_g1 = 2 * nt + 1 < NG;
   const Q6Lanes512 lanes = q6k_lane_consts512();
-  for (int64_t B = 0; B < nsb; ++B) {
+  // One slice (jit): super-block B's B tiles and scales are built in ring slot B % 3 while the
+  // products of B - 1 run, and stay in L1 (the whole tile's B is 32-64 KB per 2048 of K).
+  // Several slices: every super-block's, once, before the first slice's products.
+  const bool jit = mt1 - mt0 == 1;
+  auto slot = [&](int64_t B) { return jit ? B % 3 : B; };
+  auto build = [&](int64_t B) {
     for (int64_t o = 0; o < GB; o += 64) {  // both group streams, two super-blocks ahead
       _mm_prefetch(reinterpret_cast<const char*>(g0 + (B + 2) * GB + o), _MM_HINT_T0);
       if (has_g1) _mm_prefetch(reinterpret_cast<const char*>(g0 + p.gstride + (B + 2) * GB + o), _MM_HINT_T0);
     }
-    build_b<QT>(g0 + B * GB, has_g1 ? g0 + p.gstride + B * GB : zero_group, bbuf + B * S::kB, hbuf + B * S::kHdr,
-                lanes, p.fold);
-  }
-  const bool fold = QT != Q6_K && p.fold;
-  const int64_t per_super = fold ? 1 : QT == Q6_K ? 16 : 8;  // product steps per super-block
-  constexpr int64_t KS = QKK / (QT == Q6_K ? 16 : 8);        // weights per sub-block
+    build_b<QT>(g0 + B * GB, has_g1 ? g0 + p.gstride + B * GB : zero_group, bbuf + slot(B) * S::kB,
+                hbuf + slot(B) * S::kHdr, lanes, p.fold);
+  };
+  for (int64_t B = 0; B < (jit ? 1 : nsb); ++B) build(B);
+  const bool fold = p.fold;
+  const int64_t per_super = fold ? 1 : 8;  // product steps per super-block
+  constexpr int64_t KS = QKK / 8;          // weights per sub-block (not fold)
   const int64_t ns = nsb * per_super;
   const int64_t steps = (mt1 - mt0) * (ns + 2);
   const int64_t lines = next ? (next_bytes + 63) / 64 : 0, per_step = (lines + steps - 1) / steps;
@@ -258,11 +299,10 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
   for (int64_t i = 0; i < mt1 - mt0; ++i) {
     // odd weight tiles walk the slices backwards: the slice just done is still in cache
     const int64_t mt = (nt & 1) ? mt1 - 1 - i : mt0 + i;
-    const int8_t* xm = p.q8 + 16 * mt * p.K;
     const float* xd = p.xd + 16 * mt * nsb;
     const int16_t* xbs = p.xbs + 16 * mt * nb;
     alignas(64) float out[256];
-    if (!fold) {
+    if (QT != Q6_K && !fold) {
       for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, _mm512_setzero_ps());
       __m512i isb[16];
 #pragma GCC unroll 16
@@ -272,33 +312,25 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
       for (int64_t s = 0; s < ns + 2; ++s) {
         prefetch_next();
         if (s < ns)
-          tile_sub<QT>(xm + KS * s, p.K, bbuf + S::kB * (s / per_super) + KS * 16 * (s % per_super), s & 1);
+          tile_sub(a_tile(p.q8, p.K, mt, KS * s), bbuf + S::kB * slot(s / per_super) + KS * 16 * (s % per_super), s & 1);
         if (s >= 1 && s <= ns) store_c1((s - 1) & 1, cbuf + 256 * ((s - 1) & 1));
+        // the next super-block's B, while this one's products run (its slot's last products,
+        // super-block s / per_super - 2's, were stored two super-blocks ago)
+        if (jit && s < ns && s % per_super == 0 && s / per_super + 1 < nsb) build(s / per_super + 1);
         if (s >= 2) {
           const int64_t sb = s - 2, B = sb / per_super;
           const int32_t* c = cbuf + 256 * (sb & 1);
-          const uint8_t* hd = hbuf + B * S::kHdr;
+          const uint8_t* hd = hbuf + slot(B) * S::kHdr;
           const __m512i sc = _mm512_load_si512(hd + S::kSc + 64 * (sb % per_super));
 #pragma GCC unroll 16
           for (int r = 0; r < 16; ++r)
             isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(_mm512_load_si512(c + 16 * r), sc));
           if (sb % per_super == per_super - 1) {  // the super-block's fp32 step
-            if constexpr (QT == Q6_K) {
-              const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd + S::kD));
-#pragma GCC unroll 16
-              for (int r = 0; r < 16; ++r) {
-                const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])),
-                                                 _mm512_cvtepi32_ps(isb[r]), _mm512_load_ps(out + 16 * r));
-                _mm512_store_ps(out + 16 * r, v);
-                isb[r] = _mm512_setzero_si512();
-              }
-            } else {
 #pragma GCC unroll 4
-              for (int r = 0; r < 16; ++r) {
-                _mm512_store_ps(out + 16 * r, q45_step(hd, isb[r], xbs + r * nb + 8 * B, xd[r * nsb + B],
-                                                       _mm512_load_ps(out + 16 * r)));
-                isb[r] = _mm512_setzero_si512();
-              }
+            for (int r = 0; r < 16; ++r) {
+              _mm512_store_ps(out + 16 * r, q45_step(hd, isb[r], xbs + r * nb + 8 * B, xd[r * nsb + B],
+                                                     _mm512_load_ps(out + 16 * r)));
+              isb[r] = _mm512_setzero_si512();
             }
           }
         }
@@ -310,20 +342,34 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
       // step s: super-block s's tile products, s - 1's stores, s - 2's fp32 step
       for (int64_t s = 0; s < ns + 2; ++s) {
         prefetch_next();
-        if constexpr (QT != Q6_K)
-          if (s < ns) tile_super<QT>(xm + QKK * s, p.K, bbuf + S::kB * s, s & 1);
+        if (s < ns) tile_super<QT>(a_tile(p.q8, p.K, mt, QKK * s), bbuf + S::kB * slot(s), s & 1);
         if (s >= 1 && s <= ns) store_c2((s - 1) & 1, cbuf + 512 * ((s - 1) & 1));
         if (s >= 2) {
           const int64_t B = s - 2;
           const int32_t* c = cbuf + 512 * (B & 1);
-          const uint8_t* hd = hbuf + B * S::kHdr;
+          const uint8_t* hd = hbuf + slot(B) * S::kHdr;
+          constexpr int kH = QT == Q6_K ? 8 : 3;  // isum = C_h << kH + C_l
+          if constexpr (QT == Q6_K) {
+            const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd));
 #pragma GCC unroll 16
-          for (int r = 0; r < 16; ++r) {
-            const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 3),
-                                                _mm512_load_si512(c + 256 + 16 * r));
-            acc[r] = q45_step(hd, is, xbs + r * nb + 8 * B, xd[r * nsb + B], acc[r]);
+            for (int r = 0; r < 16; ++r) {
+              const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), kH),
+                                                  _mm512_load_si512(c + 256 + 16 * r));
+              acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])), _mm512_cvtepi32_ps(is),
+                                       acc[r]);
+            }
+          } else {
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) {
+              const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), kH),
+                                                  _mm512_load_si512(c + 256 + 16 * r));
+              acc[r] = q45_step(hd, is, xbs + r * nb + 8 * B, xd[r * nsb + B], acc[r]);
+            }
           }
         }
+        // the next super-block's B into the slot of s - 2, whose products are stored and
+        // whose scales were just read
+        if (jit && s + 1 < ns) build(s + 1);
       }
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, acc[r]);
@@ -337,14 +383,14 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
 // tiles configured for the call and released after it.
 TS_TARGET_AMX_INT void run_task(const Problem& p, StealingRanges& ranges, int64_t t) {
   thread_local std::vector<uint8_t> scratch;
-  // B: 32 bytes per weight (Q4_K / Q5_K; Q6_K 16); hdr: <= 1088 bytes per super-block; C: 4 KB
+  // B: 32 bytes per weight (fold: B_h and B_l); hdr: <= 1088 bytes per super-block; C: 4 KB
   const size_t bbytes = size_t(p.K) * 32, hbytes = size_t(p.nsb) * 1088;
   const size_t need = bbytes + hbytes + 4096 + 128;
   if (scratch.size() < need) scratch.resize(need);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
   uint8_t* hbuf = base + bbytes;
   int32_t* cbuf = reinterpret_cast<int32_t*>(hbuf + (hbytes + 63) / 64 * 64);
-  tiles_configure(p.qt, p.fold);
+  tiles_configure(p.fold);
   const int64_t NG = (p.N + 7) / 8;
   for (int64_t k = 0, u, end; (u = ranges.claim(t, k, &end)) >= 0;) {
     const int64_t chunk = u / p.nnt, nt = u % p.nnt;
@@ -372,10 +418,15 @@ void quant_k_amx_gemm(int qt, const int8_t* q8, const float* xd, const int16_t* 
   assert(quant_amx_int_available() && K % kquant::QKK == 0 && kquant::is_k_type(qt));
 #ifdef TS_HAVE_AMX_INT
   const int64_t nsb = K / kquant::QKK, nmt = (M + 15) / 16, nnt = (N + 15) / 16;
-  // one 16-row slice: each weight tile's B is built for one product step, and the unscaled
-  // lanes (one product per sub-block, the scales applied to its C tile) cost less to build
-  const bool fold = qt != kquant::Q6_K && nmt >= kAmxKFoldSlices;
-  const Problem p{qt,   q8,   xd, xbs, M, N, K, nsb, K / 32, nmt, nnt, fold, w, nsb * kquant::group_bytes(qt),
+  // Q4_K / Q5_K on one 16-row slice: each weight tile's B serves one product step, and the
+  // unscaled lanes (one product per sub-block, the scales applied to its C tile) cost less to
+  // build than the folded ones save; Q6_K's 16-weight sub-blocks would need a C store each
+  const bool fold = qt == kquant::Q6_K || nmt >= kAmxKFoldSlices;
+  thread_local std::vector<int8_t> tiled;  // the calling thread's: [nmt, K / 64, 16, 64]
+  tiled.resize(size_t(nmt) * 16 * K + 64);
+  int8_t* qa = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiled.data()) + 63) & ~uintptr_t(63));
+  tile_rows_q8(q8, nmt, K, qa);
+  const Problem p{qt,   qa,   xd, xbs, M, N, K, nsb, K / 32, nmt, nnt, fold, w, nsb * kquant::group_bytes(qt),
                   bias, y,    y_bf16};
   // work units: (chunk of up to kMtChunk 16-row slices, weight tile), weight tiles inner; a
   // range per thread, the idle one taking the others' units (csrc/parallel.h)

@@ -11,7 +11,8 @@ namespace tokenserve {
 // allow); below, the AVX-512 VNNI int8 tiles. The bits are the same either way.
 constexpr int64_t kAmxKMinRows = 16;
 // 16-row slices of activations from which Q4_K / Q5_K fold their scales into the B tiles
-// (csrc/quant_k_amx.cpp); below, one product per sub-block. The bits are the same either way.
+// (csrc/quant_k_amx.cpp); below, one product per sub-block. Q6_K folds on any number. The
+// bits are the same either way.
 constexpr int64_t kAmxKFoldSlices = 2;
 
 // y [M, N] (+ bias) = quant_k_gemm's super-block formula on AMX-INT8 tiles, the same bits:

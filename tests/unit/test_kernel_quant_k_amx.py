@@ -7,7 +7,8 @@ calls that took them). Checked here, bit for bit:
 
 * the AMX-INT8 tiles give the VNNI tiles' output for every k-quant type, N tail (one 8-row
   group in the last 16-row tile, rows past N), M tail (slices of fewer than 16 rows), one
-  slice (one product per sub-block) and more (Q4_K / Q5_K: the scales folded into B), K of
+  slice and more (Q4_K / Q5_K: one product per sub-block on one slice, the scales folded
+  into B from two; Q6_K: folded always, with its extreme products), K of
   one to 32 super-blocks, bias and in / out dtype, also with activation outliers (the
   int8 quantiser's -127 and 127 against Q6_K's -32 and Q5_K's 31), and across the loop's
   slice chunks and thread splits;
@@ -111,12 +112,30 @@ def test_same_bits_across_slice_chunks_and_threads(qtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("M", [16, 20])
 def test_equals_the_reference(qtype, M):
-    """One 16-row slice (one product per sub-block) and two (Q4_K / Q5_K: scales in B)."""
+    """One 16-row slice and two (Q4_K / Q5_K: one product per sub-block, then the scales
+    in B; Q6_K: scales in B on both)."""
     qw = _weight(40, 768, qtype)
     x = _x(M, 768, torch.float32)
     b = torch.randn(40)
     got = _on_amx(lambda: _gemm(x, repack_k8(qw).data, qtype, 40, b))
     assert torch.equal(got, quant_k_linear_ref(x, qw, b, torch.float32))
+
+
+@pytest.mark.parametrize("M", [16, 40])
+def test_q6k_fold_extremes(M):
+    """Q6_K folds (q - 32) * scale into B as a signed high and an unsigned low byte: the
+    extreme products, -32 * -128 = 4096 and 31 * 127, and every sign mix, equal the reference."""
+    qw = _weight(48, 512, "q6_k")
+    data = qw.data.view(48, 2, 210)
+    data[0:16, :, 0:192] = 0  # q = 0: q - 32 = -32
+    data[0:16, :, 192:208] = 0x80  # scales -128
+    data[16:32, :, 0:192] = 0xFF  # q = 63: 31
+    data[16:32, :, 192:208] = 127
+    data[32:48, :, 192:208] = torch.tensor([0x80, 127, 0, 1] * 4, dtype=torch.uint8)
+    x = _x(M, 512, torch.float32)
+    got = _on_amx(lambda: _gemm(x, repack_k8(qw).data, "q6_k", 48))
+    assert torch.equal(got, quant_k_linear_ref(x, qw, None, torch.float32))
+    assert got[:, :32].abs().max() > 0
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
