@@ -95,16 +95,19 @@ def test_same_bits_as_the_vnni_tiles(qtype, N, K):
 def test_same_bits_across_slice_chunks_and_threads(qtype):
     """Work units of up to 8 slices of 16 rows x one weight tile: M across slice chunks
     and tails (130 rows: 8 + 1 slices, the last 2 rows), N = 41 tiles (the last half a
-    tile), each thread count (the split falls between units of both chunks)."""
-    N, K = 16 * 40 + 8, 512
-    w = repack_k8(_weight(N, K, qtype)).data
+    tile), each thread count (the split falls between units of both chunks); K of 2 and of
+    8 super-blocks (each super-block's B built into a ring of three while the one before
+    serves the unit's slices)."""
+    N = 16 * 40 + 8
     old_threads = torch.get_num_threads()
     try:
-        for threads, M in itertools.product([1, 2], [16, 64, 65, 130]):
-            torch.set_num_threads(threads)
-            x = _x(M, K)
-            vnni = _gemm(x, w, qtype, N, amx_rows=NEVER)
-            assert torch.equal(_on_amx(lambda: _gemm(x, w, qtype, N)), vnni), (threads, M)  # noqa: B023
+        for K in (512, 2048):
+            w = repack_k8(_weight(N, K, qtype)).data
+            for threads, M in itertools.product([1, 2], [16, 64, 65, 130]):
+                torch.set_num_threads(threads)
+                x = _x(M, K)
+                vnni = _gemm(x, w, qtype, N, amx_rows=NEVER)
+                assert torch.equal(_on_amx(lambda: _gemm(x, w, qtype, N)), vnni), (K, threads, M)  # noqa: B023
     finally:
         torch.set_num_threads(old_threads)
 
