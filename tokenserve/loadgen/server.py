@@ -39,7 +39,7 @@ def cpu_count() -> int:
 
 #: the CPU flags that decide the kernels' code paths (csrc/cpu_features.h)
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-              "avx_ne_convert")
+              "amx_int8", "avx_ne_convert")
 
 
 def parse_lscpu(text: str, flags: Sequence[str] = SIMD_FLAGS) -> dict[str, Any]:
