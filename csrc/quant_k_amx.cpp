@@ -303,15 +303,14 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
     // t - 1's C stores, t - 2's fp32 step into that slice's accumulators (in memory); each
     // super-block's B built at its predecessor's first step (6-23 % faster at 32-128 rows
     // than slices outer with the whole tile's B built up front)
-    const int64_t nsteps = ns;
     alignas(64) float acc[kMtChunk][256];
     for (int64_t i = 0; i < nm; ++i)
       for (int r = 0; r < 16; ++r) _mm512_store_ps(acc[i] + 16 * r, _mm512_setzero_ps());
     constexpr int kH = QT == Q6_K ? 8 : 3;  // isum = C_h << kH + C_l
-    for (int64_t t = 0; t < nsteps + 2; ++t) {
+    for (int64_t t = 0; t < ns + 2; ++t) {
       prefetch_next();
-      if (t < nsteps) tile_super<QT>(a_tile(p.q8, p.K, mt_at(t % nm), QKK * (t / nm)), bbuf + S::kB * slot(t / nm), t & 1);
-      if (t >= 1 && t <= nsteps) store_c2((t - 1) & 1, cbuf + 512 * ((t - 1) & 1));
+      if (t < ns) tile_super<QT>(a_tile(p.q8, p.K, mt_at(t % nm), QKK * (t / nm)), bbuf + S::kB * slot(t / nm), t & 1);
+      if (t >= 1 && t <= ns) store_c2((t - 1) & 1, cbuf + 512 * ((t - 1) & 1));
       if (t >= 2) {
         const int64_t u = t - 2, B = u / nm, mt = mt_at(u % nm);
         const int32_t* c = cbuf + 512 * (u & 1);
@@ -319,28 +318,23 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
         const float* xd = p.xd + 16 * mt * nsb;
         const int16_t* xbs = p.xbs + 16 * mt * nb;
         float* a = acc[u % nm];
-        if constexpr (QT == Q6_K) {
-          const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd));
+        const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(hd));  // Q6_K's (Q4_K / Q5_K: q45_step's)
 #pragma GCC unroll 16
-          for (int r = 0; r < 16; ++r) {
-            const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), kH),
-                                                _mm512_load_si512(c + 256 + 16 * r));
+        for (int r = 0; r < 16; ++r) {
+          const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), kH),
+                                              _mm512_load_si512(c + 256 + 16 * r));
+          const __m512 ar = _mm512_load_ps(a + 16 * r);
+          if constexpr (QT == Q6_K)
             _mm512_store_ps(a + 16 * r, _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])),
-                                                        _mm512_cvtepi32_ps(is), _mm512_load_ps(a + 16 * r)));
-          }
-        } else {
-#pragma GCC unroll 16
-          for (int r = 0; r < 16; ++r) {
-            const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), kH),
-                                                _mm512_load_si512(c + 256 + 16 * r));
-            _mm512_store_ps(a + 16 * r, q45_step(hd, is, xbs + r * nb + 8 * B, xd[r * nsb + B], _mm512_load_ps(a + 16 * r)));
-          }
+                                                        _mm512_cvtepi32_ps(is), ar));
+          else
+            _mm512_store_ps(a + 16 * r, q45_step(hd, is, xbs + r * nb + 8 * B, xd[r * nsb + B], ar));
         }
       }
       // the next super-block's B at this one's first step, into the slot of super-block
       // t / nm - 2, whose products are stored and whose scales were read (one slice: this
       // step's fp32 step, above)
-      if (t < nsteps && t % nm == 0 && t / nm + 1 < nsb) build(t / nm + 1);
+      if (t < ns && t % nm == 0 && t / nm + 1 < nsb) build(t / nm + 1);
     }
     for (int64_t i = 0; i < nm; ++i) {
       const int64_t mt = mt_at(i);
@@ -434,8 +428,10 @@ void quant_k_amx_gemm(int qt, const int8_t* q8, const float* xd, const int16_t* 
   // unscaled lanes (one product per sub-block, the scales applied to its C tile) cost less to
   // build than the folded ones save; Q6_K's 16-weight sub-blocks would need a C store each
   const bool fold = qt == kquant::Q6_K || nmt >= kAmxKFoldSlices;
-  thread_local std::vector<int8_t> tiled;  // the calling thread's: [nmt, K / 64, 16, 64]
-  tiled.resize(size_t(nmt) * 16 * K + 64);
+  // the calling thread's, grown and reused (tile_rows_q8 writes every byte read; resize
+  // down and up again would zero the regrown part on every call): [nmt, K / 64, 16, 64]
+  thread_local std::vector<int8_t> tiled;
+  if (tiled.size() < size_t(nmt) * 16 * K + 64) tiled.resize(size_t(nmt) * 16 * K + 64);
   int8_t* qa = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiled.data()) + 63) & ~uintptr_t(63));
   tile_rows_q8(q8, nmt, K, qa);
   const Problem p{qt,   qa,   xd, xbs, M, N, K, nsb, K / 32, nmt, nnt, fold, w, nsb * kquant::group_bytes(qt),
