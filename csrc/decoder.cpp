@@ -24,6 +24,8 @@
 //     x *= residual_scale_i                                 (Granite; 1 = skipped)
 //     residual += x;  x = rms_norm(residual) * ln2_i        (no ln2: x = residual)
 //     x = proj(act_and_mul(proj(x, gate_up_i)), down_i)     act: SiLU, or GELU-tanh (Gemma)
+//         or, in a mixture-of-experts layer, x = moe_i(x)    (csrc/moe.h MoeMlp: router,
+//         top-k, the experts, the shared expert: tokenserve.models.moe.MoE's bits)
 //     x = rms_norm(x) * mlp_post_i;  x *= residual_scale_i
 //     residual += x;  x = rms_norm(residual) * (ln1_{i+1} or the final norm)
 //                                                          (no ln1_{i+1}: x = residual)
@@ -38,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "moe.h"
 #include "proj_spec.h"
 
 namespace tokenserve {
@@ -48,7 +51,8 @@ enum class QkNorm { kNone, kHead, kFull };
 
 // One layer's weights and blocks (undefined tensors: the block is absent).
 struct Layer {
-  ProjSpec qkv, o, gate_up, down;
+  ProjSpec qkv, o, gate_up, down;    // gate_up, down: the dense MLP (unset with moe)
+  std::optional<MoeMlp> moe;          // a mixture-of-experts MLP instead of the dense one
   torch::Tensor ln1, ln2;             // pre-attention / pre-MLP RMSNorm weights [hidden]
   torch::Tensor attn_post, mlp_post;  // post-attention / post-MLP RMSNorm weights [hidden]
   int64_t window;                     // sliding window of the layer's attention (tokens), 0 = none
@@ -90,12 +94,15 @@ class Decoder {
     TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && D_ > 0, "Decoder: bad head configuration");
   }
 
-  void add_layer(pybind11::tuple qkv, pybind11::tuple o, pybind11::tuple gate_up, pybind11::tuple down,
+  void add_layer(pybind11::tuple qkv, pybind11::tuple o, pybind11::object gate_up, pybind11::object down,
                  std::optional<torch::Tensor> ln1, std::optional<torch::Tensor> ln2, int64_t window,
                  std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
                  std::optional<torch::Tensor> attn_post, std::optional<torch::Tensor> mlp_post,
                  const std::string& qk_norm, const std::string& act, double softcap, int64_t rope,
-                 double residual_scale) {
+                 double residual_scale, pybind11::object moe) {
+    TORCH_CHECK(moe.is_none() ? !gate_up.is_none() && !down.is_none() : gate_up.is_none() && down.is_none(),
+                "Decoder: a layer has either a dense MLP (gate_up, down) or a MoE block");
+    TORCH_CHECK(moe.is_none() || act == "silu", "Decoder: a MoE block's experts use SiLU");
     TORCH_CHECK(window >= 0, "Decoder: window must be >= 0");
     TORCH_CHECK(softcap >= 0.0, "Decoder: softcap must be >= 0");
     TORCH_CHECK(rope >= 0, "Decoder: rope must be >= 0");
@@ -107,7 +114,10 @@ class Decoder {
                 "Decoder: q/k norm weights must be [head_dim] (qk_norm 'head') or [H * head_dim] / "
                 "[Hkv * head_dim] ('full')");
     TORCH_CHECK(act == "silu" || act == "gelu_tanh", "Decoder: act must be 'silu' or 'gelu_tanh', got ", act);
-    layers_.push_back({make_proj(qkv), make_proj(o), make_proj(gate_up), make_proj(down), opt(ln1), opt(ln2),
+    std::optional<MoeMlp> block;
+    if (!moe.is_none()) block = MoeMlp::parse(moe, "Decoder");
+    layers_.push_back({make_proj(qkv), make_proj(o), block ? ProjSpec() : make_proj(gate_up),
+                       block ? ProjSpec() : make_proj(down), std::move(block), opt(ln1), opt(ln2),
                        opt(attn_post), opt(mlp_post), window,
                        !q_norm ? QkNorm::kNone : full ? QkNorm::kFull : QkNorm::kHead, opt(q_norm), opt(k_norm),
                        act == "silu" ? Act::kSilu : Act::kGeluTanh, softcap, rope, residual_scale});
@@ -158,13 +168,17 @@ class Decoder {
       if (l.attn_post.defined()) rms_norm(x, x, l.attn_post, eps_);
       if (l.residual_scale != 1.0) x.mul_(l.residual_scale);  // as the loop's h + a * s
       add_then_norm(x, residual, l.ln2);
-      const torch::Tensor g = l.gate_up(l.ln2.defined() ? x : residual);
-      torch::Tensor act = torch::empty({T, g.size(1) / 2}, g.options());
-      if (l.act == Act::kSilu)
-        silu_and_mul(act, g);
-      else
-        gelu_tanh_and_mul(act, g);
-      x = l.down(act);
+      if (l.moe) {
+        x = (*l.moe)(l.ln2.defined() ? x : residual);
+      } else {
+        const torch::Tensor g = l.gate_up(l.ln2.defined() ? x : residual);
+        torch::Tensor act = torch::empty({T, g.size(1) / 2}, g.options());
+        if (l.act == Act::kSilu)
+          silu_and_mul(act, g);
+        else
+          gelu_tanh_and_mul(act, g);
+        x = l.down(act);
+      }
       if (l.mlp_post.defined()) rms_norm(x, x, l.mlp_post, eps_);
       if (l.residual_scale != 1.0) x.mul_(l.residual_scale);
       add_then_norm(x, residual, i + 1 < L ? layers_[i + 1].ln1 : final_norm_);
@@ -209,12 +223,15 @@ TOKENSERVE_REGISTER(decoder) {
            "qk_norm='head') or over the whole projection ([H * head_dim] / [Hkv * head_dim], 'full'); "
            "act: the gated MLP's 'silu' or 'gelu_tanh'; softcap: attention logit soft-capping, 0 = none; "
            "rope: index of the layer's table in forward's cos_sin; residual_scale: each sublayer's output "
-           "times this before its residual add (Granite's residual_multiplier), 1 = none.",
+           "times this before its residual add (Granite's residual_multiplier), 1 = none; moe: a "
+           "mixture-of-experts MLP instead of gate_up / down (both None): (router spec, MoeExperts, top_k, "
+           "norm_topk_prob, weights_fp32, None or the shared expert's (gate_up, down, gate) specs) "
+           "(csrc/moe.h MoeMlp: tokenserve.models.moe.MoE's bits).",
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("ln1"), py::arg("ln2"),
            py::arg("window") = 0, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("attn_post") = py::none(), py::arg("mlp_post") = py::none(), py::arg("qk_norm") = "head",
            py::arg("act") = "silu", py::arg("softcap") = 0.0, py::arg("rope") = 0,
-           py::arg("residual_scale") = 1.0)
+           py::arg("residual_scale") = 1.0, py::arg("moe") = py::none())
       .def("set_final_norm", &Decoder::set_final_norm)
       .def_property_readonly("num_layers", &Decoder::num_layers)
       // one table (every layer's) or a list of them (layer i's: cos_sin[rope_i])

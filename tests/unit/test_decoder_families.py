@@ -1,8 +1,11 @@
-"""csrc/decoder.cpp's fused layer stack runs Gemma 1/2/3, OLMo 2, Granite and Phi-3 layers
-with the same bits as CausalLM's Python layer loop (``_layer``) over the same kernels:
-sandwich and post-only norms, tanh-GELU, attention soft-capping, per-layer sliding windows
-and RoPE tables, query scale, q/k norms per head and over the whole projection, residual
-scaling, partial rotary (Phi-3's tiny model: 12 of 16 dims).
+"""csrc/decoder.cpp's fused layer stack runs Gemma 1/2/3, OLMo 2, Granite, Phi-3 and the
+mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE) with the same bits as CausalLM's
+Python layer loop (``_layer``) over the same kernels: sandwich and post-only norms,
+tanh-GELU, attention soft-capping, per-layer sliding windows and RoPE tables, query scale,
+q/k norms per head and over the whole projection, residual scaling, partial rotary (Phi-3's
+tiny model: 12 of 16 dims), the MoE block (router, top-k and its renormalisation, routing
+weights in fp32 or the model dtype, Qwen2-MoE's gated shared expert, MoE and dense layers
+in one stack).
 
 On tiny random models (tests/families.py; the logits and greedy tests of test_families.py
 hold the Python loop to transformers): a prefill past the sliding window for one sequence
@@ -36,7 +39,8 @@ DECODES = 4
 
 
 @pytest.fixture(scope="module",
-                params=["gemma", "gemma2", "gemma3_text", "olmo2", "granite", "phi3"])
+                params=["gemma", "gemma2", "gemma3_text", "olmo2", "granite", "phi3", "mixtral",
+                        "qwen2_moe", "qwen3_moe"])
 def family(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     build(request.param, d)
@@ -87,7 +91,12 @@ def test_fused_stack_equals_python_loop(family, dtype, kv_dtype):
             "gemma3_text": arch.qk_norm == "head" and len({la.rope for la in arch.layers}) == 2,
             "olmo2": arch.qk_norm == "full" and not arch.pre_attn_norm,
             "granite": arch.residual_scale != 1.0 and arch.embed_scale != 1.0,
-            "phi3": 0 < arch.ropes[0].rotary_dim < cfg.head_dim}[name]
+            "phi3": 0 < arch.ropes[0].rotary_dim < cfg.head_dim,
+            "mixtral": arch.moe is not None and arch.moe.weights_fp32 and arch.moe.norm_topk_prob,
+            "qwen2_moe": (arch.moe is not None and arch.moe.shared_intermediate_size > 0
+                          and [la.moe for la in arch.layers] == [True, False]),
+            "qwen3_moe": (arch.moe is not None and arch.moe.norm_topk_prob
+                          and not arch.moe.weights_fp32 and arch.qk_norm == "head")}[name]
     if name.startswith("gemma") and name != "gemma":
         assert {la.window for la in arch.layers} == {0, WINDOW} and PREFILL[0] > WINDOW
     h_c, l_c, kv_c = _run(model, True, kv_dtype)
@@ -124,6 +133,11 @@ CONTROLS = {
     "granite": {"residual scale": lambda a: _off(a, residual_scale=1.0)},
     "phi3": {"partial rotary width": lambda a: _off(a, ropes=tuple(
         dataclasses.replace(r, rotary_dim=r.rotary_dim // 2) for r in a.ropes))},
+    "mixtral": {"top-k experts": lambda a: _off(a, moe=dataclasses.replace(a.moe, top_k=1))},
+    "qwen2_moe": {"shared expert": lambda a: _off(a, moe=dataclasses.replace(
+        a.moe, shared_intermediate_size=0))},
+    "qwen3_moe": {"top-k renormalisation": lambda a: _off(a, moe=dataclasses.replace(
+        a.moe, norm_topk_prob=False))},
 }
 
 

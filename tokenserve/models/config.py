@@ -161,11 +161,12 @@ class DecoderArch:
     @property
     def fused_layers(self) -> bool:
         """Every layer is one ``csrc/decoder.cpp``'s fused stack computes: a dense MLP with
-        SiLU or tanh-GELU, any of the four norms (Gemma 2/3's sandwich, OLMo 2's post norms
-        alone), q/k RMSNorm per head or over the whole projection, biases, sliding windows,
-        attention soft-capping, a RoPE table per layer, residual scaling (Granite). (The
-        decoder also needs every table to rotate whole heads: ``CausalLM._build_decoder``.)"""
-        return self.moe is None and self.act in ("silu", "gelu_tanh")
+        SiLU or tanh-GELU or a mixture-of-experts MLP with SiLU (``csrc/moe.h`` ``MoeMlp``),
+        any of the four norms (Gemma 2/3's sandwich, OLMo 2's post norms alone), q/k RMSNorm
+        per head or over the whole projection, biases, sliding windows, attention
+        soft-capping, a RoPE table per layer, residual scaling (Granite). (The decoder also
+        needs every table to rotate whole heads: ``CausalLM._build_decoder``.)"""
+        return self.act == "silu" or (self.moe is None and self.act == "gelu_tanh")
 
 
 @dataclass(frozen=True)

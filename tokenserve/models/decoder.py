@@ -186,13 +186,19 @@ class CausalLM:
                 or self.dtype not in (torch.bfloat16, torch.float32)
                 or not env.fused_decoder()):
             return None
-        specs = [[lin[r].c_spec() for r in ("qkv", "o", "gate_up", "down")] for lin in self.layers]
-        if any(s is None for layer in specs for s in layer):
-            return None
+        specs, moes = [], []  # a layer's (qkv, o, gate_up, down) specs; its MoE block or None
+        for lin in self.layers:
+            moe = lin["moe"].c_block(self.kernels) if "moe" in lin else None
+            mlp = ("gate_up", "down") if moe is None else ()
+            spec = [lin[r].c_spec() for r in ("qkv", "o") + mlp]
+            if None in spec or ("moe" in lin and moe is None):
+                return None
+            specs.append(spec if moe is None else spec + [None, None])
+            moes.append(moe)
         dec = decoder(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                       self.scale)
         qk = arch.qk_norm is not None
-        for layer, spec, la in zip(self.layers, specs, arch.layers):
+        for layer, spec, la, moe in zip(self.layers, specs, arch.layers, moes):
             dec.add_layer(*spec, layer["ln1"] if arch.pre_attn_norm else None,
                           layer["ln2"] if arch.pre_mlp_norm else None, window=la.window,
                           q_norm=layer["q_norm"] if qk else None,
@@ -201,7 +207,7 @@ class CausalLM:
                           mlp_post=layer["mlp_post"] if arch.post_mlp_norm else None,
                           qk_norm=arch.qk_norm or "head", act=arch.act,
                           softcap=arch.attn_softcap, rope=la.rope,
-                          residual_scale=arch.residual_scale)
+                          residual_scale=arch.residual_scale, moe=moe)
         dec.set_final_norm(self.final_norm)
         return dec
 

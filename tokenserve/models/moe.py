@@ -104,6 +104,23 @@ class MoE:
                 self._c_experts = ops.c.MoeExperts([a for a, _ in specs], [b for _, b in specs])
         return self._c_experts or None
 
+    def c_block(self, ops: Kernels) -> tuple | None:
+        """This MoE MLP for ``csrc/decoder.cpp``'s fused stack (``csrc/moe.h`` ``MoeMlp``,
+        the bits of :meth:`__call__`): ``(router spec, MoeExperts, top_k, norm_topk_prob,
+        weights_fp32, None | (shared gate_up, down, gate specs))``, or None when the router,
+        an expert or the shared expert has no C++ spec, or the kernels are off."""
+        experts = self._c_moe(ops) if self.use_c else None
+        router = self.router.c_spec()
+        if experts is None or router is None:
+            return None
+        shared = None
+        if self.shared is not None:
+            shared = tuple(lin.c_spec() for lin in self.shared)
+            if None in shared:
+                return None
+        return (router, experts, self.arch.top_k, self.arch.norm_topk_prob,
+                self.arch.weights_fp32, shared)
+
     def _experts_py(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
                     ops: Kernels) -> torch.Tensor:
         """The routed experts' weighted sum in Python: [T, hidden] model dtype."""
