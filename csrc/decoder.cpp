@@ -168,17 +168,8 @@ class Decoder {
       if (l.attn_post.defined()) rms_norm(x, x, l.attn_post, eps_);
       if (l.residual_scale != 1.0) x.mul_(l.residual_scale);  // as the loop's h + a * s
       add_then_norm(x, residual, l.ln2);
-      if (l.moe) {
-        x = (*l.moe)(l.ln2.defined() ? x : residual);
-      } else {
-        const torch::Tensor g = l.gate_up(l.ln2.defined() ? x : residual);
-        torch::Tensor act = torch::empty({T, g.size(1) / 2}, g.options());
-        if (l.act == Act::kSilu)
-          silu_and_mul(act, g);
-        else
-          gelu_tanh_and_mul(act, g);
-        x = l.down(act);
-      }
+      const torch::Tensor& in = l.ln2.defined() ? x : residual;
+      x = l.moe ? (*l.moe)(in) : gated_mlp(l.gate_up, l.down, in, l.act == Act::kGeluTanh);
       if (l.mlp_post.defined()) rms_norm(x, x, l.mlp_post, eps_);
       if (l.residual_scale != 1.0) x.mul_(l.residual_scale);
       add_then_norm(x, residual, i + 1 < L ? layers_[i + 1].ln1 : final_norm_);

@@ -83,10 +83,7 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& i
   auto everyone = [&](int64_t e) { return count[e + 1] - count[e] == T; };
   auto expert = [&](int64_t e) {
     const int64_t n = count[e + 1] - count[e];
-    const torch::Tensor g = gate_up_[e](everyone(e) ? x : x.index_select(0, tokens(e)));
-    torch::Tensor act = torch::empty({n, g.size(1) / 2}, g.options());
-    silu_and_mul(act, g);
-    torch::Tensor y = down_[e](act);  // [n, hidden] x's dtype
+    torch::Tensor y = gated_mlp(gate_up_[e], down_[e], everyone(e) ? x : x.index_select(0, tokens(e)));  // [n, hidden]
     // (y * w).to(x.dtype) in place: the product in the promoted dtype, then rounded to y's
     return y.mul_(wflat.index_select(0, flat_t.narrow(0, count[e], n)).unsqueeze(1));
   };
@@ -145,13 +142,7 @@ torch::Tensor MoeMlp::operator()(const torch::Tensor& x) const {
   if (norm_topk_prob) w = w / w.sum(-1, true);
   if (!weights_fp32) w = w.to(x.scalar_type());
   torch::Tensor out = experts->forward(x, ids, w);
-  if (shared_gate_up) {
-    const torch::Tensor g = (*shared_gate_up)(x);
-    torch::Tensor act = torch::empty({g.size(0), g.size(1) / 2}, g.options());
-    silu_and_mul(act, g);
-    const torch::Tensor s = (*shared_down)(act);
-    out = out + at::sigmoid((*shared_gate)(x)) * s;
-  }
+  if (shared_gate_up) out = out + at::sigmoid((*shared_gate)(x)) * gated_mlp(*shared_gate_up, *shared_down, x);
   return out;
 }
 

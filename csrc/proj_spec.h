@@ -71,4 +71,19 @@ struct ProjSpec {
   }
 };
 
+// A gated MLP on two projections: down(act(g[:, :I]) * g[:, I:]) with g = gate_up(x),
+// act SiLU or tanh-GELU (csrc/layer_ops.cpp's kernels, one rounding each): [T, hidden] model
+// dtype -> [T, hidden]. The dense layers of the fused stack, each MoE expert and Qwen2-MoE's
+// shared expert.
+inline torch::Tensor gated_mlp(const ProjSpec& gate_up, const ProjSpec& down, const torch::Tensor& x,
+                               bool gelu_tanh = false) {
+  const torch::Tensor g = gate_up(x);
+  torch::Tensor act = torch::empty({g.size(0), g.size(1) / 2}, g.options());
+  if (gelu_tanh)
+    gelu_tanh_and_mul(act, g);
+  else
+    silu_and_mul(act, g);
+  return down(act);
+}
+
 }  // namespace tokenserve

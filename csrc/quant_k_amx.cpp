@@ -98,6 +98,10 @@ struct Super {
   static constexpr int64_t kHdr = QT == Q6_K ? 16 * 4 : (16 + 16 + 4 * 16 + 8 * 16) * 4;
   static constexpr int64_t kSc = 384;  // Q4_K / Q5_K: hdr offset of sub-block 0's scales
 };
+// Super-blocks whose B a work unit holds at once (run_tile's ring: building, in products,
+// being stored) and the scratch they take per thread (run_task).
+constexpr int64_t kRing = 3;
+constexpr int64_t kRingHdr = std::max(Super<Q4_K>::kHdr, Super<Q6_K>::kHdr);
 
 // Q6_K's fold: a lane of weights v = q - 32 (signed bytes, -32..31) times its column's scale
 // (sc: int32 lanes, -128..127) is p = v * sc, |p| <= 4096, exact in int16 (vpmullw on the even
@@ -272,10 +276,10 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
   const uint8_t* g0 = p.w + 2 * nt * p.gstride;
   const bool has_g1 = 2 * nt + 1 < NG;
   const Q6Lanes512 lanes = q6k_lane_consts512();
-  // Super-block B's B tiles and scales are built once, in ring slot B % 3, while the
+  // Super-block B's B tiles and scales are built once, in ring slot B % kRing, while the
   // products of the super-block before run, and every slice reads them from L1 (the whole
   // tile's B, 32-64 KB per 2048 of K, would be read back from L2 per slice).
-  auto slot = [](int64_t B) { return B % 3; };
+  auto slot = [](int64_t B) { return B % kRing; };
   auto build = [&](int64_t B) {
     for (int64_t o = 0; o < GB; o += 64) {  // both group streams, two super-blocks ahead
       _mm_prefetch(reinterpret_cast<const char*>(g0 + (B + 2) * GB + o), _MM_HINT_T0);
@@ -389,8 +393,8 @@ TS_TARGET_AMX_INT void run_tile(const Problem& p, int64_t nt, int64_t mt0, int64
 // tiles configured for the call and released after it.
 TS_TARGET_AMX_INT void run_task(const Problem& p, StealingRanges& ranges, int64_t t) {
   thread_local std::vector<uint8_t> scratch;
-  // B: a ring of three super-blocks' (8 KB each); hdr: three of <= 1088 bytes; C: 4 KB
-  const size_t bbytes = 3 * 8192, hbytes = 3 * 1088;
+  // B and hdr: the ring's super-blocks (run_tile); C: 4 KB
+  const size_t bbytes = kRing * Super<Q4_K>::kB, hbytes = kRing * kRingHdr;
   const size_t need = bbytes + hbytes + 4096 + 128;
   if (scratch.size() < need) scratch.resize(need);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
