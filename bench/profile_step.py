@@ -3,12 +3,13 @@
     python -m bench.profile_step [--model PATH|FILE.gguf] [--batch 1,16,64] [--context 160]
                                  [--prefill 0] [--dtype bfloat16] [--steps 5] [--no-c] [--bound]
 
-Builds the model (the default one unless ``--model``; a GGUF with ``--quantization auto``
-runs on its own blocks, as served) and a ModelRunner, fills the KV cache of ``batch`` requests to
-``context`` tokens (one prefill step), then times ``steps`` decode steps. Every kernel
-call (``Kernels`` methods), every GEMM (by layer role) and the sampler are wrapped with a
-timer, so the table splits a step into: GEMMs by role, attention, rope + KV write, norms,
-activation, sampling, and the rest (metadata, Python, embedding). ``--prefill N`` times
+Builds the model (the default one unless ``--model``; a GGUF runs on its own blocks as
+served, ``--quantization auto`` by default; ``none`` profiles its dequantised bf16
+weights) and a ModelRunner, fills the KV cache of ``batch`` requests to ``context`` tokens
+(one prefill step), then times ``steps`` decode steps. Every kernel call (``Kernels``
+methods), every GEMM (by layer role) and the sampler are wrapped with a timer, so the table
+splits a step into: GEMMs by role, attention, rope + KV write, norms, activation, sampling,
+and the rest (metadata, Python, embedding). ``--prefill N`` times
 one N-token prefill per request instead of decodes. Prints the CPU model and flags too.
 
 ``--bound`` adds, at batch 1, the memory-bandwidth bound of a decode step: the bytes of
@@ -146,8 +147,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--no-c", action="store_true", help="torch references only")
-    ap.add_argument("--quantization", default="none", choices=["none", "gguf", "auto"],
-                    help="gguf: the default GGUF's own Q4_1/Q8_0 blocks (csrc/quant.cpp)")
+    ap.add_argument("--quantization", default="auto", choices=["none", "gguf", "auto"],
+                    help="gguf: a GGUF model's own blocks (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K); "
+                         "none: dequantised to --dtype; auto (default): as a server with "
+                         "--max-batch-size the largest --batch resolves it "
+                         "(models/loader.py resolve_quantization)")
     ap.add_argument("--bound", action="store_true",
                     help="at batch 1: the step against the memory-bandwidth bound")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "model"],
@@ -157,7 +161,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     d = resolve_model(args.model)
     cfg = load_config(d)
-    weights = load_weights(d, dtype, args.quantization, model=args.model)
+    batches = [int(b) for b in args.batch.split(",")]
+    # auto: as a server whose --max-batch-size is the largest batch profiled
+    weights = load_weights(d, dtype, args.quantization, model=args.model,
+                           max_batch_size=max(batches))
     model = CausalLM.from_state_dict(cfg, weights, dtype,
                                              torch.device("cpu"), Kernels(use_c=not args.no_c))
     print(f"# {cpu_summary()}")
@@ -166,7 +173,7 @@ def main() -> None:
           f"KV cache {str(kv_dtype).removeprefix('torch.')}")
     bs = args.block_size
     greedy = SamplingParams(do_sample=False, max_new_tokens=1 << 20)
-    for batch in (int(b) for b in args.batch.split(",")):
+    for batch in batches:
         ctx = args.context + 2 * args.steps + max(args.prefill, 1) + 1  # two timed runs
         per = (ctx + bs - 1) // bs
         runner = ModelRunner(model, num_blocks=batch * per + 1, block_size=bs, kv_dtype=kv_dtype)

@@ -176,8 +176,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "blocks (other formats are dequantised at load); int8: "
                         "weight-only int8 per output channel (any model); none: "
                         f"--dtype weights; default {_ENG.quantization}: gguf for a .gguf model "
-                        "(the default model included) at bfloat16 with --max-batch-size <= 8, "
-                        "where it is faster, else none (config.json ModelConfig quantization)")
+                        "(the default model included) at bfloat16 on an AVX-512 VNNI or AMX CPU, "
+                        "on an AVX2 one with --max-batch-size <= 8 (where it is faster), else "
+                        "none (config.json ModelConfig quantization)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="int8: KV cache rows as int8 with one fp32 scale each (half the bytes "
                         "of bf16); model: the --dtype; default "

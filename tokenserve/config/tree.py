@@ -262,8 +262,9 @@ class EngineConfig:
             model's own name.
         quantization: ``gguf`` computes with a GGUF model's own Q4_0/Q4_1/Q8_0 blocks
             (3x fewer weight bytes than bf16), ``none`` with ``dtype`` weights, ``auto``
-            (default) ``gguf`` for a GGUF model at ``bfloat16`` with ``max_batch_size`` <= 8
-            (where it is faster) and ``none`` otherwise; ``int8``: weight-only int8 per
+            (default) ``gguf`` for a GGUF model at ``bfloat16`` on an AVX-512 VNNI or AMX
+            CPU, on an AVX2 one with ``max_batch_size`` <= 8 (where it is faster), and
+            ``none`` otherwise (``models/loader.py`` resolve_quantization); ``int8``: weight-only int8 per
             output channel from any model (config.json: ``ModelConfig[0].quantization``).
         kv_cache_dtype: ``int8``: each (token, kv head) row of the KV cache as int8 with
             one fp32 scale (half a bf16 cache's bytes, which a decode step reads); ``model``:
