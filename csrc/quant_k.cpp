@@ -80,6 +80,7 @@ using namespace kquant;  // QKK, KType, group_bytes, sub_bytes (QB, RG: csrc/til
 std::atomic<bool> g_force_portable{false};
 std::atomic<bool> g_no_avx512{false};  // test hook: the AVX2 tiles on an AVX-512 VNNI CPU
 std::atomic<bool> g_no_int8{false};    // test hook: the int16 tiles instead of the int8 ones
+std::atomic<bool> g_no_tile16{false};  // test hook: 16-row blocks on the 8-row AVX-512 tiles
 std::atomic<bool> g_no_row_tile{false};  // test hook: a one-row GEMM on the AVX2 tiles, not the one-row ones
 std::atomic<int64_t> g_amx_min_rows{kAmxKMinRows};  // test hook: rows from which AMX-INT8 runs
 std::atomic<int64_t> g_amx_calls{0};  // GEMMs run on the AMX-INT8 tiles (read by the tests)
@@ -446,6 +447,19 @@ TS_TARGET_AVX512VNNI inline __m512i xquad512(const int8_t* q8, int64_t b, int la
   return _mm512_set1_epi32(v);
 }
 
+// A Q4_K / Q5_K super-block's fp32 step for one activation row, 16 lanes: msum from the
+// mins and the row's eight 32-element sums bs (four vpdpwssd), then
+// acc = fma(d dx, float(isum), acc), acc = fma(-(dmin dx), float(msum), acc) (the header's
+// formula).
+TS_TARGET_AVX512VNNI inline __m512 q45k_fp32_step512(const Q45Header512& h, const Q45Ints512& in, const int16_t* bs,
+                                                     float xd, __m512i isum, __m512 acc) {
+  __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), in.mp[0], xpair512(bs, 0));
+  for (int i = 1; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, in.mp[i], xpair512(bs, 2 * i));
+  const __m512 dx = _mm512_set1_ps(xd);
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(h.d, dx), _mm512_cvtepi32_ps(isum), acc);
+  return _mm512_fnmadd_ps(_mm512_mul_ps(h.dmin, dx), _mm512_cvtepi32_ps(ms), acc);
+}
+
 // Q4_K / Q5_K, both activation widths: A = int16_t (xq [K], vpdpwssd, two per chunk) or
 // int8_t (q8 [K] in lane order, vpdpbusd, one per chunk). A sub-block's dot is scaled
 // (vpmulld) into the super-block's int32 sum; the fp32 step runs once per super-block.
@@ -518,14 +532,8 @@ TS_TARGET_AVX512VNNI void tile_q45k_512(const A* __restrict xa, const float* __r
         isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(is, scj));
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      const int16_t* bs = xbs + r * nb + 8 * B;
-      __m512i ms = _mm512_dpwssd_epi32(_mm512_setzero_si512(), in.mp[0], xpair512(bs, 0));
-      for (int i = 1; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, in.mp[i], xpair512(bs, 2 * i));
-      const __m512 dx = _mm512_set1_ps(xd[r * nsb + B]);
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(h.d, dx), _mm512_cvtepi32_ps(isb[r]), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(h.dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
-    }
+    for (int r = 0; r < MR; ++r)
+      acc[r] = q45k_fp32_step512(h, in, xbs + r * nb + 8 * B, xd[r * nsb + B], isb[r], acc[r]);
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
@@ -608,6 +616,109 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])), _mm512_cvtepi32_ps(isb[r]), acc[r]);
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// The 16-row int8 tiles: 16 activation rows against a pair of groups (16 weight rows).
+// The 8-row tiles above build a sub-block's weight lanes once per 8 rows and keep two
+// accumulators a row in registers (acc, isb, plus the dot chains), so 16 rows cost two lane
+// builds; here the sub-block's lanes are built once into registers (Q4_K / Q5_K: 8 zmm;
+// Q6_K: 2 x 4), each row's dot is a short vpdpbusd chain scaled into its isb (16 zmm), and
+// the fp32 accumulators live in out (read and written once a super-block). The integer
+// sums and fp32 steps are the 8-row tiles' lane for lane: the same bits. On Zen 4 (one
+// zmm vpdpbusd a cycle) a 16-row GEMM on Llama-3.2-1B's shapes takes 0.81-0.95 of the 8-row
+// tiles' time (bench/README.md "16-row int8 tiles").
+template <int QT>
+TS_TARGET_AVX512VNNI void tile_q45k_512x16(const int8_t* __restrict xa, const float* __restrict xd,
+                                           const int16_t* __restrict xbs, const int32_t*, int64_t K,
+                                           const uint8_t* __restrict wg, int64_t gstride, float* __restrict out,
+                                           int64_t ldo) {
+  constexpr int MR = 16;
+  const int64_t nsb = K / QKK, nb = K / QB;
+  constexpr int64_t GB = group_bytes(QT), SB = sub_bytes(QT);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_setzero_ps());
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* ga = wg + B * GB;
+    const uint8_t* gc = ga + gstride;
+    const Q45Header512 h = q45k_header512(ga, gc);
+    Q45Ints512 in;
+    q45k_ints512(h, in);
+    __m512i isb[MR];
+    for (int r = 0; r < MR; ++r) isb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* sa = ga + 128 + SB * j;
+      const uint8_t* sc_ = gc + 128 + SB * j;
+      prefetch_next_pair(wg, gstride, B, GB, j);
+      const int64_t b = B * 8 + j;
+      const __m512i hb = QT == Q5_K ? q5k_fifth512(sa, sc_) : _mm512_setzero_si512();
+      __m512i w[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) w[p] = q45k_lane512<QT>(sa, sc_, hb, p);
+      const __m512i scj = _mm512_load_si512(in.sc[j]);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {  // two chains of four a row
+        const int8_t* xr = xa + r * K;
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xquad512(xr, b, 0));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xquad512(xr, b, 1));
+#pragma GCC unroll 3
+        for (int p = 2; p < 8; p += 2) {
+          i0 = _mm512_dpbusd_epi32(i0, w[p], xquad512(xr, b, p));
+          i1 = _mm512_dpbusd_epi32(i1, w[p + 1], xquad512(xr, b, p + 1));
+        }
+        isb[r] = _mm512_add_epi32(isb[r], _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), scj));
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      _mm512_storeu_ps(out + r * ldo, q45k_fp32_step512(h, in, xbs + r * nb + 8 * B, xd[r * nsb + B], isb[r],
+                                                        _mm512_loadu_ps(out + r * ldo)));
+  }
+}
+
+// Q6_K on 16 rows (as tile_q45k_512x16; a 32-block's two sub-blocks' lanes in 2 x 4 zmm).
+TS_TARGET_AVX512VNNI void tile_q6k_512x16(const int8_t* __restrict xa, const float* __restrict xd, const int16_t*,
+                                          const int32_t* __restrict xs16, int64_t K, const uint8_t* __restrict wg,
+                                          int64_t gstride, float* __restrict out, int64_t ldo) {
+  constexpr int MR = 16;
+  const int64_t nsb = K / QKK;
+  constexpr int64_t GB = group_bytes(Q6_K);
+  const Q6Lanes512 lanes = q6k_lane_consts512();
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_setzero_ps());
+  for (int64_t B = 0; B < nsb; ++B) {
+    const uint8_t* ga = wg + B * GB;
+    const uint8_t* gc = ga + gstride;
+    const __m512 d = _mm512_cvtph_ps(pair16(ga, gc));
+    __m512i isb[MR];
+    for (int r = 0; r < MR; ++r) isb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int bl = 0; bl < 8; ++bl) {
+      const uint8_t* ba = ga + 144 + 192 * bl;
+      const uint8_t* bc = gc + 144 + 192 * bl;
+      prefetch_next_pair(wg, gstride, B, GB, bl);
+      const int64_t b = B * 8 + bl;
+      __m512i wa[4], wb[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) q6k_lanes512(lanes, ba, bc, c, wa[c], wb[c]);
+      __m512i sa, sb;
+      q6k_iscales512(ga, gc, bl, sa, sb);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {  // Q6_K's "- 32": the chains start at -32 x the 16-element sums
+        const int8_t* xr = xa + r * K;
+        const int32_t* s16 = xs16 + r * (K / 16) + 2 * b;
+        __m512i ia = _mm512_set1_epi32(-32 * s16[0]), ib = _mm512_set1_epi32(-32 * s16[1]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          ia = _mm512_dpbusd_epi32(ia, wa[c], xquad512(xr, b, c));
+          ib = _mm512_dpbusd_epi32(ib, wb[c], xquad512(xr, b, 4 + c));
+        }
+        isb[r] = _mm512_add_epi32(isb[r], _mm512_add_epi32(_mm512_mullo_epi32(ia, sa), _mm512_mullo_epi32(ib, sb)));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      __m512 acc = _mm512_loadu_ps(out + r * ldo);
+      acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[r * nsb + B])), _mm512_cvtepi32_ps(isb[r]), acc);
+      _mm512_storeu_ps(out + r * ldo, acc);
+    }
+  }
 }
 
 // The one-row tiles (a batch-1 GEMM) on AVX-512 VNNI CPUs: the int8 tiles' lanes and
@@ -821,10 +932,26 @@ struct Act {
 #ifdef TS_X86
 // Rows [m0, m0 + rows) x weight-row groups [g0, g1) into y (+ bias) on AVX-512 VNNI: two
 // groups per tile (an odd last group: the AVX2 tile, whose lanes give the same bits), rows
-// in balanced blocks of at most kQuantMrAvx512 (any split gives the same bits).
+// in balanced blocks of at most kQuantMrAvx512 (any split gives the same bits); on int8
+// activations (a.q8) whole blocks of 16 rows first go to the 16-row tiles (tile16: not
+// under the _quant_k_no_tile16 test hook).
 void compute_block_avx512(int qt, const Act& a, int64_t m0, int64_t rows, const uint8_t* w, int64_t g0, int64_t g1,
-                          const float* bias, void* y, bool y_bf16, int64_t N) {
+                          const float* bias, void* y, bool y_bf16, int64_t N, bool tile16) {
   const int64_t K = a.K, gstride = (K / QKK) * group_bytes(qt);
+  if (tile16 && a.q8 && rows >= 16) {
+    const int64_t r16 = rows / 16 * 16, gp = g0 + (g1 - g0) / 2 * 2;  // gp: past the last pair
+    Tile512Fn<int8_t> fn = qt == Q6_K ? &tile_q6k_512x16 : qt == Q4_K ? &tile_q45k_512x16<Q4_K>
+                                                                      : &tile_q45k_512x16<Q5_K>;
+    alignas(64) float out[16 * 2 * RG];
+    for (int64_t g = g0; g < gp; g += 2)
+      for (int64_t m = m0; m < m0 + r16; m += 16) {
+        fn(a.q8r(m), a.d(m), a.bs(m), a.s16(m), K, w + g * gstride, gstride, out, 2 * RG);
+        qact::store_tile16(out, 16, std::min<int64_t>(2 * RG, N - g * RG), bias, y, y_bf16, N, m, g * RG);
+      }
+    if (gp < g1) compute_block_avx512(qt, a, m0, r16, w, gp, g1, bias, y, y_bf16, N, false);  // a lone group
+    if (rows > r16) compute_block_avx512(qt, a, m0 + r16, rows - r16, w, g0, g1, bias, y, y_bf16, N, false);
+    return;
+  }
   qact::compute_group_pairs(
       m0, rows, w, gstride, g0, g1, bias, y, y_bf16, N,
       [&](int64_t m, int mr, const uint8_t* wg, float* out) {
@@ -949,7 +1076,7 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
   if (M == 0 || N == 0) return y;
   const int64_t n16 = K / 16;
   const bool avx2 = avx2_enabled(g_force_portable);
-  // AVX-512 VNNI tiles (two groups, up to 8 rows; vpdpbusd, or vpdpwssd under the test hook):
+  // AVX-512 VNNI tiles (two groups, up to 8 rows, or 16 on int8; vpdpbusd, or vpdpwssd under the test hook):
   // the same bits as the AVX2 ones. A one-row GEMM streams its weights from memory, and one
   // group stream per thread reads them faster than the two-group tiles' two (a Llama-3.2-1B
   // Q4_K_M batch-1 step 28.9 vs 32.5 ms on the AVX2 tiles, bench/README.md "K-quants on
@@ -992,11 +1119,12 @@ torch::Tensor quant_k_gemm(const torch::Tensor& x, const torch::Tensor& w, int64
     return y;
   }
   const Act a{qp, q8p, dp, bsp, sp, K};
-  qact::run_units(M, N, K, avx512 ? kQuantMrAvx512 : kQuantMr,
+  const bool tile16 = avx512 && i8 && !g_no_tile16.load();
+  qact::run_units(M, N, K, tile16 ? 16 : avx512 ? kQuantMrAvx512 : kQuantMr,
                   [&](int64_t m_lo, int64_t m_hi, int64_t g0, int64_t g1) {
 #ifdef TS_X86
     if (avx512) {
-      compute_block_avx512(int(qtype), a, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N);
+      compute_block_avx512(int(qtype), a, m_lo, m_hi - m_lo, wp, g0, g1, bp, yp, ybf, N, tile16);
       return;
     }
 #endif
@@ -1031,6 +1159,10 @@ TOKENSERVE_REGISTER(quant_k) {
         "(default kAmxKMinRows); returns the old value.");
   m.def("_quant_k_amx_calls", [] { return tokenserve::g_amx_calls.load(); },
         "Test hook: how many quant_k_gemm calls ran on the AMX-INT8 tiles so far.");
+  m.def("_quant_k_no_tile16", [](bool on) { return tokenserve::g_no_tile16.exchange(on); },
+        "Test hook: True runs quant_k_gemm's 16-row blocks of int8 activations on an AVX-512 VNNI CPU on the "
+        "8-row tiles instead of the 16-row ones (tile_q45k_512x16, tile_q6k_512x16); the same bits. Returns the "
+        "old value.");
   m.def("_quant_k_no_row_tile", [](bool on) { return tokenserve::g_no_row_tile.exchange(on); },
         "Test hook: True runs a one-row quant_k_gemm on an AVX-512 VNNI CPU on the AVX2 tiles instead of the "
         "one-row tiles (tile_q45k_row256, tile_q6k_row256); the same bits. Returns the old value.");

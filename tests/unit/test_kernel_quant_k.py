@@ -308,6 +308,49 @@ def test_avx512_tiles_same_bits_as_avx2(qtype):
 @pytest.mark.skipif(not (HAVE_C and C.cpu_features().get("avx512vnni")),
                     reason="this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_16_row_tiles_same_bits(qtype):
+    """Whole 16-row blocks of int8 activations run on the 16-row tiles (weight lanes built
+    once for 16 rows): the bits of the 8-row tiles (test hook) and of the reference for 16,
+    17, 31, 32, 33 and 64 rows (16-row blocks plus a remainder on the 8-row tiles), an odd
+    last group, bf16 and fp32 out, a bias, one and two threads (AMX-INT8 held off: on an
+    AMX CPU these rows would run there)."""
+    def hooked(*args):
+        old = C._quant_k_no_tile16(True)
+        try:
+            return _gemm(*args)
+        finally:
+            C._quant_k_no_tile16(old)
+
+    threads = torch.get_num_threads()
+    old_amx = C._quant_k_amx_rows(1 << 40)
+    try:
+        _check_16_row_tiles(qtype, hooked, threads)
+    finally:
+        C._quant_k_amx_rows(old_amx)
+
+
+def _check_16_row_tiles(qtype, hooked, threads):
+    for N, K in ((40, 512), (37, 1024)):
+        qw = _weight(N, K, qtype)
+        bias = torch.randn(N) if N % 2 else None
+        for M in (16, 17, 31, 32, 33, 64):
+            x = _x(M, K, torch.bfloat16)
+            ref = quant_k_linear_ref(x, qw, bias, torch.float32)
+            for od in (torch.float32, torch.bfloat16):
+                for nt in (1, 2):
+                    torch.set_num_threads(nt)
+                    try:
+                        fast = _gemm(x, qw, bias, od)
+                    finally:
+                        torch.set_num_threads(threads)
+                    assert torch.equal(fast, hooked(x, qw, bias, od)), (N, K, M, od, nt)
+                    assert torch.equal(fast, ref.to(od)), (N, K, M, od, nt)
+
+
+@needs_c
+@pytest.mark.skipif(not (HAVE_C and C.cpu_features().get("avx512vnni")),
+                    reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_one_row_tiles_same_bits(qtype):
     """A one-row GEMM on an AVX-512 VNNI CPU runs on the one-row tiles (vpdpbusd on one
     group of 8 weight rows: one stream of weights per thread): the bits of the AVX2 tile it
