@@ -625,8 +625,9 @@ TS_TARGET_AVX512VNNI void tile_q6k_512(const A* __restrict xa, const float* __re
 // Q6_K: 2 x 4), each row's dot is a short vpdpbusd chain scaled into its isb (16 zmm), and
 // the fp32 accumulators live in out (read and written once a super-block). The integer
 // sums and fp32 steps are the 8-row tiles' lane for lane: the same bits. On Zen 4 (one
-// zmm vpdpbusd a cycle) a 16-row GEMM on Llama-3.2-1B's shapes takes 0.81-0.95 of the 8-row
-// tiles' time (bench/README.md "16-row int8 tiles").
+// zmm vpdpbusd a cycle) a 16-row GEMM on Llama-3.2-1B's shapes takes 0.78-0.90 of the 8-row
+// tiles' time on Q6_K, whose lanes are costly to build, and 0.93-1.02 on Q4_K / Q5_K
+// (bench/README.md "16-row int8 tiles").
 template <int QT>
 TS_TARGET_AVX512VNNI void tile_q45k_512x16(const int8_t* __restrict xa, const float* __restrict xd,
                                            const int16_t* __restrict xbs, const int32_t*, int64_t K,
